@@ -1,0 +1,35 @@
+"""Tunable constants of raydl's driver. Every duration carries its unit in its name."""
+
+from __future__ import annotations
+
+# How long one `ray.wait` slice lasts before the driver re-checks deadlines and liveness.
+# Short enough that a timeout or a dead worker is noticed promptly, long enough to stay off
+# the CPU while waiting.
+STATUS_CHECK_INTERVAL_S = 0.1
+
+# torch's default when num_workers > 0 and prefetch_factor is None.
+DEFAULT_PREFETCH_FACTOR = 2
+
+# How long the driver waits for every worker actor to be placed and to finish __init__
+# (dataset deserialisation, seeding, worker_init_fn) before giving up with a placement error.
+DEFAULT_STARTUP_TIMEOUT_S = 60.0
+
+# A worker request that no node of the cluster could ever satisfy (by total resources) is
+# reported after this grace period instead of the full startup timeout. The grace lets a
+# node that is joining (or an autoscaler) show up first.
+INFEASIBLE_GRACE_S = 10.0
+
+# How long shutdown waits for the pin-memory thread to notice its stop event.
+PIN_THREAD_JOIN_TIMEOUT_S = 5.0
+
+# Batches handed to the pin-memory thread ahead of the one being consumed, so that pinning
+# of batch k+1 overlaps the training step on batch k.
+PIN_LOOKAHEAD_BATCHES = 2
+
+# Default options of a worker actor; `ray_remote_args` overrides them key by key.
+# num_cpus=0: like torch's worker processes, raydl workers do not reserve CPUs, so the
+# default request always fits (a laptop with 2 cores can run a loader with 8 workers, and a
+# validation loader beside a training loader). Ask for CPUs with ray_remote_args to have
+# Ray reserve them (and an autoscaler add nodes for them).
+# SPREAD: on a cluster, workers go to different nodes instead of piling up on the driver's.
+DEFAULT_WORKER_OPTIONS: dict = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}

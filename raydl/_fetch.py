@@ -1,0 +1,77 @@
+"""Turn one unit of work (a list of indices, or one index) into one batch, inside a worker.
+
+raydl's own fetchers: torch's are private. Their behaviour is torch's, to the bit:
+  * map-style: `dataset.__getitems__(indices)` when the dataset defines it, else
+    `[dataset[i] for i in indices]`, then `collate_fn`; without auto-batching,
+    `collate_fn(dataset[index])`.
+  * iterable-style: the worker's own iterator over its replica; a batch takes up to
+    `batch_size` items; an empty batch, or a short one with drop_last, ends the stream.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator
+
+__all__ = ["MapFetcher", "IterableFetcher", "StreamEnd"]
+
+
+class StreamEnd:
+    """Returned by an iterable worker whose replica is exhausted (torch's `_IterableDatasetStopIteration`)."""
+
+    __slots__ = ("worker_id",)
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+
+    def __reduce__(self):
+        return (StreamEnd, (self.worker_id,))
+
+
+class MapFetcher:
+    """Fetch from a map-style dataset by index or by list of indices."""
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable) -> None:
+        self.dataset = dataset
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+
+    def fetch(self, index: Any) -> Any:
+        if self.auto_collation:
+            getitems = getattr(self.dataset, "__getitems__", None)
+            if getitems:
+                data = getitems(index)
+            else:
+                data = [self.dataset[i] for i in index]
+        else:
+            data = self.dataset[index]
+        return self.collate_fn(data)
+
+
+class IterableFetcher:
+    """Fetch the next batch (or item) from this worker's iterator over its dataset replica."""
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable, drop_last: bool) -> None:
+        self.dataset_iter: Iterator = iter(dataset)
+        self.auto_collation = auto_collation
+        self.collate_fn = collate_fn
+        self.drop_last = drop_last
+        self.ended = False
+
+    def fetch(self, batch_len: int | None) -> Any:
+        """Return the next batch; raise StopIteration once the replica is exhausted."""
+        if self.ended:
+            raise StopIteration
+        if self.auto_collation:
+            assert batch_len is not None
+            data = []
+            for _ in range(batch_len):
+                try:
+                    data.append(next(self.dataset_iter))
+                except StopIteration:
+                    self.ended = True
+                    break
+            if not data or (self.drop_last and len(data) < batch_len):
+                raise StopIteration
+        else:
+            data = next(self.dataset_iter)
+        return self.collate_fn(data)

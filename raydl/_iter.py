@@ -1,0 +1,414 @@
+"""`_RayLoaderIter`: one epoch of a raydl DataLoader, driven from the caller's thread.
+
+NOTE [ raydl ordering ]
+The driver follows torch's multiprocessing iterator step for step, with ObjectRefs in place of
+index and result queues:
+  * the (batch) sampler is drawn in the driver; each draw becomes task `send_idx`, sent to the
+    next worker of a round-robin cycle (skipping exhausted iterable workers; with
+    in_order=False also skipping workers that already hold their share of tasks);
+  * the prefetch is primed with `prefetch_factor * num_workers` tasks and refilled by one task
+    each time a batch is handed out (or an iterable worker reports its end);
+  * with in_order=True, batches are handed out in send order: the driver waits on the ref of
+    task `rcvd_idx`. With in_order=False, it hands out whichever outstanding batch is ready
+    first;
+  * results stay in Ray's object store until handed out: `ray.get` is only called on the ref
+    about to be returned.
+Same generator, same sampler draws, same worker for every batch: the batches are torch's.
+
+NOTE [ raydl shutdown ]
+`shutdown()` is the one way resources are released; it is idempotent and runs, in order:
+  1. stop and join the pin thread (bounded wait);
+  2. drop every buffered ObjectRef (Ray frees the objects);
+  3. kill the worker actors (`ray.kill(no_restart=True)`).
+It is called when an epoch ends without persistent workers, when an error ends the iterator,
+from `DataLoader.shutdown()` / the loader's context manager, and from `__del__` (an early
+`break`, a dropped iterator). Persistent workers survive the end of an epoch: only step 2
+happens there, and `_reset` starts the next epoch on the same actors. Nothing runs while the
+interpreter is finalizing: Ray tears its actors down with the driver then.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import sys
+import time
+import warnings
+from dataclasses import dataclass
+from enum import IntEnum
+from typing import TYPE_CHECKING, Any, Iterator, Optional
+
+import torch
+from torch.utils.data import IterableDataset
+
+from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
+from ._device import PinStage, pin_memory, pin_memory_target
+from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
+from ._fetch import StreamEnd
+from ._payload import put_payload
+from ._pool import WorkerPool
+from ._ray_utils import ensure_ray_initialized, worker_actor_options
+from ._worker import WorkerPayload
+
+if TYPE_CHECKING:
+    from .loader import DataLoader
+
+__all__ = ["_RayLoaderIter"]
+
+logger = logging.getLogger(__name__)
+
+
+class _State(IntEnum):
+    """Lifecycle of an iterator; it only moves up, except `_reset` (persistent workers) back to RUNNING."""
+
+    RUNNING = 0
+    EXHAUSTED = 1
+    SHUT_DOWN = 2
+
+
+@dataclass(frozen=True)
+class _Task:
+    """One batch in flight: the worker making it, the ref of its result, and the indices it covers."""
+
+    worker_id: int
+    ref: Any
+    index: Any
+
+
+class _RayLoaderIter(Iterator[Any]):
+    """Iterates once over a raydl DataLoader's dataset with Ray actors as workers.
+
+    State (torch's names), with invariants that hold between calls:
+      * `_send_idx`: idx of the next task to send; `_rcvd_idx`: idx of the next task to hand out
+        in order; `0 <= _rcvd_idx <= _send_idx`.
+      * `_task_info[idx] -> _Task` for every task sent and not yet handed out or dropped; its keys
+        lie in `[_rcvd_idx, _send_idx)`.
+      * `_tasks_outstanding == len(_task_info) <= prefetch_factor * num_workers`.
+      * `_workers_num_tasks[w] == count of tasks in _task_info on worker w`.
+      * `_workers_status[w]` is False once iterable worker w reported the end of its stream.
+    See NOTE [ raydl ordering ] and NOTE [ raydl shutdown ].
+    """
+
+    def __init__(self, loader: DataLoader) -> None:
+        self._dataset = loader.dataset
+        self._is_iterable = isinstance(loader.dataset, IterableDataset)
+        self._auto_collation = loader.batch_sampler is not None
+        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
+        self._num_workers = loader.num_workers
+        self._prefetch_factor = loader.prefetch_factor
+        self._timeout = loader.timeout
+        self._persistent_workers = loader.persistent_workers
+        self._in_order = loader.in_order
+        self._startup_timeout_s = loader.ray_startup_timeout_s
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._state = _State.RUNNING
+        self._pin_stage: Optional[PinStage] = None
+        self._source_ended = False
+
+        if loader.pin_memory and loader.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as the device,"
+                f"ignore pin_memory_device='{loader.pin_memory_device}'.",
+                stacklevel=3,
+            )
+        if loader.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+        self._pin_device = pin_memory_target(loader.pin_memory)
+
+        # torch draws the base seed after creating the sampler iterator and before the first
+        # index: the generator is consumed in the same order here.
+        self._sampler_iter = iter(self._index_sampler)
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+
+        ensure_ray_initialized(loader.ray_address)
+        payload = WorkerPayload(
+            dataset=loader.dataset,
+            is_iterable=self._is_iterable,
+            auto_collation=self._auto_collation,
+            collate_fn=loader.collate_fn,
+            drop_last=loader.drop_last,
+            worker_init_fn=loader.worker_init_fn,
+        )
+        self._pool = WorkerPool(
+            put_payload(payload), self._num_workers, self._base_seed, worker_actor_options(loader.ray_remote_args)
+        )
+        self._epoch = 0
+        self._reset(loader, first_iter=True)
+
+    # ------------------------------------------------------------------ public surface
+
+    def __iter__(self) -> _RayLoaderIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)  # type: ignore[arg-type]
+
+    @property
+    def worker_records(self) -> list:
+        """Where each worker runs (`WorkerRecord`s; None for a worker not yet started)."""
+        return list(self._pool.records)
+
+    def __next__(self) -> Any:
+        if self._state == _State.SHUT_DOWN:
+            raise StopIteration
+        data = self._next_pinned() if self._pin_device is not None else self._next_data()
+        self._num_yielded += 1
+        if (
+            self._is_iterable
+            and self._IterableDataset_len_called is not None
+            and self._num_yielded > self._IterableDataset_len_called
+        ):
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
+                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. "
+                "For multiprocessing data-loading, this could be caused by not properly configuring the "
+                "IterableDataset replica at each worker. Please see "
+                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples.",
+                stacklevel=2,
+            )
+        return data
+
+    def shutdown(self) -> None:
+        """Release the pin thread, buffered refs and worker actors; idempotent (NOTE [ raydl shutdown ])."""
+        if self._state == _State.SHUT_DOWN:
+            return
+        self._state = _State.SHUT_DOWN
+        if self._pin_stage is not None:
+            self._pin_stage.shutdown()
+            self._pin_stage = None
+        self._release_workers()
+        logger.debug("raydl: iterator shut down")
+
+    def __del__(self) -> None:
+        if sys.is_finalizing():
+            return
+        try:
+            self.shutdown()
+        except Exception:  # Ray may already be gone; __del__ must not raise
+            pass
+
+    def __getstate__(self):
+        raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
+
+    # ------------------------------------------------------------------ epoch state machine
+
+    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
+        """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch."""
+        if not first_iter:
+            self._sampler_iter = iter(self._index_sampler)
+            self._IterableDataset_len_called = loader._IterableDataset_len_called
+            self._drop_all_tasks()
+            self._epoch += 1
+            self._state = _State.RUNNING
+            self._source_ended = False
+        self._num_yielded = 0
+        self._send_idx = 0  # idx of the next task to be sent to workers
+        self._rcvd_idx = 0  # idx of the next task to be handed out in order
+        self._task_info: dict[int, _Task] = {}
+        self._tasks_outstanding = 0
+        self._workers_status = [True] * self._num_workers
+        self._workers_num_tasks = [0] * self._num_workers
+        # Each epoch starts the round robin at worker 0, as torch does.
+        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        for _ in range(self._prefetch_factor * self._num_workers):
+            self._try_put_index()
+
+    def _try_put_index(self) -> None:
+        """Draw the next index from the sampler and send it to the next eligible worker (torch's rule)."""
+        max_tasks = self._prefetch_factor * self._num_workers
+        assert self._tasks_outstanding < max_tasks or max_tasks == 0
+        try:
+            index = next(self._sampler_iter)
+        except StopIteration:
+            return
+        for _ in range(self._num_workers):
+            worker_id = next(self._worker_queue_idx_cycle)
+            if self._workers_status[worker_id]:
+                if self._in_order:
+                    break
+                if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
+                    break
+        else:
+            return
+        # An iterable worker only needs the batch length; its replica decides the items.
+        work = (len(index) if self._auto_collation else None) if self._is_iterable else index
+        ref = self._pool.actors[worker_id].fetch.remote(self._epoch, work)
+        self._task_info[self._send_idx] = _Task(worker_id, ref, index)
+        self._workers_num_tasks[worker_id] += 1
+        self._tasks_outstanding += 1
+        self._send_idx += 1
+
+    def _pop_task(self, idx: int) -> _Task:
+        task = self._task_info.pop(idx)
+        self._tasks_outstanding -= 1
+        self._workers_num_tasks[task.worker_id] -= 1
+        return task
+
+    def _drop_all_tasks(self) -> None:
+        for idx in list(getattr(self, "_task_info", {})):
+            self._pop_task(idx)
+
+    def _next_data(self) -> Any:
+        """The next batch, per NOTE [ raydl ordering ]; raises StopIteration at the end of the epoch."""
+        from ray.exceptions import RayTaskError
+
+        if self._state != _State.RUNNING:
+            raise StopIteration
+        if not self._pool.is_ready:
+            try:
+                self._pool.wait_ready(self._startup_timeout_s)
+            except BaseException:
+                self._fail()
+                raise
+        while True:
+            while self._rcvd_idx < self._send_idx:
+                task = self._task_info.get(self._rcvd_idx)
+                if task is not None:
+                    if self._workers_status[task.worker_id]:
+                        break
+                    self._pop_task(self._rcvd_idx)
+                self._rcvd_idx += 1
+            else:
+                self._end_epoch()
+                raise StopIteration
+
+            idx = self._rcvd_idx if self._in_order else self._first_ready_idx()
+            task = self._task_info[idx]
+            try:
+                # A timeout leaves the task in place: the next call waits for the same batch.
+                data = self._get_result(idx, task)
+            except RayTaskError as e:
+                self._consume(idx)
+                # As torch does: refill before raising, so a caller that catches the error can go on.
+                self._try_put_index()
+                raise rebuild_worker_exception(
+                    e.cause,
+                    f"in {self._pool.describe(task.worker_id)} while making batch {idx} (indices {_short(task.index)})",
+                    remote_traceback(e),
+                ) from None
+            self._consume(idx)
+            if isinstance(data, StreamEnd):
+                self._retire_worker(data.worker_id)
+                self._try_put_index()
+                continue
+            self._try_put_index()
+            return data
+
+    def _consume(self, idx: int) -> None:
+        """Task `idx` has been handed out (or failed): forget it and advance the in-order cursor."""
+        self._pop_task(idx)
+        if idx == self._rcvd_idx:
+            self._rcvd_idx += 1
+
+    def _retire_worker(self, worker_id: int) -> None:
+        """Iterable worker `worker_id` has no more data this epoch: send it nothing more."""
+        self._workers_status[worker_id] = False
+        for idx in [i for i, t in self._task_info.items() if t.worker_id == worker_id]:
+            self._pop_task(idx)
+
+    def _release_workers(self) -> None:
+        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
+        self._drop_all_tasks()
+        self._pool.shutdown()
+
+    def _end_epoch(self) -> None:
+        self._state = _State.EXHAUSTED
+        if not self._persistent_workers:
+            self._release_workers()
+
+    def _fail(self) -> None:
+        """An unrecoverable error: no more batches from this iterator; the workers go now."""
+        self._state = _State.EXHAUSTED
+        self._release_workers()
+
+    @property
+    def reusable(self) -> bool:
+        """Whether a persistent loader can start its next epoch on this iterator's workers."""
+        return self._state != _State.SHUT_DOWN and self._pool.alive
+
+    def _deadline(self) -> Optional[float]:
+        return time.monotonic() + self._timeout if self._timeout > 0 else None
+
+    def _raise_timeout(self, idx: int, task: Optional[_Task]) -> None:
+        where = ""
+        if task is not None:
+            where = (
+                f" (waiting for batch {idx}, indices {_short(task.index)}, "
+                f"from {self._pool.describe(task.worker_id)})"
+            )
+        raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{where}")
+
+    def _first_ready_idx(self) -> int:
+        """in_order=False: the idx of whichever outstanding task finishes first (bounded by timeout)."""
+        import ray
+
+        deadline = self._deadline()
+        by_ref = {task.ref: idx for idx, task in self._task_info.items()}
+        while True:
+            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=STATUS_CHECK_INTERVAL_S, fetch_local=True)
+            if ready:
+                return by_ref[ready[0]]
+            if deadline is not None and time.monotonic() >= deadline:
+                self._raise_timeout(self._rcvd_idx, self._task_info.get(self._rcvd_idx))
+
+    def _get_result(self, idx: int, task: _Task) -> Any:
+        """`ray.get` the task's batch in slices, bounded by `timeout`; a dead worker ends the iterator.
+
+        Raises:
+            RayTaskError: user code failed in the worker (handled by the caller).
+            RuntimeError: torch's timeout error, with the batch and worker named.
+            WorkerDiedError: the worker actor died.
+        """
+        import ray
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        deadline = self._deadline()
+        while True:
+            try:
+                return ray.get(task.ref, timeout=STATUS_CHECK_INTERVAL_S)
+            except GetTimeoutError:
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._raise_timeout(idx, task)
+            except RayActorError as e:
+                where = self._pool.describe(task.worker_id)
+                self._fail()
+                raise WorkerDiedError(
+                    f"{where} exited unexpectedly while making batch {idx} (indices {_short(task.index)}): {e}"
+                ) from None
+
+    # ------------------------------------------------------------------ pinning
+
+    def _next_pinned(self) -> Any:
+        """Keep up to PIN_LOOKAHEAD_BATCHES resolved batches in the pin thread; hand out the oldest."""
+        if self._pin_stage is None:
+            device = self._pin_device
+            self._pin_stage = PinStage(
+                lambda data: pin_memory(data, device), torch.accelerator.current_device_index()
+            )
+        stage = self._pin_stage
+        while stage.in_flight < PIN_LOOKAHEAD_BATCHES and not self._source_ended:
+            try:
+                stage.submit_data(self._next_data())
+            except StopIteration:
+                self._source_ended = True
+            except Exception as e:
+                stage.submit_error(e)
+                if self._state != _State.RUNNING:
+                    self._source_ended = True
+                break  # hand the error out before waiting on anything after it
+        if stage.in_flight == 0:
+            if not self._persistent_workers:
+                self.shutdown()
+            raise StopIteration
+        return stage.take()
+
+
+def _short(index: Any, limit: int = 8) -> str:
+    """Indices for an error message, shortened for big batches."""
+    if isinstance(index, (list, tuple)) and len(index) > limit:
+        return f"[{', '.join(map(str, index[:limit]))}, ... ({len(index)} in all)]"
+    return str(index)

@@ -1,0 +1,65 @@
+"""Ship the dataset, collate_fn and worker_init_fn to the object store once, or say what cannot be pickled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._worker import WorkerPayload
+
+__all__ = ["put_payload", "find_unpicklable"]
+
+_MAX_DEPTH = 3
+
+
+def _pickle_error(obj: Any) -> Exception | None:
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(obj)
+    except Exception as e:  # pickling raises many types: TypeError, PicklingError, AttributeError...
+        return e
+    return None
+
+
+def _children(obj: Any) -> list[tuple[str, Any]]:
+    if isinstance(obj, dict):
+        return [(f"[{k!r}]", v) for k, v in obj.items()]
+    if isinstance(obj, (list, tuple)):
+        return [(f"[{i}]", v) for i, v in enumerate(obj)]
+    state = getattr(obj, "__dict__", None)
+    if isinstance(state, dict):
+        return [(f".{k}", v) for k, v in state.items()]
+    return []
+
+
+def find_unpicklable(obj: Any, name: str, depth: int = 0) -> tuple[str, Any, Exception] | None:
+    """The deepest attribute path under `obj` that fails to pickle, with the object and its error."""
+    err = _pickle_error(obj)
+    if err is None:
+        return None
+    if depth < _MAX_DEPTH:
+        for suffix, child in _children(obj):
+            found = find_unpicklable(child, name + suffix, depth + 1)
+            if found is not None:
+                return found
+    return name, obj, err
+
+
+def put_payload(payload: WorkerPayload) -> Any:
+    """`ray.put(payload)`; an unpicklable part raises a TypeError naming the attribute and the fix."""
+    import ray
+
+    try:
+        return ray.put(payload)
+    except Exception as put_error:
+        # Only now pay for a second pickling pass, to name the culprit.
+        for field in ("dataset", "collate_fn", "worker_init_fn"):
+            found = find_unpicklable(getattr(payload, field), field)
+            if found is not None:
+                path, obj, err = found
+                raise TypeError(
+                    f"raydl cannot send {field} to its Ray workers: {path} (a {type(obj).__name__}) "
+                    f"cannot be pickled: {err}. Fix: create it inside the worker instead (lazily on "
+                    "first use, or in worker_init_fn), or drop it from the object before iterating."
+                ) from None
+        raise TypeError(f"raydl cannot send the dataset to its Ray workers: {put_error}") from put_error

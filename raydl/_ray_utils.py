@@ -1,0 +1,139 @@
+"""Ray start-up and the worker actors' Ray options: the only place raydl decides how to reach Ray.
+
+Start-up precedence (first match wins), applied on a loader's first iteration, never at
+construction:
+  1. an explicit `ray_address` argument,
+  2. the `RAY_ADDRESS` environment variable,
+  3. a Ray this process has already initialised,
+  4. a local Ray started by raydl, listening on loopback only.
+
+The one private touch of Ray in raydl is here. Ray reads `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`
+once, when `ray` is imported, into `ray._private.ray_constants.ENABLE_RAY_CLUSTER`; while it
+is False, a local Ray binds 127.0.0.1 instead of every interface. raydl sets it (and the
+environment variable, which Ray's own processes inherit) only around its own local start and
+restores both afterwards, so a later connection to a real cluster is unaffected. Checked
+against ray 2.60.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from typing import Any, Mapping, Optional
+
+from ._constants import DEFAULT_WORKER_OPTIONS
+
+__all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement"]
+
+logger = logging.getLogger(__name__)
+
+_LOOPBACK_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_init_lock = threading.Lock()
+
+
+def ensure_ray_initialized(ray_address: Optional[str]) -> None:
+    """Connect to (or start) Ray following the module's precedence; no-op when already connected.
+
+    Raises:
+        ConnectionError: `ray_address` or `RAY_ADDRESS` names no reachable Ray cluster.
+    """
+    import ray
+
+    with _init_lock:
+        if ray.is_initialized():
+            return
+        if ray_address is not None:
+            _connect(ray_address, source="ray_address")
+        elif os.environ.get("RAY_ADDRESS"):
+            _connect(os.environ["RAY_ADDRESS"], source="RAY_ADDRESS")
+        else:
+            _start_local_ray()
+
+
+def _connect(address: str, source: str) -> None:
+    import ray
+
+    logger.debug("raydl: connecting to Ray at %s (from %s)", address, source)
+    try:
+        ray.init(address=address)
+    except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
+        raise ConnectionError(
+            f"raydl could not connect to the Ray cluster at {address!r} (given by {source}): {e}. "
+            "Fix: start the cluster (`ray start --head`), correct the address, or unset "
+            f"{source} to let raydl start a local Ray."
+        ) from None
+
+
+def _start_local_ray() -> None:
+    import ray
+    import ray._private.ray_constants as ray_constants
+
+    logger.debug("raydl: starting a local Ray on loopback")
+    saved_flag = ray_constants.ENABLE_RAY_CLUSTER
+    saved_env = os.environ.get(_LOOPBACK_ENV_VAR)
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    os.environ[_LOOPBACK_ENV_VAR] = "0"
+    try:
+        ray.init(address="local", include_dashboard=False)
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_LOOPBACK_ENV_VAR, None)
+        else:
+            os.environ[_LOOPBACK_ENV_VAR] = saved_env
+
+
+def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:
+    """raydl's default worker options overridden, key by key, by the user's `ray_remote_args`."""
+    options = dict(DEFAULT_WORKER_OPTIONS)
+    if ray_remote_args:
+        options.update(ray_remote_args)
+    # The driver owns recovery and ordering; a worker must never run two fetches at once.
+    options.setdefault("max_concurrency", 1)
+    return options
+
+
+def resource_request(options: Mapping[str, Any]) -> dict[str, float]:
+    """The resources one worker asks Ray for, in the names `ray.nodes()` uses."""
+    request: dict[str, float] = {}
+    for key, name in (("num_cpus", "CPU"), ("num_gpus", "GPU"), ("memory", "memory")):
+        value = options.get(key)
+        if value:
+            request[name] = float(value)
+    for name, value in (options.get("resources") or {}).items():
+        if value:
+            request[name] = float(value)
+    return request
+
+
+def _fits(request: Mapping[str, float], resources: Mapping[str, float]) -> bool:
+    return all(resources.get(name, 0.0) >= amount for name, amount in request.items())
+
+
+def describe_placement(options: Mapping[str, Any], num_pending: int, num_workers: int) -> tuple[bool, str]:
+    """Whether any alive node could ever host one worker, and a message naming the shortfall and the fix."""
+    import ray
+
+    request = resource_request(options)
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    feasible = any(_fits(request, n.get("Resources", {})) for n in nodes)
+    available = ray.available_resources()
+    total = ray.cluster_resources()
+    shown = sorted(set(request) | {"CPU"})
+    fmt = lambda res: "{" + ", ".join(f"{k}: {res.get(k, 0):g}" for k in shown) + "}"  # noqa: E731
+    why = (
+        "no node of the cluster has that much in total"
+        if not feasible
+        else "the cluster has it in total but not free now (other actors or loaders hold it)"
+    )
+    label = options.get("label_selector")
+    label_note = f" and label_selector={label!r}" if label else ""
+    msg = (
+        f"{num_pending} of {num_workers} raydl workers could not be placed: each asks for "
+        f"{fmt(request)}{label_note}; {why}. Cluster total {fmt(total)}, available {fmt(available)} "
+        f"across {len(nodes)} node(s). Fix: lower the request in ray_remote_args (e.g. "
+        "{'num_cpus': 0.5}), use fewer num_workers, add nodes with those resources, or raise "
+        "ray_startup_timeout_s if nodes are still joining."
+    )
+    return feasible, msg

@@ -1,0 +1,139 @@
+"""The worker actor: one per `num_workers`, doing what torch's worker process does.
+
+NOTE [ raydl seeding ]
+torch draws one `base_seed` per iterator from the loader's `generator` (or torch's default
+RNG) and gives worker `i` the seed `base_seed + i` for `random` and `torch`, and NumPy a
+32-bit state array derived from `(base_seed, i)`. torch's derivation is NumPy's SeedSequence
+applied to the entropy `[i, base_seed & 0xFFFFFFFF, base_seed >> 32, 0]`, so raydl uses
+NumPy's public SeedSequence with that entropy (tests/test_seeding.py checks the two agree).
+A raydl worker seeds itself exactly so, sets the worker info, then runs `worker_init_fn`:
+augmentations drawn in workers match torch's batch for batch.
+
+The one private touch of torch in raydl is here: `get_worker_info()` reads the module global
+`torch.utils.data._utils.worker._worker_info` (checked against torch 2.13), which this module
+sets inside the actor so datasets that shard with torch's own function work unchanged.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+import numpy as np
+import torch
+import torch.utils.data._utils.worker as _torch_worker
+
+from ._errors import annotate_traceback
+from ._fetch import IterableFetcher, MapFetcher, StreamEnd
+
+__all__ = ["WorkerPayload", "Worker", "numpy_seed_state", "get_worker_info"]
+
+
+@dataclass(frozen=True)
+class WorkerPayload:
+    """What every worker needs, put into the object store once per pool (not once per worker)."""
+
+    dataset: Any
+    is_iterable: bool
+    auto_collation: bool
+    collate_fn: Callable
+    drop_last: bool
+    worker_init_fn: Optional[Callable[[int], None]]
+
+
+def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
+    """The NumPy seed torch gives worker `worker_id` for `base_seed` (see NOTE [ raydl seeding ])."""
+    entropy = [worker_id, base_seed & 0xFFFFFFFF, base_seed >> 32, 0]
+    return np.random.SeedSequence(entropy).generate_state(4).tolist()
+
+
+def get_worker_info() -> Optional[Any]:
+    """The current worker's `torch.utils.data.WorkerInfo` inside a raydl worker; None in the driver.
+
+    Same object as `torch.utils.data.get_worker_info()` returns, so either function works.
+    """
+    return torch.utils.data.get_worker_info()
+
+
+def _describe_process() -> dict:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address()}
+
+
+class Worker:
+    """Body of the raydl worker actor (`ray.remote` is applied by the pool, with the user's options).
+
+    Methods: `ready()` reports where the worker runs (or raises the start-up error), `fetch()`
+    makes one batch. An exception in user code escapes `fetch`, so Ray carries its type and
+    traceback to the driver (NOTE [ raydl errors ]).
+    """
+
+    def __init__(self, payload: WorkerPayload, worker_id: int, num_workers: int, base_seed: int) -> None:
+        self._payload = payload
+        self._worker_id = worker_id
+        self._epoch = 0
+        self._fetcher: MapFetcher | IterableFetcher | None = None
+        self._init_error: Optional[BaseException] = None
+
+        torch.set_num_threads(1)
+        seed = base_seed + worker_id
+        random.seed(seed)
+        torch.manual_seed(seed)
+        np.random.seed(numpy_seed_state(base_seed, worker_id))
+        _torch_worker._worker_info = _torch_worker.WorkerInfo(
+            id=worker_id, num_workers=num_workers, seed=seed, dataset=payload.dataset
+        )
+        try:
+            if payload.worker_init_fn is not None:
+                payload.worker_init_fn(worker_id)
+            self._fetcher = self._make_fetcher()
+        except Exception as e:  # reported by ready(), like torch reports it on the first batch
+            annotate_traceback(e)
+            self._init_error = e
+
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's log lines with this.
+        return f"raydl.Worker(id={self._worker_id})"
+
+    def _make_fetcher(self) -> MapFetcher | IterableFetcher:
+        p = self._payload
+        if p.is_iterable:
+            return IterableFetcher(p.dataset, p.auto_collation, p.collate_fn, p.drop_last)
+        return MapFetcher(p.dataset, p.auto_collation, p.collate_fn)
+
+    def ready(self) -> dict:
+        """Where this worker runs; raises the error of `worker_init_fn` (or of `iter(dataset)`) if start-up failed."""
+        if self._init_error is not None:
+            raise self._init_error
+        return _describe_process()
+
+    def fetch(self, epoch: int, index: Any) -> Any:
+        """One batch for `index` (a list of indices, one index, or for iterables the batch length).
+
+        `epoch` changes only with persistent workers; an iterable worker then restarts its
+        stream, as torch's worker does when it is told to resume.
+        """
+        if self._init_error is not None:
+            raise self._init_error
+        try:
+            if epoch != self._epoch:
+                self._epoch = epoch
+                if self._payload.is_iterable:
+                    self._fetcher = self._make_fetcher()
+            assert self._fetcher is not None
+            return self._fetcher.fetch(index)
+        except StopIteration:
+            if self._payload.is_iterable:
+                return StreamEnd(self._worker_id)
+            # A map-style dataset raising StopIteration is a bug in it; keep its traceback.
+            raise RuntimeError(
+                "StopIteration raised while fetching from a map-style dataset:\n" + traceback.format_exc()
+            ) from None
+        except Exception as e:
+            annotate_traceback(e)
+            raise

@@ -1,0 +1,173 @@
+"""`raydl.DataLoader`: torch's DataLoader, with Ray actors as its worker processes."""
+
+from __future__ import annotations
+
+import logging
+import numbers
+import threading
+import warnings
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+
+from torch.utils.data import DataLoader as _TorchDataLoader
+from torch.utils.data import Dataset, Sampler
+
+from ._constants import DEFAULT_STARTUP_TIMEOUT_S
+from ._iter import _RayLoaderIter
+
+__all__ = ["DataLoader"]
+
+logger = logging.getLogger(__name__)
+
+T_co = TypeVar("T_co", covariant=True)
+
+_mp_context_warned = False
+_mp_context_lock = threading.Lock()
+
+
+def _warn_mp_context_once() -> None:
+    global _mp_context_warned
+    with _mp_context_lock:
+        if _mp_context_warned:
+            return
+        _mp_context_warned = True
+    warnings.warn(
+        "raydl.DataLoader ignores multiprocessing_context: its workers are Ray actors, not "
+        "processes forked or spawned by this one.",
+        UserWarning,
+        stacklevel=3,
+    )
+
+
+class DataLoader(_TorchDataLoader[T_co]):
+    """Drop-in replacement for `torch.utils.data.DataLoader` whose `num_workers` workers are Ray actors.
+
+    Every argument of torch's DataLoader means what torch's documentation says, with the same
+    defaults and the same errors; `num_workers=0` loads in the calling process exactly as torch
+    does. Options only raydl has are keyword-only and start with `ray_`.
+
+    Example:
+        >>> from raydl import DataLoader
+        >>> loader = DataLoader(range(10), batch_size=4, num_workers=2)
+        >>> [b.tolist() for b in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+
+    Args (raydl's own; torch's are documented by torch):
+        ray_address (str, optional): Ray cluster to connect to on first iteration, e.g.
+            "ray://head:10001" or "auto". Defaults to ``None``: `RAY_ADDRESS` if set, else the
+            Ray this process already runs, else a local Ray started on loopback.
+        ray_remote_args (dict, optional): options for each worker actor, passed to
+            `ray.remote(...).options()`: num_cpus, num_gpus, memory, resources,
+            label_selector, scheduling_strategy, runtime_env, ... They override raydl's
+            defaults key by key. Defaults to ``None`` (`{"num_cpus": 0, "scheduling_strategy":
+            "SPREAD"}`: workers reserve no CPU, like torch's processes, so they always fit).
+        ray_startup_timeout_s (float): seconds to wait for every worker to be placed and to
+            finish start-up before raising `WorkerPlacementError`. Defaults to ``60.0``.
+
+    Construction has no side effects: Ray starts, and actors are created, on first iteration.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset[T_co],
+        batch_size: Optional[int] = 1,
+        shuffle: Optional[bool] = None,
+        sampler: Sampler | Iterable | None = None,
+        batch_sampler: Sampler[list] | Iterable[list] | None = None,
+        num_workers: int = 0,
+        collate_fn: Optional[Callable[[list], Any]] = None,
+        pin_memory: bool = False,
+        drop_last: bool = False,
+        timeout: float = 0,
+        worker_init_fn: Optional[Callable[[int], None]] = None,
+        multiprocessing_context: Any = None,
+        generator: Any = None,
+        *,
+        prefetch_factor: Optional[int] = None,
+        persistent_workers: bool = False,
+        pin_memory_device: str = "",
+        in_order: bool = True,
+        ray_address: Optional[str] = None,
+        ray_remote_args: Optional[Mapping[str, Any]] = None,
+        ray_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+    ) -> None:
+        if ray_address is not None and not isinstance(ray_address, str):
+            raise TypeError(f"ray_address should be a str such as 'auto' or 'ray://host:10001', got {ray_address!r}")
+        if ray_remote_args is not None and not isinstance(ray_remote_args, Mapping):
+            raise TypeError(
+                f"ray_remote_args should be a dict of Ray actor options such as {{'num_cpus': 1}}, got {ray_remote_args!r}"
+            )
+        if (
+            not isinstance(ray_startup_timeout_s, numbers.Real)
+            or isinstance(ray_startup_timeout_s, bool)
+            or not ray_startup_timeout_s > 0
+        ):
+            raise ValueError(f"ray_startup_timeout_s should be a positive number of seconds, got {ray_startup_timeout_s!r}")
+        if multiprocessing_context is not None and num_workers > 0:
+            _warn_mp_context_once()
+        # Set before torch's __init__, which locks some attributes once it finishes.
+        self.ray_address = ray_address
+        self.ray_remote_args = dict(ray_remote_args) if ray_remote_args is not None else None
+        self.ray_startup_timeout_s = float(ray_startup_timeout_s)
+        self.shuffle = shuffle
+        self._ray_iterator: Optional[_RayLoaderIter] = None
+        super().__init__(
+            dataset,
+            batch_size=batch_size,
+            shuffle=shuffle,
+            sampler=sampler,
+            batch_sampler=batch_sampler,
+            num_workers=num_workers,
+            collate_fn=collate_fn,
+            pin_memory=pin_memory,
+            drop_last=drop_last,
+            timeout=timeout,
+            worker_init_fn=worker_init_fn,
+            multiprocessing_context=multiprocessing_context,
+            generator=generator,
+            prefetch_factor=prefetch_factor,
+            persistent_workers=persistent_workers,
+            pin_memory_device=pin_memory_device,
+            in_order=in_order,
+        )
+
+    def check_worker_number_rationality(self) -> None:
+        """No-op: raydl's workers are Ray actors, often on other nodes, so this host's CPU count says nothing."""
+
+    def _get_iterator(self):
+        # Kept for code that calls torch's private factory directly.
+        if self.num_workers == 0:
+            return super()._get_iterator()
+        return _RayLoaderIter(self)
+
+    def __iter__(self):
+        if self.num_workers == 0:
+            return super().__iter__()
+        if self.persistent_workers:
+            if self._ray_iterator is None or not self._ray_iterator.reusable:
+                self._ray_iterator = _RayLoaderIter(self)
+            else:
+                self._ray_iterator._reset(self)
+            return self._ray_iterator
+        return _RayLoaderIter(self)
+
+    @property
+    def worker_records(self) -> list:
+        """Where the persistent workers run (worker id, pid, node); empty before the first iteration."""
+        return self._ray_iterator.worker_records if self._ray_iterator is not None else []
+
+    def shutdown(self) -> None:
+        """Release the persistent workers now (idempotent); the next iteration starts new ones."""
+        if self._ray_iterator is not None:
+            self._ray_iterator.shutdown()
+            self._ray_iterator = None
+
+    def __enter__(self) -> DataLoader[T_co]:
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self.shutdown()
+
+    def __getstate__(self) -> dict:
+        state = self.__dict__.copy()
+        state["_ray_iterator"] = None  # actors belong to this process's loader, not to a copy
+        return state
