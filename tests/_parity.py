@@ -1,0 +1,106 @@
+"""Run one configuration through torch's DataLoader and raydl's, and compare every batch."""
+
+from __future__ import annotations
+
+import collections
+import random
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+import raydl
+
+# Generous per-batch bound: a hang becomes a failure, never a stuck CI job.
+BATCH_TIMEOUT_S = 60
+
+
+def assert_batches_equal(a: Any, b: Any, where: str = "batch") -> None:
+    """Recursive equality that also checks container types, tensor dtypes and shapes."""
+    assert type(a) is type(b), f"{where}: type {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert torch.equal(a, b), f"{where}: {a} != {b}"
+    elif isinstance(a, np.ndarray):
+        assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}: {a} != {b}"
+    elif isinstance(a, collections.abc.Mapping):
+        assert list(a.keys()) == list(b.keys()), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_batches_equal(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), f"{where}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_batches_equal(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def _key(batch: Any) -> str:
+    """A canonical text of a batch, for multiset comparison."""
+    if isinstance(batch, torch.Tensor):
+        return f"T{batch.dtype}{batch.tolist()}"
+    if isinstance(batch, np.ndarray):
+        return f"N{batch.dtype}{batch.tolist()}"
+    if isinstance(batch, collections.abc.Mapping):
+        return "{" + ",".join(f"{k}:{_key(v)}" for k, v in batch.items()) + "}"
+    if isinstance(batch, (list, tuple)):
+        return type(batch).__name__ + "[" + ",".join(_key(v) for v in batch) + "]"
+    return repr(batch)
+
+
+def _seed_everything(seed: int) -> None:
+    """The driver's own RNGs (used with num_workers=0), seeded alike before each loader runs."""
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def run_epochs(loader, epochs: int) -> list[list[Any]]:
+    return [list(loader) for _ in range(epochs)]
+
+
+def assert_same_batches(
+    make_dataset: Callable[[], Any],
+    *,
+    epochs: int = 1,
+    seed: int | None = 0,
+    compare: str = "exact",
+    torch_workers: int | None = None,
+    **loader_kwargs: Any,
+) -> list[list[Any]]:
+    """Build torch's and raydl's loader from the same arguments (and equally seeded generators) and compare.
+
+    compare="exact": batch for batch, in order. compare="multiset": the same batches in any order.
+    torch runs with the same num_workers unless `torch_workers` says otherwise. Returns raydl's batches.
+    """
+    kwargs = dict(loader_kwargs)
+    num_workers = kwargs.pop("num_workers", 2)
+    t_kwargs = dict(kwargs)
+    r_kwargs = dict(kwargs)
+    tw = num_workers if torch_workers is None else torch_workers
+    if tw == 0:
+        t_kwargs.pop("prefetch_factor", None)
+        t_kwargs.pop("persistent_workers", None)
+        t_kwargs.pop("in_order", None)
+    else:
+        t_kwargs.setdefault("multiprocessing_context", "fork")
+        t_kwargs.setdefault("timeout", BATCH_TIMEOUT_S)
+    if num_workers > 0:
+        r_kwargs.setdefault("timeout", BATCH_TIMEOUT_S)
+    if seed is not None:
+        t_kwargs["generator"] = torch.Generator().manual_seed(seed)
+        r_kwargs["generator"] = torch.Generator().manual_seed(seed)
+        _seed_everything(seed)
+    expected = run_epochs(torch.utils.data.DataLoader(make_dataset(), num_workers=tw, **t_kwargs), epochs)
+    if seed is not None:
+        _seed_everything(seed)
+    with raydl.DataLoader(make_dataset(), num_workers=num_workers, **r_kwargs) as loader:
+        actual = run_epochs(loader, epochs)
+    for e, (exp, act) in enumerate(zip(expected, actual)):
+        if compare == "exact":
+            assert len(exp) == len(act), f"epoch {e}: torch gave {len(exp)} batches, raydl {len(act)}"
+            for i, (x, y) in enumerate(zip(exp, act)):
+                assert_batches_equal(x, y, f"epoch {e} batch {i}")
+        else:
+            assert sorted(map(_key, exp)) == sorted(map(_key, act)), f"epoch {e}: batches differ as multisets"
+    return actual
