@@ -134,7 +134,7 @@ class _RayLoaderIter(Iterator[Any]):
             worker_init_fn=loader.worker_init_fn,
         )
         self._pool = WorkerPool(
-            put_payload(payload), self._num_workers, self._base_seed, worker_actor_options(loader.ray_remote_args)
+            put_payload(payload, loader.ray_shared_dataset_memory), self._num_workers, self._base_seed, worker_actor_options(loader.ray_remote_args)
         )
         self._epoch = 0
         self._reset(loader, first_iter=True)

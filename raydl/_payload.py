@@ -45,12 +45,19 @@ def find_unpicklable(obj: Any, name: str, depth: int = 0) -> tuple[str, Any, Exc
     return name, obj, err
 
 
-def put_payload(payload: WorkerPayload) -> Any:
-    """`ray.put(payload)`; an unpicklable part raises a TypeError naming the attribute and the fix."""
+def put_payload(payload: WorkerPayload, share_memory: bool = False) -> Any:
+    """Put the payload into the object store once; an unpicklable part raises a TypeError naming it.
+
+    By default the payload travels as pickled bytes, so each worker unpickles a private,
+    writable copy, exactly as torch's worker processes get one. With `share_memory`, it is put
+    as an object: NumPy arrays inside are then mapped read-only from the object store, shared by
+    every worker of a node instead of copied (less memory; writes to them fail).
+    """
     import ray
+    from ray import cloudpickle
 
     try:
-        return ray.put(payload)
+        return ray.put(payload) if share_memory else ray.put(cloudpickle.dumps(payload))
     except Exception as put_error:
         # Only now pay for a second pickling pass, to name the culprit.
         for field in ("dataset", "collate_fn", "worker_init_fn"):

@@ -73,7 +73,11 @@ class Worker:
     traceback to the driver (NOTE [ raydl errors ]).
     """
 
-    def __init__(self, payload: WorkerPayload, worker_id: int, num_workers: int, base_seed: int) -> None:
+    def __init__(self, payload: WorkerPayload | bytes, worker_id: int, num_workers: int, base_seed: int) -> None:
+        if isinstance(payload, bytes):  # the default: a private, writable copy, as torch's workers get
+            from ray import cloudpickle
+
+            payload = cloudpickle.loads(payload)
         self._payload = payload
         self._worker_id = worker_id
         self._epoch = 0

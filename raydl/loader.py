@@ -62,6 +62,10 @@ class DataLoader(_TorchDataLoader[T_co]):
             "SPREAD"}`: workers reserve no CPU, like torch's processes, so they always fit).
         ray_startup_timeout_s (float): seconds to wait for every worker to be placed and to
             finish start-up before raising `WorkerPlacementError`. Defaults to ``60.0``.
+        ray_shared_dataset_memory (bool): ship the dataset as a Ray object, so NumPy arrays in
+            it are shared read-only by all workers of a node (one copy per node instead of one
+            per worker). Defaults to ``False``: each worker gets a private writable copy, as
+            with torch.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -89,6 +93,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_address: Optional[str] = None,
         ray_remote_args: Optional[Mapping[str, Any]] = None,
         ray_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
+        ray_shared_dataset_memory: bool = False,
     ) -> None:
         if ray_address is not None and not isinstance(ray_address, str):
             raise TypeError(f"ray_address should be a str such as 'auto' or 'ray://host:10001', got {ray_address!r}")
@@ -108,6 +113,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_address = ray_address
         self.ray_remote_args = dict(ray_remote_args) if ray_remote_args is not None else None
         self.ray_startup_timeout_s = float(ray_startup_timeout_s)
+        self.ray_shared_dataset_memory = bool(ray_shared_dataset_memory)
         self.shuffle = shuffle
         self._ray_iterator: Optional[_RayLoaderIter] = None
         super().__init__(

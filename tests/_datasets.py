@@ -206,3 +206,14 @@ def failing_init_fn(worker_id: int) -> None:
 def sum_collate(batch):
     """A custom collate_fn: the sum of the batch's first elements, and its length."""
     return {"sum": sum(int(b[0]) for b in batch), "n": len(batch)}
+
+
+class ArrayDataset(RangeDataset):
+    """Holds a NumPy array; item i reports whether this worker's copy of it is writable."""
+
+    def __init__(self, n: int) -> None:
+        super().__init__(n)
+        self.array = np.arange(n * 1000, dtype=np.float32)
+
+    def __getitem__(self, i):
+        return torch.tensor([i, int(self.array.flags.writeable)])

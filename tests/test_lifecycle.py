@@ -1,0 +1,241 @@
+"""Lifecycle users see: no side effects at construction, nothing left behind, persistent workers kept."""
+
+from __future__ import annotations
+
+import gc
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import pytest
+import torch
+
+import raydl
+from tests import _datasets as D
+
+TIMEOUT_S = 60
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _state_address() -> str:
+    """This session's GCS address: the state API must not guess when other Rays run on the machine."""
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def _alive_worker_actors() -> int:
+    from ray.util.state import list_actors
+
+    actors = list_actors(
+        address=_state_address(), filters=[("state", "=", "ALIVE")], limit=10000, raise_on_missing_output=False
+    )
+    return sum(1 for a in actors if "Worker" in (a.class_name or ""))
+
+
+def _wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval_s)
+    return predicate()
+
+
+def _run_python(code: str, timeout_s: int = 180, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def test_constructor_arguments_are_public_attributes():
+    """Every __init__ parameter is an attribute of the same name (trainers re-instantiate from them)."""
+    loader = raydl.DataLoader(
+        D.RangeDataset(8), batch_size=2, num_workers=1, ray_remote_args={"num_cpus": 0.25}, ray_address="auto"
+    )
+    params = [p for p in inspect.signature(raydl.DataLoader.__init__).parameters if p != "self"]
+    missing = [p for p in params if not hasattr(loader, p)]
+    assert missing == []
+    assert loader.ray_remote_args == {"num_cpus": 0.25} and loader.ray_address == "auto"
+    assert isinstance(loader, torch.utils.data.DataLoader)
+    torch_params = list(inspect.signature(torch.utils.data.DataLoader.__init__).parameters)
+    assert params[: len(torch_params) - 1] == torch_params[1:], "torch's parameters, in torch's order, come first"
+
+
+def test_reinstantiation_keeps_ray_options():
+    """Rebuilding a loader from its attributes (as Lightning does) keeps the ray_ options."""
+    loader = raydl.DataLoader(D.RangeDataset(8), batch_size=2, num_workers=1, ray_remote_args={"num_cpus": 0.25})
+    kwargs = {
+        name: getattr(loader, name)
+        for name in ("dataset", "batch_size", "num_workers", "collate_fn", "ray_remote_args", "ray_startup_timeout_s")
+    }
+    clone = type(loader)(**kwargs)
+    assert clone.ray_remote_args == {"num_cpus": 0.25} and clone.batch_size == 2
+
+
+def test_len_matches_torch():
+    """len() is torch's for map-style and iterable datasets."""
+    for kwargs in (dict(batch_size=3), dict(batch_size=3, drop_last=True), dict(batch_size=None)):
+        assert len(raydl.DataLoader(D.RangeDataset(10), num_workers=2, **kwargs)) == len(
+            torch.utils.data.DataLoader(D.RangeDataset(10), **kwargs)
+        )
+    assert len(raydl.DataLoader(D.UnshardedIterable(7), batch_size=2, num_workers=2)) == 4
+
+
+def test_construction_has_no_side_effects_and_num_workers_zero_never_starts_ray():
+    """Building loaders starts no Ray; num_workers=0 iterates in-process without Ray."""
+    proc = _run_python(
+        """
+        import ray, raydl, torch
+        from tests import _datasets as D
+        loaders = [raydl.DataLoader(D.RangeDataset(6), batch_size=2, num_workers=4, shuffle=True) for _ in range(5)]
+        assert not ray.is_initialized(), "construction started Ray"
+        zero = raydl.DataLoader(D.RangeDataset(6), batch_size=2)
+        assert [b.tolist() for b in zero] == [[[0], [1]], [[2], [3]], [[4], [5]]]
+        assert type(iter(zero)).__module__.startswith("torch.utils.data")
+        assert not ray.is_initialized(), "num_workers=0 started Ray"
+        print("OK")
+        """
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+
+
+def test_local_ray_started_by_raydl_listens_on_loopback_only():
+    """With no Ray running and no address, raydl starts a local Ray that binds 127.0.0.1 only."""
+    proc = _run_python(
+        """
+        import psutil, ray, raydl
+        from tests import _datasets as D
+        batches = [b.tolist() for b in raydl.DataLoader(D.RangeDataset(4), batch_size=2, num_workers=2)]
+        assert batches == [[[0], [1]], [[2], [3]]], batches
+        assert ray.is_initialized()
+        me = psutil.Process()
+        ray_pids = {p.pid for p in psutil.process_iter(["cmdline"])
+                    if any(("ray" in part and "raylet" in part) or "gcs_server" in part or "ray::" in part
+                           for part in (p.info["cmdline"] or []))}
+        ray_pids |= {c.pid for c in me.children(recursive=True)}
+        bad = []
+        for conn in psutil.net_connections(kind="inet"):
+            if conn.status == psutil.CONN_LISTEN and conn.pid in ray_pids:
+                if conn.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1"):
+                    bad.append((conn.pid, conn.laddr))
+        assert ray_pids, "found no Ray processes to check"
+        assert not bad, f"Ray listens beyond loopback: {bad}"
+        print("OK", len(ray_pids))
+        """
+    )
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+
+
+def test_worker_info_in_workers_and_none_in_driver(ray_session):
+    """raydl.get_worker_info() and torch's both give the worker's info inside workers, None in the driver."""
+    assert raydl.get_worker_info() is None and torch.utils.data.get_worker_info() is None
+    loader = raydl.DataLoader(D.RandomAugmentDataset(6), batch_size=1, num_workers=3, timeout=TIMEOUT_S)
+    seeds = {}
+    for batch in loader:
+        seeds[int(batch["worker"])] = int(batch["seed"])
+    assert sorted(seeds) == [0, 1, 2]
+    base = seeds[0]
+    assert seeds == {0: base, 1: base + 1, 2: base + 2}
+
+
+@pytest.mark.usefixtures("ray_session")
+class TestCleanup:
+    """Actors, refs and threads end with the epoch, the break, or the loader."""
+
+    def test_epoch_end_releases_workers(self):
+        """A finished epoch without persistent workers leaves no worker actor alive."""
+        base = _alive_worker_actors()
+        assert len(list(raydl.DataLoader(D.RangeDataset(8), batch_size=2, num_workers=2, timeout=TIMEOUT_S))) == 4
+        assert _wait_until(lambda: _alive_worker_actors() == base)
+
+    def test_early_break_and_dropped_iterator_release_workers(self):
+        """`break` out of the loop, then dropping the iterator, kills its workers."""
+        base = _alive_worker_actors()
+        for i, _ in enumerate(raydl.DataLoader(D.RangeDataset(32), batch_size=2, num_workers=3, timeout=TIMEOUT_S)):
+            if i == 1:
+                break
+        gc.collect()
+        assert _wait_until(lambda: _alive_worker_actors() == base)
+
+    def test_exception_in_training_loop_releases_workers(self):
+        """An exception raised by the training loop (the caller) leaves nothing behind."""
+        base = _alive_worker_actors()
+
+        def train():
+            for _ in raydl.DataLoader(D.RangeDataset(32), batch_size=2, num_workers=2, timeout=TIMEOUT_S):
+                raise KeyboardInterrupt
+
+        with pytest.raises(KeyboardInterrupt):
+            train()
+        gc.collect()
+        assert _wait_until(lambda: _alive_worker_actors() == base)
+
+    def test_persistent_workers_kept_across_epochs_then_released(self):
+        """persistent_workers=True reuses the same actors each epoch; shutdown() / the context manager ends them."""
+        base = _alive_worker_actors()
+        with raydl.DataLoader(
+            D.PidDataset(6), batch_size=2, num_workers=2, persistent_workers=True, timeout=TIMEOUT_S
+        ) as loader:
+            pids = [{int(b[0, 1]) for b in loader} for _ in range(3)]
+            assert pids[0] == pids[1] == pids[2] and len(pids[0]) == 2
+            assert [r.worker_id for r in loader.worker_records] == [0, 1]
+            assert _alive_worker_actors() == base + 2
+        assert _wait_until(lambda: _alive_worker_actors() == base)
+
+    def test_persistent_loader_dropped_releases_workers(self):
+        """Dropping a persistent loader (no shutdown call) releases its actors."""
+        base = _alive_worker_actors()
+        loader = raydl.DataLoader(D.RangeDataset(6), batch_size=2, num_workers=2, persistent_workers=True)
+        list(loader)
+        del loader
+        gc.collect()
+        assert _wait_until(lambda: _alive_worker_actors() == base)
+
+    def test_persistent_early_break_next_epoch_is_complete(self):
+        """Breaking out of a persistent loader's epoch does not leak batches into the next epoch."""
+        loader = raydl.DataLoader(D.RangeDataset(12), batch_size=2, num_workers=2, persistent_workers=True)
+        for i, _ in enumerate(loader):
+            if i == 1:
+                break
+        assert [b.flatten().tolist() for b in loader] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]
+        loader.shutdown()
+        loader.shutdown()  # idempotent
+
+    def test_hundred_loaders_leave_nothing_behind(self):
+        """100 loaders created, partly iterated and dropped: no actors, objects or raydl threads remain."""
+        from ray.util.state import list_objects
+
+        base_actors = _alive_worker_actors()
+        base_objects = len(list_objects(address=_state_address(), limit=10000, raise_on_missing_output=False))
+        base_threads = threading.active_count()
+        for i in range(100):
+            loader = raydl.DataLoader(
+                D.RangeDataset(40), batch_size=4, num_workers=1 + i % 2, shuffle=True, timeout=TIMEOUT_S
+            )
+            it = iter(loader)
+            for _ in range(i % 3):
+                next(it)
+            del it, loader
+        gc.collect()
+        assert _wait_until(lambda: _alive_worker_actors() == base_actors, timeout_s=60)
+        assert _wait_until(
+            lambda: len(list_objects(address=_state_address(), limit=10000, raise_on_missing_output=False)) <= base_objects, timeout_s=60
+        )
+        assert threading.active_count() <= base_threads
+        assert not [t for t in threading.enumerate() if t.name == "raydl_pin"]
+
+
+@pytest.mark.parametrize("shared, writable", [(False, 1), (True, 0)])
+def test_dataset_copy_is_private_unless_shared(ray_session, shared, writable):
+    """By default each worker gets a writable copy of the dataset (as torch); ray_shared_dataset_memory shares it read-only."""
+    loader = raydl.DataLoader(
+        D.ArrayDataset(4), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_shared_dataset_memory=shared
+    )
+    assert {int(v) for b in loader for v in b[:, 1]} == {writable}
