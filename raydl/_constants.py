@@ -33,3 +33,6 @@ PIN_LOOKAHEAD_BATCHES = 2
 # Ray reserve them (and an autoscaler add nodes for them).
 # SPREAD: on a cluster, workers go to different nodes instead of piling up on the driver's.
 DEFAULT_WORKER_OPTIONS: dict = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
+
+# How many times a worker id may be replaced after its actor dies (NOTE [ raydl recovery ]).
+DEFAULT_MAX_WORKER_RESTARTS = 3

@@ -15,6 +15,25 @@ index and result queues:
     about to be returned.
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
 
+NOTE [ raydl recovery ]
+The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
+When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
+or its node left the cluster) or that the task's result was lost with its node:
+  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
+     seeds itself and runs worker_init_fn exactly as the first one did;
+  2. every task that was outstanding on the dead worker is sent again, in send order, to the
+     replacement, under the same task idx: ordering and the reorder buffer are untouched;
+  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
+Every batch is handed out exactly once, in order; a deterministic dataset gives identical
+batches. Worker-side random draws of a replaced worker restart from its seed.
+Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
+death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
+making (the oldest task outstanding on it, which an actor runs first): a poison batch that
+kills every worker it reaches ends there, never in an endless loop.
+IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
+point where it died, and restarting it would duplicate samples. Their death raises
+WorkerDiedError at once.
+
 NOTE [ raydl shutdown ]
 `shutdown()` is the one way resources are released; it is idempotent and runs, in order:
   1. stop and join the pin thread (bounded wait);
@@ -68,11 +87,12 @@ class _State(IntEnum):
 
 @dataclass(frozen=True)
 class _Task:
-    """One batch in flight: the worker making it, the ref of its result, and the indices it covers."""
+    """One batch in flight: the worker making it, the ref of its result, the indices it covers, what was sent."""
 
     worker_id: int
     ref: Any
     index: Any
+    work: Any
 
 
 class _RayLoaderIter(Iterator[Any]):
@@ -86,7 +106,26 @@ class _RayLoaderIter(Iterator[Any]):
       * `_tasks_outstanding == len(_task_info) <= prefetch_factor * num_workers`.
       * `_workers_num_tasks[w] == count of tasks in _task_info on worker w`.
       * `_workers_status[w]` is False once iterable worker w reported the end of its stream.
-    See NOTE [ raydl ordering ] and NOTE [ raydl shutdown ].
+    See NOTE [ raydl ordering ] and NOTE [ raydl recovery ]
+The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
+When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
+or its node left the cluster) or that the task's result was lost with its node:
+  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
+     seeds itself and runs worker_init_fn exactly as the first one did;
+  2. every task that was outstanding on the dead worker is sent again, in send order, to the
+     replacement, under the same task idx: ordering and the reorder buffer are untouched;
+  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
+Every batch is handed out exactly once, in order; a deterministic dataset gives identical
+batches. Worker-side random draws of a replaced worker restart from its seed.
+Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
+death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
+making (the oldest task outstanding on it, which an actor runs first): a poison batch that
+kills every worker it reaches ends there, never in an endless loop.
+IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
+point where it died, and restarting it would duplicate samples. Their death raises
+WorkerDiedError at once.
+
+NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -100,6 +139,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._persistent_workers = loader.persistent_workers
         self._in_order = loader.in_order
         self._startup_timeout_s = loader.ray_startup_timeout_s
+        self._max_worker_restarts = loader.ray_max_worker_restarts
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._state = _State.RUNNING
         self._pin_stage: Optional[PinStage] = None
@@ -173,7 +213,26 @@ class _RayLoaderIter(Iterator[Any]):
         return data
 
     def shutdown(self) -> None:
-        """Release the pin thread, buffered refs and worker actors; idempotent (NOTE [ raydl shutdown ])."""
+        """Release the pin thread, buffered refs and worker actors; idempotent (NOTE [ raydl recovery ]
+The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
+When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
+or its node left the cluster) or that the task's result was lost with its node:
+  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
+     seeds itself and runs worker_init_fn exactly as the first one did;
+  2. every task that was outstanding on the dead worker is sent again, in send order, to the
+     replacement, under the same task idx: ordering and the reorder buffer are untouched;
+  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
+Every batch is handed out exactly once, in order; a deterministic dataset gives identical
+batches. Worker-side random draws of a replaced worker restart from its seed.
+Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
+death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
+making (the oldest task outstanding on it, which an actor runs first): a poison batch that
+kills every worker it reaches ends there, never in an endless loop.
+IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
+point where it died, and restarting it would duplicate samples. Their death raises
+WorkerDiedError at once.
+
+NOTE [ raydl shutdown ])."""
         if self._state == _State.SHUT_DOWN:
             return
         self._state = _State.SHUT_DOWN
@@ -237,7 +296,7 @@ class _RayLoaderIter(Iterator[Any]):
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
         ref = self._pool.actors[worker_id].fetch.remote(self._epoch, work)
-        self._task_info[self._send_idx] = _Task(worker_id, ref, index)
+        self._task_info[self._send_idx] = _Task(worker_id, ref, index, work)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
@@ -311,7 +370,26 @@ class _RayLoaderIter(Iterator[Any]):
             self._pop_task(idx)
 
     def _release_workers(self) -> None:
-        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
+        """Steps 2 and 3 of NOTE [ raydl recovery ]
+The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
+When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
+or its node left the cluster) or that the task's result was lost with its node:
+  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
+     seeds itself and runs worker_init_fn exactly as the first one did;
+  2. every task that was outstanding on the dead worker is sent again, in send order, to the
+     replacement, under the same task idx: ordering and the reorder buffer are untouched;
+  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
+Every batch is handed out exactly once, in order; a deterministic dataset gives identical
+batches. Worker-side random draws of a replaced worker restart from its seed.
+Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
+death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
+making (the oldest task outstanding on it, which an actor runs first): a poison batch that
+kills every worker it reaches ends there, never in an endless loop.
+IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
+point where it died, and restarting it would duplicate samples. Their death raises
+WorkerDiedError at once.
+
+NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         self._drop_all_tasks()
         self._pool.shutdown()
 
@@ -356,15 +434,15 @@ class _RayLoaderIter(Iterator[Any]):
                 self._raise_timeout(self._rcvd_idx, self._task_info.get(self._rcvd_idx))
 
     def _get_result(self, idx: int, task: _Task) -> Any:
-        """`ray.get` the task's batch in slices, bounded by `timeout`; a dead worker ends the iterator.
+        """`ray.get` the task's batch in slices, bounded by `timeout`; a lost worker is replaced.
 
         Raises:
             RayTaskError: user code failed in the worker (handled by the caller).
             RuntimeError: torch's timeout error, with the batch and worker named.
-            WorkerDiedError: the worker actor died.
+            WorkerDiedError: the worker died and cannot be replaced (NOTE [ raydl recovery ]).
         """
         import ray
-        from ray.exceptions import GetTimeoutError, RayActorError
+        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
 
         deadline = self._deadline()
         while True:
@@ -373,12 +451,46 @@ class _RayLoaderIter(Iterator[Any]):
             except GetTimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._raise_timeout(idx, task)
-            except RayActorError as e:
-                where = self._pool.describe(task.worker_id)
-                self._fail()
-                raise WorkerDiedError(
-                    f"{where} exited unexpectedly while making batch {idx} (indices {_short(task.index)}): {e}"
-                ) from None
+            except (RayActorError, ObjectLostError) as e:
+                self._recover(task.worker_id, e)
+                task = self._task_info[idx]
+                deadline = self._deadline()
+
+    def _recover(self, worker_id: int, error: BaseException) -> None:
+        """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
+        where = self._pool.describe(worker_id)
+        on_worker = sorted(i for i, t in self._task_info.items() if t.worker_id == worker_id)
+        suspect = self._task_info[on_worker[0]]
+        cause = _first_line(error)
+        if self._is_iterable:
+            self._fail()
+            raise WorkerDiedError(
+                f"{where} exited unexpectedly ({cause}). raydl does not restart IterableDataset workers: "
+                "a stream cannot be replayed to where it stopped without duplicating or losing samples. "
+                "Restart the epoch, or use a map-style dataset to get automatic recovery."
+            ) from None
+        if self._pool.restarts[worker_id] >= self._max_worker_restarts:
+            self._fail()
+            raise WorkerDiedError(
+                f"{where} exited unexpectedly while making batch {on_worker[0]} (indices {_short(suspect.index)}) "
+                f"after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
+                f"{self._max_worker_restarts}): {cause}. If this batch kills every worker it reaches, a sample "
+                "in it crashes the process (out of memory, native code): fix or skip that sample, or give "
+                "workers more memory via ray_remote_args."
+            ) from None
+        logger.warning(
+            "raydl: %s died (%s); starting a replacement and resending %d batch(es)", where, cause, len(on_worker)
+        )
+        self._pool.replace(worker_id)
+        actor = self._pool.actors[worker_id]
+        for i in on_worker:
+            old = self._task_info[i]
+            self._task_info[i] = _Task(worker_id, actor.fetch.remote(self._epoch, old.work), old.index, old.work)
+        try:
+            self._pool.wait_ready(self._startup_timeout_s)
+        except BaseException:
+            self._fail()
+            raise
 
     # ------------------------------------------------------------------ pinning
 
@@ -405,6 +517,12 @@ class _RayLoaderIter(Iterator[Any]):
                 self.shutdown()
             raise StopIteration
         return stage.take()
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """The gist of a Ray error for a one-line message."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
 
 
 def _short(index: Any, limit: int = 8) -> str:

@@ -45,16 +45,41 @@ class WorkerPool:
     ) -> None:
         self.num_workers = num_workers
         self.actor_options = dict(actor_options)
+        self._payload_ref = payload_ref
+        self._base_seed = base_seed
         cls = _worker_actor_class()
         try:
-            configured = cls.options(**self.actor_options)
+            self._configured = cls.options(**self.actor_options)
         except (TypeError, ValueError) as e:
             raise ValueError(f"raydl: invalid ray_remote_args {dict(actor_options)!r}: {e}") from None
-        self.actors = [configured.remote(payload_ref, wid, num_workers, base_seed) for wid in range(num_workers)]
+        self.actors = [self._start(wid) for wid in range(num_workers)]
         self._ready_refs: list[Optional[Any]] = [a.ready.remote() for a in self.actors]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
+        # replacements made for each worker id (NOTE [ raydl recovery ] in _iter.py)
+        self.restarts = [0] * num_workers
         self._alive = True
         logger.debug("raydl: submitted %d worker actors (options %s)", num_workers, self.actor_options)
+
+    def _start(self, worker_id: int) -> Any:
+        return self._configured.remote(self._payload_ref, worker_id, self.num_workers, self._base_seed)
+
+    def replace(self, worker_id: int) -> None:
+        """Kill worker `worker_id` (if still there) and start a new actor with the same id, seed and payload.
+
+        The new actor seeds itself and runs worker_init_fn exactly as the first one did; the
+        caller waits for it with `wait_ready`.
+        """
+        import ray
+
+        try:
+            ray.kill(self.actors[worker_id], no_restart=True)
+        except Exception:  # already dead: the usual case
+            pass
+        self.restarts[worker_id] += 1
+        self.actors[worker_id] = self._start(worker_id)
+        # records[worker_id] keeps the old location until the new actor reports its own.
+        self._ready_refs[worker_id] = self.actors[worker_id].ready.remote()
+        logger.debug("raydl: replaced worker %d (restart %d)", worker_id, self.restarts[worker_id])
 
     @property
     def alive(self) -> bool:
@@ -62,7 +87,7 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        return all(r is not None for r in self.records)
+        return all(r is None for r in self._ready_refs)
 
     def describe(self, worker_id: int) -> str:
         """Where worker `worker_id` runs, for error messages (falls back to its id before it is ready)."""
@@ -100,8 +125,8 @@ class WorkerPool:
             if self.is_ready:
                 break
             waited_s = time.monotonic() - start
-            if waited_s >= min(INFEASIBLE_GRACE_S, timeout_s) or waited_s >= timeout_s:
-                n_pending = sum(r is None for r in self.records)
+            if waited_s >= min(INFEASIBLE_GRACE_S, timeout_s):
+                n_pending = sum(r is not None for r in self._ready_refs)
                 feasible, msg = describe_placement(self.actor_options, n_pending, self.num_workers)
                 if not feasible or waited_s >= timeout_s:
                     self.shutdown()

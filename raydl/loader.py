@@ -11,7 +11,7 @@ from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, Sampler
 
-from ._constants import DEFAULT_STARTUP_TIMEOUT_S
+from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._iter import _RayLoaderIter
 
 __all__ = ["DataLoader"]
@@ -66,6 +66,10 @@ class DataLoader(_TorchDataLoader[T_co]):
             it are shared read-only by all workers of a node (one copy per node instead of one
             per worker). Defaults to ``False``: each worker gets a private writable copy, as
             with torch.
+        ray_max_worker_restarts (int): how many times each worker may be replaced after it dies
+            (its process exits or is killed, or its node leaves); its in-flight batches are
+            resent, so no batch is lost or repeated. One more death raises `WorkerDiedError`
+            naming the batch it was making. ``0`` disables recovery. Defaults to ``3``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -94,6 +98,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_remote_args: Optional[Mapping[str, Any]] = None,
         ray_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         ray_shared_dataset_memory: bool = False,
+        ray_max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
     ) -> None:
         if ray_address is not None and not isinstance(ray_address, str):
             raise TypeError(f"ray_address should be a str such as 'auto' or 'ray://host:10001', got {ray_address!r}")
@@ -107,6 +112,10 @@ class DataLoader(_TorchDataLoader[T_co]):
             or not ray_startup_timeout_s > 0
         ):
             raise ValueError(f"ray_startup_timeout_s should be a positive number of seconds, got {ray_startup_timeout_s!r}")
+        if isinstance(ray_max_worker_restarts, bool) or not isinstance(ray_max_worker_restarts, int) or ray_max_worker_restarts < 0:
+            raise ValueError(
+                f"ray_max_worker_restarts should be a non-negative int (0 disables recovery), got {ray_max_worker_restarts!r}"
+            )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
         # Set before torch's __init__, which locks some attributes once it finishes.
@@ -114,6 +123,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_remote_args = dict(ray_remote_args) if ray_remote_args is not None else None
         self.ray_startup_timeout_s = float(ray_startup_timeout_s)
         self.ray_shared_dataset_memory = bool(ray_shared_dataset_memory)
+        self.ray_max_worker_restarts = ray_max_worker_restarts
         self.shuffle = shuffle
         self._ray_iterator: Optional[_RayLoaderIter] = None
         super().__init__(

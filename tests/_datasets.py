@@ -217,3 +217,35 @@ class ArrayDataset(RangeDataset):
 
     def __getitem__(self, i):
         return torch.tensor([i, int(self.array.flags.writeable)])
+
+
+class ExitOnceDataset(RangeDataset):
+    """The worker process exits (os._exit) on `bad_index`, the first time only (a marker file remembers)."""
+
+    def __init__(self, n: int, bad_index: int, marker: str, delay_s: float = 0.0) -> None:
+        super().__init__(n)
+        self.bad_index, self.marker, self.delay_s = bad_index, marker, delay_s
+
+    def __getitem__(self, i):
+        import os
+
+        time.sleep(self.delay_s)
+        if i == self.bad_index and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return torch.tensor([i])
+
+
+class PoisonDataset(RangeDataset):
+    """The worker process exits every time it reaches `bad_index`."""
+
+    def __init__(self, n: int, bad_index: int) -> None:
+        super().__init__(n)
+        self.bad_index = bad_index
+
+    def __getitem__(self, i):
+        import os
+
+        if i == self.bad_index:
+            os._exit(3)
+        return torch.tensor([i])
