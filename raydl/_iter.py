@@ -64,6 +64,7 @@ from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._device import PinStage, pin_memory, pin_memory_target
 from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
 from ._fetch import StreamEnd
+from ._options import RayOptions
 from ._payload import put_payload
 from ._pool import WorkerPool
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
@@ -138,8 +139,9 @@ NOTE [ raydl shutdown ].
         self._timeout = loader.timeout
         self._persistent_workers = loader.persistent_workers
         self._in_order = loader.in_order
-        self._startup_timeout_s = loader.ray_startup_timeout_s
-        self._max_worker_restarts = loader.ray_max_worker_restarts
+        options = RayOptions.from_loader(loader)
+        self._startup_timeout_s = options.startup_timeout_s
+        self._max_worker_restarts = options.max_worker_restarts
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._state = _State.RUNNING
         self._pin_stage: Optional[PinStage] = None
@@ -164,7 +166,7 @@ NOTE [ raydl shutdown ].
         self._sampler_iter = iter(self._index_sampler)
         self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
 
-        ensure_ray_initialized(loader.ray_address)
+        ensure_ray_initialized(options.address)
         payload = WorkerPayload(
             dataset=loader.dataset,
             is_iterable=self._is_iterable,
@@ -174,7 +176,10 @@ NOTE [ raydl shutdown ].
             worker_init_fn=loader.worker_init_fn,
         )
         self._pool = WorkerPool(
-            put_payload(payload, loader.ray_shared_dataset_memory), self._num_workers, self._base_seed, worker_actor_options(loader.ray_remote_args)
+            put_payload(payload, options.shared_dataset_memory),
+            self._num_workers,
+            self._base_seed,
+            worker_actor_options(options.remote_args),
         )
         self._epoch = 0
         self._reset(loader, first_iter=True)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import numbers
 import threading
 import warnings
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
@@ -13,6 +12,7 @@ from torch.utils.data import Dataset, Sampler
 
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._iter import _RayLoaderIter
+from ._options import RayOptions
 
 __all__ = ["DataLoader"]
 
@@ -100,30 +100,21 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_shared_dataset_memory: bool = False,
         ray_max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
     ) -> None:
-        if ray_address is not None and not isinstance(ray_address, str):
-            raise TypeError(f"ray_address should be a str such as 'auto' or 'ray://host:10001', got {ray_address!r}")
-        if ray_remote_args is not None and not isinstance(ray_remote_args, Mapping):
-            raise TypeError(
-                f"ray_remote_args should be a dict of Ray actor options such as {{'num_cpus': 1}}, got {ray_remote_args!r}"
-            )
-        if (
-            not isinstance(ray_startup_timeout_s, numbers.Real)
-            or isinstance(ray_startup_timeout_s, bool)
-            or not ray_startup_timeout_s > 0
-        ):
-            raise ValueError(f"ray_startup_timeout_s should be a positive number of seconds, got {ray_startup_timeout_s!r}")
-        if isinstance(ray_max_worker_restarts, bool) or not isinstance(ray_max_worker_restarts, int) or ray_max_worker_restarts < 0:
-            raise ValueError(
-                f"ray_max_worker_restarts should be a non-negative int (0 disables recovery), got {ray_max_worker_restarts!r}"
-            )
+        options = RayOptions(
+            address=ray_address,
+            remote_args=ray_remote_args,
+            startup_timeout_s=ray_startup_timeout_s,
+            shared_dataset_memory=ray_shared_dataset_memory,
+            max_worker_restarts=ray_max_worker_restarts,
+        )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
         # Set before torch's __init__, which locks some attributes once it finishes.
-        self.ray_address = ray_address
-        self.ray_remote_args = dict(ray_remote_args) if ray_remote_args is not None else None
-        self.ray_startup_timeout_s = float(ray_startup_timeout_s)
-        self.ray_shared_dataset_memory = bool(ray_shared_dataset_memory)
-        self.ray_max_worker_restarts = ray_max_worker_restarts
+        self.ray_address = options.address
+        self.ray_remote_args = dict(options.remote_args) if options.remote_args is not None else None
+        self.ray_startup_timeout_s = float(options.startup_timeout_s)
+        self.ray_shared_dataset_memory = bool(options.shared_dataset_memory)
+        self.ray_max_worker_restarts = options.max_worker_restarts
         self.shuffle = shuffle
         self._ray_iterator: Optional[_RayLoaderIter] = None
         super().__init__(

@@ -1,0 +1,48 @@
+"""raydl's own loader options (`ray_*`), validated once, with their defaults in one place."""
+
+from __future__ import annotations
+
+import numbers
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional
+
+from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
+
+__all__ = ["RayOptions"]
+
+
+@dataclass(frozen=True)
+class RayOptions:
+    """The `ray_*` keyword arguments of `raydl.DataLoader`; see its docstring for their meaning."""
+
+    address: Optional[str] = None
+    remote_args: Optional[Mapping[str, Any]] = field(default=None)
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    shared_dataset_memory: bool = False
+    max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
+
+    def __post_init__(self) -> None:
+        if self.address is not None and not isinstance(self.address, str):
+            raise TypeError(f"ray_address should be a str such as 'auto' or 'ray://host:10001', got {self.address!r}")
+        if self.remote_args is not None and not isinstance(self.remote_args, Mapping):
+            raise TypeError(
+                f"ray_remote_args should be a dict of Ray actor options such as {{'num_cpus': 1}}, got {self.remote_args!r}"
+            )
+        t = self.startup_timeout_s
+        if not isinstance(t, numbers.Real) or isinstance(t, bool) or not t > 0:
+            raise ValueError(f"ray_startup_timeout_s should be a positive number of seconds, got {t!r}")
+        r = self.max_worker_restarts
+        if isinstance(r, bool) or not isinstance(r, int) or r < 0:
+            raise ValueError(f"ray_max_worker_restarts should be a non-negative int (0 disables recovery), got {r!r}")
+
+    @classmethod
+    def from_loader(cls, loader: Any) -> RayOptions:
+        """The options of any DataLoader: a raydl one's `ray_*` attributes, or the defaults for a torch one."""
+        defaults = cls()
+        return cls(
+            address=getattr(loader, "ray_address", defaults.address),
+            remote_args=getattr(loader, "ray_remote_args", defaults.remote_args),
+            startup_timeout_s=getattr(loader, "ray_startup_timeout_s", defaults.startup_timeout_s),
+            shared_dataset_memory=getattr(loader, "ray_shared_dataset_memory", defaults.shared_dataset_memory),
+            max_worker_restarts=getattr(loader, "ray_max_worker_restarts", defaults.max_worker_restarts),
+        )
