@@ -36,3 +36,10 @@ DEFAULT_WORKER_OPTIONS: dict = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
 
 # How many times a worker id may be replaced after its actor dies (NOTE [ raydl recovery ]).
 DEFAULT_MAX_WORKER_RESTARTS = 3
+
+# Idle worker actors kept warm for new loaders (NOTE [ raydl warm pool ]): how long one may stay
+# idle (overridable with RAYDL_IDLE_WORKER_TIMEOUT_S) and how many per set of actor options.
+WARM_IDLE_TIMEOUT_S = 120.0
+WARM_MAX_IDLE_PER_KEY = 16
+# A warm worker still running abandoned tasks this long after its loader ended is killed.
+WARM_DRAIN_TIMEOUT_S = 30.0

@@ -180,6 +180,7 @@ NOTE [ raydl shutdown ].
             self._num_workers,
             self._base_seed,
             worker_actor_options(options.remote_args),
+            reuse=options.reuse_workers,
         )
         self._epoch = 0
         self._reset(loader, first_iter=True)
@@ -312,9 +313,14 @@ NOTE [ raydl shutdown ])."""
         self._workers_num_tasks[task.worker_id] -= 1
         return task
 
+    def _abandon_task(self, idx: int) -> None:
+        """Forget task `idx` without using its result (its worker must finish it before being reused)."""
+        task = self._pop_task(idx)
+        self._pool.abandon(task.worker_id, task.ref)
+
     def _drop_all_tasks(self) -> None:
         for idx in list(getattr(self, "_task_info", {})):
-            self._pop_task(idx)
+            self._abandon_task(idx)
 
     def _next_data(self) -> Any:
         """The next batch, per NOTE [ raydl ordering ]; raises StopIteration at the end of the epoch."""
@@ -334,7 +340,7 @@ NOTE [ raydl shutdown ])."""
                 if task is not None:
                     if self._workers_status[task.worker_id]:
                         break
-                    self._pop_task(self._rcvd_idx)
+                    self._abandon_task(self._rcvd_idx)
                 self._rcvd_idx += 1
             else:
                 self._end_epoch()
@@ -372,7 +378,7 @@ NOTE [ raydl shutdown ])."""
         """Iterable worker `worker_id` has no more data this epoch: send it nothing more."""
         self._workers_status[worker_id] = False
         for idx in [i for i, t in self._task_info.items() if t.worker_id == worker_id]:
-            self._pop_task(idx)
+            self._abandon_task(idx)
 
     def _release_workers(self) -> None:
         """Steps 2 and 3 of NOTE [ raydl recovery ]
@@ -467,6 +473,7 @@ NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         on_worker = sorted(i for i, t in self._task_info.items() if t.worker_id == worker_id)
         suspect = self._task_info[on_worker[0]]
         cause = _first_line(error)
+        self._pool.mark_failed(worker_id)
         if self._is_iterable:
             self._fail()
             raise WorkerDiedError(

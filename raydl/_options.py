@@ -20,6 +20,7 @@ class RayOptions:
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     shared_dataset_memory: bool = False
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
+    reuse_workers: bool = True
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -45,4 +46,5 @@ class RayOptions:
             startup_timeout_s=getattr(loader, "ray_startup_timeout_s", defaults.startup_timeout_s),
             shared_dataset_memory=getattr(loader, "ray_shared_dataset_memory", defaults.shared_dataset_memory),
             max_worker_restarts=getattr(loader, "ray_max_worker_restarts", defaults.max_worker_restarts),
+            reuse_workers=getattr(loader, "ray_reuse_workers", defaults.reuse_workers),
         )

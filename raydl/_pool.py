@@ -6,9 +6,10 @@ import logging
 import time
 from typing import Any, Mapping, Optional
 
-from ._constants import INFEASIBLE_GRACE_S, STATUS_CHECK_INTERVAL_S
+from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, STATUS_CHECK_INTERVAL_S
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord, rebuild_worker_exception, remote_traceback
 from ._ray_utils import describe_placement
+from ._warm import WARM_POOL
 from ._worker import Worker
 
 __all__ = ["WorkerPool"]
@@ -29,11 +30,12 @@ def _worker_actor_class():
 
 
 class WorkerPool:
-    """`num_workers` worker actors sharing one payload ObjectRef.
+    """`num_workers` worker actors configured with one payload ObjectRef.
 
-    Construction only submits actor creation (all in parallel) and one `ready()` call each;
-    `wait_ready()` blocks, bounded, until every worker reports where it runs.
-    `shutdown()` is idempotent (see NOTE [ raydl shutdown ] in _iter.py).
+    Construction takes idle actors from the warm pool (NOTE [ raydl warm pool ]) when
+    `reuse` allows, starts the rest (all in parallel), and submits one `configure()` to each;
+    `wait_ready()` blocks, bounded, until every worker reports where it runs. `shutdown()` is
+    idempotent (NOTE [ raydl shutdown ] in _iter.py); it returns clean workers to the warm pool.
     """
 
     def __init__(
@@ -42,26 +44,58 @@ class WorkerPool:
         num_workers: int,
         base_seed: int,
         actor_options: Mapping[str, Any],
+        reuse: bool = True,
     ) -> None:
         self.num_workers = num_workers
         self.actor_options = dict(actor_options)
         self._payload_ref = payload_ref
         self._base_seed = base_seed
+        self._reuse = reuse
+        self._key = repr(sorted(self.actor_options.items(), key=lambda kv: kv[0]))
         cls = _worker_actor_class()
         try:
             self._configured = cls.options(**self.actor_options)
         except (TypeError, ValueError) as e:
             raise ValueError(f"raydl: invalid ray_remote_args {dict(actor_options)!r}: {e}") from None
-        self.actors = [self._start(wid) for wid in range(num_workers)]
-        self._ready_refs: list[Optional[Any]] = [a.ready.remote() for a in self.actors]
+        warm = WARM_POOL.take(self._key, num_workers) if reuse else []
+        # workers whose actor came from the warm pool and has not confirmed it is alive yet
+        self._unconfirmed_warm = set(range(len(warm)))
+        self.actors = warm + [self._configured.remote() for _ in range(num_workers - len(warm))]
+        self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
         # replacements made for each worker id (NOTE [ raydl recovery ] in _iter.py)
         self.restarts = [0] * num_workers
+        # refs of tasks the driver gave up on, per worker: a worker goes back to the warm pool
+        # only once all of them have finished (never with an unresolved task on it)
+        self._abandoned: list[list[Any]] = [[] for _ in range(num_workers)]
+        # workers that died or failed to start: never reused
+        self._failed: set[int] = set()
         self._alive = True
-        logger.debug("raydl: submitted %d worker actors (options %s)", num_workers, self.actor_options)
+        logger.debug(
+            "raydl: %d workers (%d warm) with options %s", num_workers, len(warm), self.actor_options
+        )
 
-    def _start(self, worker_id: int) -> Any:
-        return self._configured.remote(self._payload_ref, worker_id, self.num_workers, self._base_seed)
+    def abandon(self, worker_id: int, ref: Any) -> None:
+        """The driver no longer needs the result of `ref`, a task on worker `worker_id`.
+
+        Only unfinished refs are kept (finished ones are dropped so their objects are freed).
+        """
+        import ray
+
+        refs = self._abandoned[worker_id] + [ref]
+        _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+        self._abandoned[worker_id] = pending
+
+    def mark_failed(self, worker_id: int) -> None:
+        """Worker `worker_id` died or failed: it must never be reused."""
+        self._failed.add(worker_id)
+
+    def _configure(self, worker_id: int) -> Any:
+        return self.actors[worker_id].configure.remote(self._payload_ref, worker_id, self.num_workers, self._base_seed)
+
+    def _start_fresh(self, worker_id: int) -> None:
+        self.actors[worker_id] = self._configured.remote()
+        self._ready_refs[worker_id] = self._configure(worker_id)
 
     def replace(self, worker_id: int) -> None:
         """Kill worker `worker_id` (if still there) and start a new actor with the same id, seed and payload.
@@ -76,9 +110,10 @@ class WorkerPool:
         except Exception:  # already dead: the usual case
             pass
         self.restarts[worker_id] += 1
-        self.actors[worker_id] = self._start(worker_id)
+        self._abandoned[worker_id] = []
+        self._failed.discard(worker_id)
         # records[worker_id] keeps the old location until the new actor reports its own.
-        self._ready_refs[worker_id] = self.actors[worker_id].ready.remote()
+        self._start_fresh(worker_id)
         logger.debug("raydl: replaced worker %d (restart %d)", worker_id, self.restarts[worker_id])
 
     @property
@@ -115,35 +150,59 @@ class WorkerPool:
                 try:
                     info = ray.get(ref)
                 except RayTaskError as e:
+                    self._failed.add(wid)
                     raise rebuild_worker_exception(
                         e.cause, f"in raydl worker {wid} while starting", remote_traceback(e)
                     ) from None
                 except RayActorError as e:
+                    if wid in self._unconfirmed_warm:
+                        # An idle actor died while it waited in the warm pool: start a new one.
+                        self._unconfirmed_warm.discard(wid)
+                        self._start_fresh(wid)
+                        continue
+                    self._failed.add(wid)
                     raise WorkerDiedError(f"raydl worker {wid} died while starting: {e}") from None
+                self._unconfirmed_warm.discard(wid)
                 self.records[wid] = WorkerRecord(worker_id=wid, **info)
                 self._ready_refs[wid] = None
             if self.is_ready:
                 break
             waited_s = time.monotonic() - start
-            if waited_s >= min(INFEASIBLE_GRACE_S, timeout_s):
+            # A request no node can satisfy fails fast, unless the user raised the timeout (an
+            # autoscaling cluster that starts without the nodes it needs).
+            grace_s = min(INFEASIBLE_GRACE_S, timeout_s) if timeout_s <= DEFAULT_STARTUP_TIMEOUT_S else timeout_s
+            if waited_s >= grace_s:
                 n_pending = sum(r is not None for r in self._ready_refs)
                 feasible, msg = describe_placement(self.actor_options, n_pending, self.num_workers)
                 if not feasible or waited_s >= timeout_s:
+                    # never-placed actors must not linger as resource demand (an autoscaler would act on it)
+                    self._failed.update(w for w, ref in enumerate(self._ready_refs) if ref is not None)
                     self.shutdown()
                     raise WorkerPlacementError(f"{msg} (waited {waited_s:.0f} s)")
         logger.debug("raydl: %d workers ready: %s", self.num_workers, self.records)
 
+    def _is_clean(self, worker_id: int) -> bool:
+        """Whether the worker may serve another loader once its pending tasks (configure included) drain."""
+        return self._reuse and worker_id not in self._failed
+
     def shutdown(self) -> None:
-        """Kill every actor now (idempotent); pending and future calls on them fail."""
+        """End this pool (idempotent): clean, started workers go back to the warm pool, the rest are killed."""
         if not self._alive:
             return
         self._alive = False
         import ray
 
-        for actor in self.actors:
+        reusable = []
+        for wid, actor in enumerate(self.actors):
+            if self._is_clean(wid):
+                actor.reset.remote()  # runs after the tasks already sent to it
+                pending = self._abandoned[wid] + ([self._ready_refs[wid]] if self._ready_refs[wid] is not None else [])
+                reusable.append((actor, pending))
+                continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead, or Ray is shutting down
                 pass
+        WARM_POOL.give(self._key, reusable)
         self._ready_refs = [None] * self.num_workers
-        logger.debug("raydl: killed %d worker actors", self.num_workers)
+        logger.debug("raydl: pool ended (%d workers kept warm)", len(reusable))

@@ -68,23 +68,38 @@ def _describe_process() -> dict:
 class Worker:
     """Body of the raydl worker actor (`ray.remote` is applied by the pool, with the user's options).
 
-    Methods: `ready()` reports where the worker runs (or raises the start-up error), `fetch()`
-    makes one batch. An exception in user code escapes `fetch`, so Ray carries its type and
-    traceback to the driver (NOTE [ raydl errors ]).
+    An actor starts blank (its process has imported torch and raydl) and is given a loader's
+    payload by `configure()`, which seeds it, sets the worker info and runs worker_init_fn; a
+    blank actor can therefore be kept warm and configured for the next loader in milliseconds
+    (see _warm.py). `fetch()` makes one batch; `reset()` drops the loader's state before the
+    actor goes back to the warm pool. An exception in user code escapes `configure`/`fetch`, so
+    Ray carries its type and traceback to the driver (NOTE [ raydl errors ]).
     """
 
-    def __init__(self, payload: WorkerPayload | bytes, worker_id: int, num_workers: int, base_seed: int) -> None:
+    def __init__(self) -> None:
+        torch.set_num_threads(1)
+        self._worker_id = -1
+        self._payload: Optional[WorkerPayload] = None
+        self._fetcher: MapFetcher | IterableFetcher | None = None
+        self._init_error: Optional[BaseException] = None
+        self._epoch = 0
+
+    def __repr__(self) -> str:
+        # Ray prefixes the actor's log lines with this.
+        return f"raydl.Worker(id={self._worker_id})"
+
+    def configure(self, payload: WorkerPayload | bytes, worker_id: int, num_workers: int, base_seed: int) -> dict:
+        """Become worker `worker_id` of a loader, as torch's worker process starts; returns where it runs.
+
+        Raises the error of unpickling the payload, of `worker_init_fn` or of `iter(dataset)`.
+        """
+        self.reset()
+        self._worker_id = worker_id
         if isinstance(payload, bytes):  # the default: a private, writable copy, as torch's workers get
             from ray import cloudpickle
 
             payload = cloudpickle.loads(payload)
         self._payload = payload
-        self._worker_id = worker_id
-        self._epoch = 0
-        self._fetcher: MapFetcher | IterableFetcher | None = None
-        self._init_error: Optional[BaseException] = None
-
-        torch.set_num_threads(1)
         seed = base_seed + worker_id
         random.seed(seed)
         torch.manual_seed(seed)
@@ -96,25 +111,26 @@ class Worker:
             if payload.worker_init_fn is not None:
                 payload.worker_init_fn(worker_id)
             self._fetcher = self._make_fetcher()
-        except Exception as e:  # reported by ready(), like torch reports it on the first batch
+        except Exception as e:
             annotate_traceback(e)
             self._init_error = e
+            raise
+        return _describe_process()
 
-    def __repr__(self) -> str:
-        # Ray prefixes the actor's log lines with this.
-        return f"raydl.Worker(id={self._worker_id})"
+    def reset(self) -> None:
+        """Forget the current loader (dataset, fetcher, worker info) so the process can serve another."""
+        self._payload = None
+        self._fetcher = None
+        self._init_error = None
+        self._epoch = 0
+        _torch_worker._worker_info = None
 
     def _make_fetcher(self) -> MapFetcher | IterableFetcher:
         p = self._payload
+        assert p is not None
         if p.is_iterable:
             return IterableFetcher(p.dataset, p.auto_collation, p.collate_fn, p.drop_last)
         return MapFetcher(p.dataset, p.auto_collation, p.collate_fn)
-
-    def ready(self) -> dict:
-        """Where this worker runs; raises the error of `worker_init_fn` (or of `iter(dataset)`) if start-up failed."""
-        if self._init_error is not None:
-            raise self._init_error
-        return _describe_process()
 
     def fetch(self, epoch: int, index: Any) -> Any:
         """One batch for `index` (a list of indices, one index, or for iterables the batch length).
@@ -124,6 +140,8 @@ class Worker:
         """
         if self._init_error is not None:
             raise self._init_error
+        if self._payload is None:
+            raise RuntimeError("raydl worker used before configure(): this is a raydl bug")
         try:
             if epoch != self._epoch:
                 self._epoch = epoch

@@ -70,6 +70,12 @@ class DataLoader(_TorchDataLoader[T_co]):
             (its process exits or is killed, or its node leaves); its in-flight batches are
             resent, so no batch is lost or repeated. One more death raises `WorkerDiedError`
             naming the batch it was making. ``0`` disables recovery. Defaults to ``3``.
+        ray_reuse_workers (bool): when this loader's workers end cleanly, keep their started
+            processes warm for the next loader with the same ray_remote_args (its first batch
+            then skips process start-up); idle ones are released after
+            RAYDL_IDLE_WORKER_TIMEOUT_S seconds (120), at exit, or by
+            `raydl.release_idle_workers()`. ``False``: always new processes, killed at the end.
+            Defaults to ``True``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -99,6 +105,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S,
         ray_shared_dataset_memory: bool = False,
         ray_max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
+        ray_reuse_workers: bool = True,
     ) -> None:
         options = RayOptions(
             address=ray_address,
@@ -106,6 +113,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             startup_timeout_s=ray_startup_timeout_s,
             shared_dataset_memory=ray_shared_dataset_memory,
             max_worker_restarts=ray_max_worker_restarts,
+            reuse_workers=bool(ray_reuse_workers),
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -115,6 +123,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_startup_timeout_s = float(options.startup_timeout_s)
         self.ray_shared_dataset_memory = bool(options.shared_dataset_memory)
         self.ray_max_worker_restarts = options.max_worker_restarts
+        self.ray_reuse_workers = options.reuse_workers
         self.shuffle = shuffle
         self._ray_iterator: Optional[_RayLoaderIter] = None
         super().__init__(

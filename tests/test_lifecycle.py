@@ -29,8 +29,10 @@ def _state_address() -> str:
 
 
 def _alive_worker_actors() -> int:
+    """raydl worker actors alive in this Ray session, after releasing the idle ones kept warm."""
     from ray.util.state import list_actors
 
+    raydl.release_idle_workers()
     actors = list_actors(
         address=_state_address(), filters=[("state", "=", "ALIVE")], limit=10000, raise_on_missing_output=False
     )
@@ -239,3 +241,56 @@ def test_dataset_copy_is_private_unless_shared(ray_session, shared, writable):
         D.ArrayDataset(4), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_shared_dataset_memory=shared
     )
     assert {int(v) for b in loader for v in b[:, 1]} == {writable}
+
+
+@pytest.mark.usefixtures("ray_session")
+class TestWarmPool:
+    """NOTE [ raydl warm pool ]: clean workers serve the next loader; everything else is killed."""
+
+    def test_next_loader_reuses_clean_workers(self):
+        """A loader that ran to the end hands its started workers to the next loader with the same options."""
+        raydl.release_idle_workers()
+        first = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S)}
+        t0 = time.monotonic()
+        it = iter(raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S))
+        next(it)
+        warm_first_batch_s = time.monotonic() - t0
+        second = {int(b[0, 1]) for b in it} | set()
+        assert second <= first and len(first) == 2
+        assert warm_first_batch_s < 5  # generous: process start-up is what is skipped
+        del it
+
+    def test_reused_workers_are_seeded_like_new_ones(self):
+        """Workers taken from the warm pool are re-seeded: the batches still equal torch's."""
+        from tests._parity import assert_same_batches
+
+        for _ in range(2):
+            assert_same_batches(lambda: D.RandomAugmentDataset(8), batch_size=2, shuffle=True, num_workers=2)
+
+    def test_opt_out_and_other_options_get_new_processes(self):
+        """ray_reuse_workers=False never keeps workers; different ray_remote_args never share them."""
+        raydl.release_idle_workers()
+        base = _alive_worker_actors()
+        kwargs = dict(batch_size=1, num_workers=2, timeout=TIMEOUT_S)
+        list(raydl.DataLoader(D.PidDataset(2), ray_reuse_workers=False, **kwargs))
+        assert raydl._warm.WARM_POOL.idle_count() == 0
+        a = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(2), **kwargs)}
+        b = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(2), ray_remote_args={"num_cpus": 0.01}, **kwargs)}
+        assert not (a & b)
+        assert _wait_until(lambda: _alive_worker_actors() == base)
+
+    def test_idle_workers_released_after_timeout(self, monkeypatch):
+        """Idle warm workers are killed after RAYDL_IDLE_WORKER_TIMEOUT_S, and the reaper thread exits."""
+        from ray.util.state import list_actors
+
+        raydl.release_idle_workers()
+        monkeypatch.setenv("RAYDL_IDLE_WORKER_TIMEOUT_S", "1")
+        list(raydl.DataLoader(D.RangeDataset(2), batch_size=1, num_workers=2, timeout=TIMEOUT_S))
+
+        def alive():
+            actors = list_actors(address=_state_address(), filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
+            return sum(1 for a in actors if "Worker" in (a.class_name or ""))
+
+        assert raydl._warm.WARM_POOL.idle_count() == 2
+        assert _wait_until(lambda: raydl._warm.WARM_POOL.idle_count() == 0 and alive() == 0, timeout_s=20)
+        assert _wait_until(lambda: not [t for t in threading.enumerate() if t.name == "raydl_warm_reaper"], timeout_s=5)

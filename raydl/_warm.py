@@ -1,0 +1,204 @@
+"""A process-wide pool of idle, already-started worker actors, so a new loader starts in milliseconds.
+
+NOTE [ raydl warm pool ]
+Starting a Ray actor that imports torch takes seconds; configuring a started one takes
+milliseconds. When a loader's workers end cleanly (no task left on them), they are reset and
+kept here, keyed by their exact actor options, instead of being killed; the next loader with
+the same options takes them and configures them (new payload, seeds, worker_init_fn), so its
+first batch does not wait for process start-up. Bounds:
+  * at most MAX_IDLE_PER_KEY idle actors per option set (extra ones are killed at once);
+  * an actor idle for longer than the idle timeout (RAYDL_IDLE_WORKER_TIMEOUT_S, default
+    WARM_IDLE_TIMEOUT_S) is killed by a reaper thread, which exits when the pool is empty;
+  * `raydl.release_idle_workers()` kills them all now, and so does interpreter exit;
+  * a worker is handed out only once every task its last loader abandoned (an early `break`
+    leaves prefetched ones) has finished: configure() must not queue behind a stuck sample.
+    One still busy WARM_DRAIN_TIMEOUT_S after it was given back is killed;
+  * a worker that failed, or one from another Ray session, is never reused.
+`ray_reuse_workers=False` on a loader opts out: its workers are always new processes and are
+killed when it ends.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from ._constants import WARM_DRAIN_TIMEOUT_S, WARM_IDLE_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
+
+__all__ = ["WARM_POOL", "release_idle_workers"]
+
+logger = logging.getLogger(__name__)
+
+
+def _idle_timeout_s() -> float:
+    try:
+        return float(os.environ.get("RAYDL_IDLE_WORKER_TIMEOUT_S", WARM_IDLE_TIMEOUT_S))
+    except ValueError:
+        return WARM_IDLE_TIMEOUT_S
+
+
+def _session_id() -> str:
+    import ray
+
+    ctx = ray.get_runtime_context()
+    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+
+
+def _kill(actor: Any) -> None:
+    import ray
+
+    try:
+        ray.kill(actor, no_restart=True)
+    except Exception:  # already dead, or Ray gone
+        pass
+
+
+@dataclass
+class _Idle:
+    actor: Any
+    since_s: float
+    # tasks the last loader abandoned on it: the actor is handed out only once they finished
+    pending: list
+
+    def drained(self) -> bool:
+        if self.pending:
+            import ray
+
+            _, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0, fetch_local=False)
+        return not self.pending
+
+
+class WarmPool:
+    """Idle worker actors by option key; see NOTE [ raydl warm pool ]."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle: dict[str, list[_Idle]] = {}
+        self._session: str | None = None
+        self._reaper: threading.Thread | None = None
+        self._wake = threading.Event()
+
+    def take(self, key: str, n: int) -> list[Any]:
+        """Up to `n` idle actors started with options `key` (fresher ones first)."""
+        session = _session_id()
+        now = time.monotonic()
+        limit_s = _idle_timeout_s() * 0.8  # leave the reaper a margin: never hand out one it is killing
+        with self._lock:
+            if self._session != session:
+                self._idle.clear()  # handles from another Ray session are meaningless here
+                self._session = session
+            idle = self._idle.get(key, [])
+            taken = []
+            for entry in reversed(list(idle)):  # freshest first
+                if len(taken) == n:
+                    break
+                if now - entry.since_s >= limit_s:
+                    idle.remove(entry)
+                    _kill(entry.actor)
+                elif entry.drained():
+                    idle.remove(entry)
+                    taken.append(entry.actor)
+        if taken:
+            logger.debug("raydl: took %d warm workers", len(taken))
+        return taken
+
+    def give(self, key: str, actors: list[tuple[Any, list]]) -> None:
+        """Keep `(actor, unfinished abandoned refs)` pairs (reset queued) for later loaders; kill the surplus."""
+        if not actors:
+            return
+        session = _session_id()
+        now = time.monotonic()
+        surplus = []
+        with self._lock:
+            if self._session != session:
+                self._idle.clear()
+                self._session = session
+            idle = self._idle.setdefault(key, [])
+            for actor, pending in actors:
+                if len(idle) < WARM_MAX_IDLE_PER_KEY:
+                    idle.append(_Idle(actor, now, list(pending)))
+                else:
+                    surplus.append(actor)
+            self._ensure_reaper()
+        for actor in surplus:
+            _kill(actor)
+
+    def release_all(self) -> int:
+        """Kill every idle actor now; returns how many. The reaper thread then exits."""
+        with self._lock:
+            entries = [e for idle in self._idle.values() for e in idle]
+            self._idle.clear()
+            reaper = self._reaper
+        for entry in entries:
+            _kill(entry.actor)
+        self._wake.set()
+        if reaper is not None and reaper is not threading.current_thread():
+            reaper.join(timeout=5.0)
+        return len(entries)
+
+    def idle_count(self) -> int:
+        with self._lock:
+            return sum(len(v) for v in self._idle.values())
+
+    def _ensure_reaper(self) -> None:
+        # Called with the lock held.
+        if self._reaper is None or not self._reaper.is_alive():
+            self._wake.clear()
+            self._reaper = threading.Thread(target=self._reap_loop, name="raydl_warm_reaper", daemon=True)
+            self._reaper.start()
+
+    def _reap_loop(self) -> None:
+        while True:
+            self._wake.wait(timeout=1.0)
+            self._wake.clear()
+            timeout_s = _idle_timeout_s()
+            now = time.monotonic()
+            expired = []
+            with self._lock:
+                for key in list(self._idle):
+                    keep, gone = [], []
+                    for e in self._idle[key]:
+                        age_s = now - e.since_s
+                        stuck = age_s >= WARM_DRAIN_TIMEOUT_S and not e.drained()
+                        (gone if age_s >= timeout_s or stuck else keep).append(e)
+                    expired += gone
+                    if keep:
+                        self._idle[key] = keep
+                    else:
+                        del self._idle[key]
+                if not self._idle:
+                    self._reaper = None
+                    done = True
+                else:
+                    done = False
+            for entry in expired:
+                _kill(entry.actor)
+            if expired:
+                logger.debug("raydl: released %d idle warm workers", len(expired))
+            if done:
+                return
+
+
+WARM_POOL = WarmPool()
+
+
+def release_idle_workers() -> int:
+    """Kill the idle worker actors raydl keeps warm for new loaders; returns how many were released.
+
+    Idle workers also go by themselves after RAYDL_IDLE_WORKER_TIMEOUT_S seconds (default 120)
+    and at interpreter exit. Loaders that are running are not affected.
+    """
+    return WARM_POOL.release_all()
+
+
+@atexit.register
+def _release_at_exit() -> None:
+    try:
+        WARM_POOL.release_all()
+    except Exception:  # Ray may be gone already
+        pass
