@@ -52,6 +52,8 @@ def _session_id() -> str:
 def _kill(actor: Any) -> None:
     import ray
 
+    if not ray.is_initialized():  # Ray already shut down: its actors went with it (and never auto-init)
+        return
     try:
         ray.kill(actor, no_restart=True)
     except Exception:  # already dead, or Ray gone
