@@ -43,3 +43,12 @@ WARM_IDLE_TIMEOUT_S = 120.0
 WARM_MAX_IDLE_PER_KEY = 16
 # A warm worker still running abandoned tasks this long after its loader ended is killed.
 WARM_DRAIN_TIMEOUT_S = 30.0
+
+# How long raydl tries to open a TCP connection to an explicit Ray address before reporting that
+# nothing listens there (ray.init itself retries for minutes).
+CONNECT_PROBE_TIMEOUT_S = 5.0
+
+# NOTE [ raydl recovery ] stalls: with timeout=0, a batch outstanding this long, and more than
+# STALL_FACTOR times the typical batch latency, is reported once with a RuntimeWarning.
+STALL_WARN_MIN_S = 60.0
+STALL_FACTOR = 10.0

@@ -53,13 +53,14 @@ import logging
 import sys
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
 from torch.utils.data import IterableDataset
 
+from . import _constants
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._device import PinStage, pin_memory, pin_memory_target
 from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
@@ -94,6 +95,7 @@ class _Task:
     ref: Any
     index: Any
     work: Any
+    sent_s: float = field(default_factory=time.monotonic)
 
 
 class _RayLoaderIter(Iterator[Any]):
@@ -183,6 +185,8 @@ NOTE [ raydl shutdown ].
             reuse=options.reuse_workers,
         )
         self._epoch = 0
+        self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
+        self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
         self._reset(loader, first_iter=True)
 
     # ------------------------------------------------------------------ public surface
@@ -271,6 +275,7 @@ NOTE [ raydl shutdown ])."""
             self._state = _State.RUNNING
             self._source_ended = False
         self._num_yielded = 0
+        self._stall_reported: set[int] = set()  # task idxs already reported as stalled
         self._send_idx = 0  # idx of the next task to be sent to workers
         self._rcvd_idx = 0  # idx of the next task to be handed out in order
         self._task_info: dict[int, _Task] = {}
@@ -334,6 +339,7 @@ NOTE [ raydl shutdown ])."""
             except BaseException:
                 self._fail()
                 raise
+            self._ready_at_s = time.monotonic()
         while True:
             while self._rcvd_idx < self._send_idx:
                 task = self._task_info.get(self._rcvd_idx)
@@ -458,14 +464,36 @@ NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         deadline = self._deadline()
         while True:
             try:
-                return ray.get(task.ref, timeout=STATUS_CHECK_INTERVAL_S)
+                data = ray.get(task.ref, timeout=STATUS_CHECK_INTERVAL_S)
+                latency_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
+                self._typical_latency_s = latency_s if self._typical_latency_s is None else (
+                    0.8 * self._typical_latency_s + 0.2 * latency_s
+                )
+                return data
             except GetTimeoutError:
                 if deadline is not None and time.monotonic() >= deadline:
                     self._raise_timeout(idx, task)
+                if deadline is None:
+                    self._check_stall(idx, task)
             except (RayActorError, ObjectLostError) as e:
                 self._recover(task.worker_id, e)
                 task = self._task_info[idx]
                 deadline = self._deadline()
+
+    def _check_stall(self, idx: int, task: _Task) -> None:
+        """timeout=0: report (once) a batch outstanding far longer than its peers, instead of a silent hang."""
+        waited_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
+        typical_s = self._typical_latency_s or 0.0
+        if idx in self._stall_reported or waited_s < max(_constants.STALL_WARN_MIN_S, _constants.STALL_FACTOR * typical_s):
+            return
+        self._stall_reported.add(idx)
+        warnings.warn(
+            f"raydl: batch {idx} (indices {_short(task.index)}) has been outstanding for {waited_s:.0f} s on "
+            f"{self._pool.describe(task.worker_id)}; batches typically take {typical_s:.2f} s. The dataset may "
+            "be stuck there (a hung read, a deadlock). Pass timeout=<seconds> to make this an error.",
+            RuntimeWarning,
+            stacklevel=4,
+        )
 
     def _recover(self, worker_id: int, error: BaseException) -> None:
         """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
@@ -503,6 +531,7 @@ NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         except BaseException:
             self._fail()
             raise
+        self._ready_at_s = time.monotonic()
 
     # ------------------------------------------------------------------ pinning
 

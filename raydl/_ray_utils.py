@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import logging
 import os
+import socket
 import threading
 from typing import Any, Mapping, Optional
 
-from ._constants import DEFAULT_WORKER_OPTIONS
+from ._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS
 
 __all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement"]
 
@@ -51,10 +52,27 @@ def ensure_ray_initialized(ray_address: Optional[str]) -> None:
             _start_local_ray()
 
 
+def _probe(address: str, source: str) -> None:
+    """Fail within CONNECT_PROBE_TIMEOUT_S when `host:port` accepts no connection (ray.init would retry for minutes)."""
+    target = address[len("ray://") :] if address.startswith("ray://") else address
+    host, sep, port = target.rpartition(":")
+    if not sep or not port.isdigit():
+        return  # "auto", "local" or a form Ray resolves itself
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=CONNECT_PROBE_TIMEOUT_S):
+            pass
+    except OSError as e:
+        raise ConnectionError(
+            f"raydl could not reach a Ray cluster at {address!r} (given by {source}): {e}. Fix: start the "
+            f"cluster (`ray start --head`), correct the address, or unset {source} to let raydl start a local Ray."
+        ) from None
+
+
 def _connect(address: str, source: str) -> None:
     import ray
 
     logger.debug("raydl: connecting to Ray at %s (from %s)", address, source)
+    _probe(address, source)
     try:
         ray.init(address=address)
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:

@@ -249,3 +249,27 @@ class PoisonDataset(RangeDataset):
         if i == self.bad_index:
             os._exit(3)
         return torch.tensor([i])
+
+
+class ListDataset(Dataset):
+    """A plain list as a dataset: an out-of-range index raises the list's own IndexError."""
+
+    def __init__(self, n: int) -> None:
+        self.items = list(range(n))
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i):
+        return self.items[i]
+
+
+class BigSampleDataset(RangeDataset):
+    """Item i is a float32 tensor of `mb` megabytes filled with i (for object-store pressure)."""
+
+    def __init__(self, n: int, mb: int) -> None:
+        super().__init__(n)
+        self.numel = mb * 1024 * 1024 // 4
+
+    def __getitem__(self, i):
+        return torch.full((self.numel,), float(i))

@@ -1,0 +1,169 @@
+"""Stalls, bad input, interrupts, memory pressure and many loader cycles: clear errors, nothing leaked."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+import raydl
+from tests import _datasets as D
+
+TIMEOUT_S = 60
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _python(code: str, env_extra: dict | None = None, timeout_s: int = 120) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+    )
+
+
+def _alive_workers() -> int:
+    import ray
+    from ray.util.state import list_actors
+
+    raydl.release_idle_workers()
+    actors = list_actors(
+        address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
+    )
+    return sum(1 for a in actors if "Worker" in (a.class_name or ""))
+
+
+def _wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.2)
+    return predicate()
+
+
+def test_stalled_batch_is_reported(ray_session, monkeypatch):
+    """timeout=0: a batch stuck far longer than its peers is reported with its worker and indices, and still arrives."""
+    import raydl._constants as C
+
+    monkeypatch.setattr(C, "STALL_WARN_MIN_S", 1.0)
+    loader = raydl.DataLoader(D.SlowDataset(8, {5: 3.0}), batch_size=1, num_workers=2)
+    with pytest.warns(RuntimeWarning, match=r"batch 5 \(indices \[5\]\) has been outstanding .* raydl worker 1"):
+        batches = [int(b) for b in loader]
+    assert batches == list(range(8))
+
+
+def test_sampler_index_the_dataset_rejects(ray_session):
+    """A sampler yielding an index the dataset rejects: the dataset's own IndexError, naming worker and indices."""
+    loader = raydl.DataLoader(D.ListDataset(5), sampler=[0, 1, 9, 2], batch_size=2, num_workers=2, timeout=TIMEOUT_S)
+    it = iter(loader)
+    assert next(it).tolist() == [0, 1]
+    with pytest.raises(IndexError, match=r"raydl worker 1 .*batch 1 \(indices \[9, 2\]\)") as info:
+        next(it)
+    assert "list index out of range" in str(info.value)
+
+
+@pytest.mark.parametrize("source", ["ray_address", "RAY_ADDRESS"])
+def test_address_pointing_nowhere_fails_fast(source):
+    """ray_address / RAY_ADDRESS naming no cluster: a ConnectionError naming it and the fix, within seconds."""
+    arg = ', ray_address="127.0.0.1:9"' if source == "ray_address" else ""
+    proc = _python(
+        f"""
+        import time, raydl
+        from tests import _datasets as D
+        t0 = time.monotonic()
+        try:
+            list(raydl.DataLoader(D.RangeDataset(4), num_workers=1{arg}))
+        except ConnectionError as e:
+            print("ERR", round(time.monotonic() - t0, 1), e)
+        """,
+        env_extra={"RAY_ADDRESS": "127.0.0.1:9"} if source == "RAY_ADDRESS" else None,
+        timeout_s=60,
+    )
+    assert "ERR" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-2000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("ERR"))
+    assert float(line.split()[1]) < 30
+    assert "127.0.0.1:9" in line and source in line and "Fix:" in line
+
+
+@pytest.mark.parametrize("how", ["sigint", "exit"])
+def test_interrupted_driver_leaves_no_actor(ray_session, how):
+    """A driver process interrupted (SIGINT) or exiting mid-epoch on a shared cluster leaves no worker behind."""
+    import ray
+
+    base = _alive_workers()
+    stop = "os.kill(os.getpid(), signal.SIGINT)" if how == "sigint" else "sys.exit(3)"
+    proc = _python(
+        f"""
+        import os, signal, sys, raydl
+        from tests import _datasets as D
+        loader = raydl.DataLoader(D.SlowDataset(64, {{i: 0.2 for i in range(64)}}), batch_size=2, num_workers=3,
+                                  persistent_workers=True)
+        for i, batch in enumerate(loader):
+            print("batch", i, flush=True)
+            if i == 2:
+                {stop}
+        """,
+        env_extra={
+            "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
+            "RAY_AUTH_MODE": "token",
+            # a driver joining a loopback cluster must not rewrite 127.0.0.1 to the routable IP
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        },
+    )
+    assert "batch 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+    assert proc.returncode != 0
+    if how == "sigint":
+        assert "KeyboardInterrupt" in proc.stderr
+    assert _wait_until(lambda: _alive_workers() == base, timeout_s=45)
+
+
+def test_two_hundred_cycles_leave_resources_and_memory_where_they_began(ray_session):
+    """200 cycles of create / iterate partly / drop: no actor, object or Ray resource leaked; driver RSS flat."""
+    import psutil
+    import ray
+    from ray.util.state import list_objects
+
+    def cycle(i):
+        loader = raydl.DataLoader(D.RangeDataset(64), batch_size=4, num_workers=2, shuffle=True, timeout=TIMEOUT_S)
+        it = iter(loader)
+        for _ in range(i % 4):
+            next(it)
+        del it, loader
+
+    for i in range(20):  # warm up: imports, warm pool, caches
+        cycle(i)
+    gc.collect()
+    base_workers = _alive_workers()
+    base_resources = ray.available_resources()
+    address = ray.get_runtime_context().gcs_address
+    base_objects = len(list_objects(address=address, raise_on_missing_output=False))
+    rss0 = psutil.Process().memory_info().rss
+    for i in range(200):
+        cycle(i)
+    gc.collect()
+    rss1 = psutil.Process().memory_info().rss
+    assert _wait_until(lambda: _alive_workers() == base_workers, timeout_s=60)
+    assert _wait_until(lambda: len(list_objects(address=address, raise_on_missing_output=False)) <= base_objects)
+    after = ray.available_resources()
+    assert {k: v for k, v in after.items() if k != "object_store_memory"} == {
+        k: v for k, v in base_resources.items() if k != "object_store_memory"
+    }
+    assert rss1 - rss0 < 0.05 * rss0 + 30 * 1024**2, f"driver RSS grew {(rss1 - rss0) / 1024**2:.1f} MiB"
+
+
+def test_batches_larger_than_the_object_store_comfortably_holds(ray_session):
+    """Batches of 48 MB with 4 in flight against a 200 MB store: spilling or back-pressure, never a crash or loss."""
+    loader = raydl.DataLoader(D.BigSampleDataset(24, mb=12), batch_size=4, num_workers=2, timeout=120)
+    it = iter(loader)
+    sums = []
+    for batch in it:
+        assert it._tasks_outstanding <= 2 * 2
+        sums.append(float(batch[:, 0].sum()))
+        del batch
+    assert sums == [float(sum(range(i, i + 4))) for i in range(0, 24, 4)]
