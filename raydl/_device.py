@@ -21,7 +21,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
 from ._constants import PIN_LOOKAHEAD_BATCHES, PIN_THREAD_JOIN_TIMEOUT_S, STATUS_CHECK_INTERVAL_S
 
-__all__ = ["pin_memory", "pin_memory_target", "PinStage"]
+__all__ = ["pin_memory", "pin_memory_target", "PinStage", "DeviceCopier", "resolve_device"]
 
 _DATA, _ERROR = "data", "error"
 
@@ -39,6 +39,99 @@ def pin_memory_target(pin_memory_flag: bool) -> Optional[str]:
     if acc is None or acc.type == "mps":
         return None
     return acc.type
+
+
+def resolve_device(device: Any) -> Optional[torch.device]:
+    """`ray_device` as a torch.device (None when unset); only CUDA devices are supported.
+
+    Raises:
+        ValueError: not a CUDA device, or CUDA is not available in this process.
+    """
+    if device is None:
+        return None
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        raise ValueError(f"ray_device supports CUDA devices only (e.g. 'cuda' or 'cuda:1'), got {device!r}")
+    if not torch.cuda.is_available():
+        raise ValueError(f"ray_device={device!r} but CUDA is not available here; drop ray_device on CPU-only machines")
+    if dev.index is None:
+        dev = torch.device("cuda", torch.cuda.current_device())
+    return dev
+
+
+def _to_device(data: Any, device: torch.device) -> Any:
+    """Copy every tensor in `data` to `device` (non_blocking: the sources are pinned), keeping container types."""
+    if isinstance(data, torch.Tensor):
+        return data.to(device, non_blocking=True)
+    kind = type(data)
+    if kind is dict:
+        return {k: _to_device(v, device) for k, v in data.items()}
+    if kind is list:
+        return [_to_device(v, device) for v in data]
+    if isinstance(data, tuple):
+        if hasattr(data, "_fields"):
+            return kind(*(_to_device(v, device) for v in data))
+        if kind is tuple:
+            return tuple(_to_device(v, device) for v in data)
+    if hasattr(data, "to") and callable(data.to) and not isinstance(data, (str, bytes)):
+        try:
+            return data.to(device, non_blocking=True)
+        except TypeError:
+            return data
+    return data
+
+
+def _tensors(data: Any):
+    if isinstance(data, torch.Tensor):
+        yield data
+    elif type(data) is dict:
+        for v in data.values():
+            yield from _tensors(v)
+    elif isinstance(data, (list, tuple)):
+        for v in data:
+            yield from _tensors(v)
+
+
+class _OnDevice:
+    """A batch copied on the side stream, and the event marking the copy's end."""
+
+    __slots__ = ("data", "event")
+
+    def __init__(self, data: Any, event: Any) -> None:
+        self.data, self.event = data, event
+
+
+class DeviceCopier:
+    """Copies pinned batches to a CUDA device on a side stream (in the pin thread); `finish` hands them over.
+
+    NOTE [ raydl device transfer ]
+    The pin thread issues the host-to-device copy of batch k+1 on a side stream with
+    non_blocking=True while the training loop runs on batch k; an event recorded after the
+    copy is waited on by the consumer's current stream in `finish` (a GPU-side wait, no host
+    sync), and each tensor is marked as used on that stream (`record_stream`) so the caching
+    allocator does not reuse its memory while the training step may still read it.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device=device)
+
+    def __call__(self, pinned: Any) -> _OnDevice:
+        with torch.cuda.stream(self.stream):
+            data = _to_device(pinned, self.device)
+            event = torch.cuda.Event()
+            event.record(self.stream)
+        return _OnDevice(data, event)
+
+    def finish(self, item: Any) -> Any:
+        if not isinstance(item, _OnDevice):
+            return item
+        current = torch.cuda.current_stream(self.device)
+        current.wait_event(item.event)
+        for t in _tensors(item.data):
+            if t.device.type == "cuda":
+                t.record_stream(current)
+        return item.data
 
 
 def _pin_memory_loop(

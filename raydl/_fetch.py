@@ -10,6 +10,7 @@ raydl's own fetchers: torch's are private. Their behaviour is torch's, to the bi
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
 __all__ = ["MapFetcher", "IterableFetcher", "StreamEnd"]
@@ -28,18 +29,28 @@ class StreamEnd:
 
 
 class MapFetcher:
-    """Fetch from a map-style dataset by index or by list of indices."""
+    """Fetch from a map-style dataset by index or by list of indices.
 
-    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable) -> None:
+    With `threads > 1`, the samples of one batch are fetched by that many threads (for datasets
+    that wait on I/O or release the GIL); results keep the batch's index order.
+    """
+
+    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable, threads: int = 1) -> None:
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
+        self.threads = threads
+        self._executor: ThreadPoolExecutor | None = None
 
     def fetch(self, index: Any) -> Any:
         if self.auto_collation:
             getitems = getattr(self.dataset, "__getitems__", None)
             if getitems:
                 data = getitems(index)
+            elif self.threads > 1 and len(index) > 1:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(self.threads, thread_name_prefix="raydl_fetch")
+                data = list(self._executor.map(self.dataset.__getitem__, index))
             else:
                 data = [self.dataset[i] for i in index]
         else:

@@ -62,11 +62,12 @@ from torch.utils.data import IterableDataset
 
 from . import _constants
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
-from ._device import PinStage, pin_memory, pin_memory_target
+from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
 from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
 from ._fetch import StreamEnd
 from ._options import RayOptions
 from ._payload import put_payload
+from ._transfer import decode
 from ._pool import WorkerPool
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
 from ._worker import WorkerPayload
@@ -132,6 +133,7 @@ NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader) -> None:
+        options = RayOptions.from_loader(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
         self._auto_collation = loader.batch_sampler is not None
@@ -141,7 +143,6 @@ NOTE [ raydl shutdown ].
         self._timeout = loader.timeout
         self._persistent_workers = loader.persistent_workers
         self._in_order = loader.in_order
-        options = RayOptions.from_loader(loader)
         self._startup_timeout_s = options.startup_timeout_s
         self._max_worker_restarts = options.max_worker_restarts
         self._IterableDataset_len_called = loader._IterableDataset_len_called
@@ -162,6 +163,11 @@ NOTE [ raydl shutdown ].
                 stacklevel=3,
             )
         self._pin_device = pin_memory_target(loader.pin_memory)
+        self._copier: Optional[DeviceCopier] = None
+        target = resolve_device(options.device)
+        if target is not None:  # batches go to the GPU from pinned memory: pinning is implied
+            self._pin_device = "cuda"
+            self._copier = DeviceCopier(target)
 
         # torch draws the base seed after creating the sampler iterator and before the first
         # index: the generator is consumed in the same order here.
@@ -176,6 +182,7 @@ NOTE [ raydl shutdown ].
             collate_fn=loader.collate_fn,
             drop_last=loader.drop_last,
             worker_init_fn=loader.worker_init_fn,
+            threads_per_worker=options.threads_per_worker,
         )
         self._pool = WorkerPool(
             put_payload(payload, options.shared_dataset_memory),
@@ -205,7 +212,8 @@ NOTE [ raydl shutdown ].
     def __next__(self) -> Any:
         if self._state == _State.SHUT_DOWN:
             raise StopIteration
-        data = self._next_pinned() if self._pin_device is not None else self._next_data()
+        # Batches arrive encoded (NOTE [ raydl zero-copy ]); decoding makes the driver's one copy.
+        data = self._next_pinned() if self._pin_device is not None else decode(self._next_data())
         self._num_yielded += 1
         if (
             self._is_iterable
@@ -538,10 +546,13 @@ NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
     def _next_pinned(self) -> Any:
         """Keep up to PIN_LOOKAHEAD_BATCHES resolved batches in the pin thread; hand out the oldest."""
         if self._pin_stage is None:
-            device = self._pin_device
-            self._pin_stage = PinStage(
-                lambda data: pin_memory(data, device), torch.accelerator.current_device_index()
-            )
+            device, copier = self._pin_device, self._copier
+
+            def pin_fn(data: Any) -> Any:
+                pinned = pin_memory(decode(data, pin=True), device)
+                return copier(pinned) if copier is not None else pinned
+
+            self._pin_stage = PinStage(pin_fn, torch.accelerator.current_device_index())
         stage = self._pin_stage
         while stage.in_flight < PIN_LOOKAHEAD_BATCHES and not self._source_ended:
             try:
@@ -557,7 +568,8 @@ NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
             if not self._persistent_workers:
                 self.shutdown()
             raise StopIteration
-        return stage.take()
+        data = stage.take()
+        return self._copier.finish(data) if self._copier is not None else data
 
 
 def _first_line(error: BaseException, limit: int = 300) -> str:

@@ -6,6 +6,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, Mapping, Optional
 
+import torch
+
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 
 __all__ = ["RayOptions"]
@@ -21,6 +23,8 @@ class RayOptions:
     shared_dataset_memory: bool = False
     max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS
     reuse_workers: bool = True
+    threads_per_worker: int = 1
+    device: Any = None
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -35,6 +39,11 @@ class RayOptions:
         r = self.max_worker_restarts
         if isinstance(r, bool) or not isinstance(r, int) or r < 0:
             raise ValueError(f"ray_max_worker_restarts should be a non-negative int (0 disables recovery), got {r!r}")
+        if self.device is not None and not isinstance(self.device, (str, torch.device)):
+            raise TypeError(f"ray_device should be None, a str such as 'cuda:0' or a torch.device, got {self.device!r}")
+        n = self.threads_per_worker
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"ray_threads_per_worker should be a positive int (1: no threads), got {n!r}")
 
     @classmethod
     def from_loader(cls, loader: Any) -> RayOptions:
@@ -47,4 +56,6 @@ class RayOptions:
             shared_dataset_memory=getattr(loader, "ray_shared_dataset_memory", defaults.shared_dataset_memory),
             max_worker_restarts=getattr(loader, "ray_max_worker_restarts", defaults.max_worker_restarts),
             reuse_workers=getattr(loader, "ray_reuse_workers", defaults.reuse_workers),
+            threads_per_worker=getattr(loader, "ray_threads_per_worker", defaults.threads_per_worker),
+            device=getattr(loader, "ray_device", defaults.device),
         )

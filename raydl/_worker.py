@@ -28,6 +28,7 @@ import torch.utils.data._utils.worker as _torch_worker
 
 from ._errors import annotate_traceback
 from ._fetch import IterableFetcher, MapFetcher, StreamEnd
+from ._transfer import encode
 
 __all__ = ["WorkerPayload", "Worker", "numpy_seed_state", "get_worker_info"]
 
@@ -42,6 +43,7 @@ class WorkerPayload:
     collate_fn: Callable
     drop_last: bool
     worker_init_fn: Optional[Callable[[int], None]]
+    threads_per_worker: int = 1
 
 
 def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
@@ -130,7 +132,7 @@ class Worker:
         assert p is not None
         if p.is_iterable:
             return IterableFetcher(p.dataset, p.auto_collation, p.collate_fn, p.drop_last)
-        return MapFetcher(p.dataset, p.auto_collation, p.collate_fn)
+        return MapFetcher(p.dataset, p.auto_collation, p.collate_fn, p.threads_per_worker)
 
     def fetch(self, epoch: int, index: Any) -> Any:
         """One batch for `index` (a list of indices, one index, or for iterables the batch length).
@@ -148,7 +150,7 @@ class Worker:
                 if self._payload.is_iterable:
                     self._fetcher = self._make_fetcher()
             assert self._fetcher is not None
-            return self._fetcher.fetch(index)
+            return encode(self._fetcher.fetch(index))
         except StopIteration:
             if self._payload.is_iterable:
                 return StreamEnd(self._worker_id)

@@ -76,6 +76,15 @@ class DataLoader(_TorchDataLoader[T_co]):
             RAYDL_IDLE_WORKER_TIMEOUT_S seconds (120), at exit, or by
             `raydl.release_idle_workers()`. ``False``: always new processes, killed at the end.
             Defaults to ``True``.
+        ray_threads_per_worker (int): threads each worker uses to fetch the samples of a batch,
+            for I/O-bound datasets (remote reads, decoders that release the GIL). Batch content
+            and order stay deterministic (draws from global RNGs inside __getitem__ are then
+            not). Map-style datasets without __getitems__ only. Defaults to ``1``.
+        ray_device (str or torch.device, optional): a CUDA device ("cuda", "cuda:1"): batches
+            are handed to the loop already on it, copied from pinned memory with
+            non_blocking=True on a side stream in the pin thread, so the copy of batch k+1
+            overlaps the step on batch k (the current stream waits on the copy's event).
+            Implies pinning. Defaults to ``None`` (batches stay on the CPU, as torch's).
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -106,6 +115,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_shared_dataset_memory: bool = False,
         ray_max_worker_restarts: int = DEFAULT_MAX_WORKER_RESTARTS,
         ray_reuse_workers: bool = True,
+        ray_threads_per_worker: int = 1,
+        ray_device: Any = None,
     ) -> None:
         options = RayOptions(
             address=ray_address,
@@ -114,6 +125,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             shared_dataset_memory=ray_shared_dataset_memory,
             max_worker_restarts=ray_max_worker_restarts,
             reuse_workers=bool(ray_reuse_workers),
+            threads_per_worker=ray_threads_per_worker,
+            device=ray_device,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -124,6 +137,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_shared_dataset_memory = bool(options.shared_dataset_memory)
         self.ray_max_worker_restarts = options.max_worker_restarts
         self.ray_reuse_workers = options.reuse_workers
+        self.ray_threads_per_worker = options.threads_per_worker
+        self.ray_device = options.device
         self.shuffle = shuffle
         self._ray_iterator: Optional[_RayLoaderIter] = None
         super().__init__(

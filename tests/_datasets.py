@@ -273,3 +273,30 @@ class BigSampleDataset(RangeDataset):
 
     def __getitem__(self, i):
         return torch.full((self.numel,), float(i))
+
+
+class ImageDataset(RangeDataset):
+    """Deterministic 'images' big enough to travel zero-copy: uint8, float16, bool, int64 and bfloat16 fields."""
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {
+            "image": torch.randint(0, 256, (3, 64, 64), generator=g, dtype=torch.uint8),
+            "half": torch.rand(64, 64, generator=g).half(),
+            "mask": torch.rand(64, 64, generator=g) > 0.5,
+            "ids": torch.arange(i, i + 4096),
+            "bf16": torch.rand(128, 128, generator=g).bfloat16(),
+            "label": i % 10,
+        }
+
+
+class SleepyDataset(RangeDataset):
+    """Each sample waits `sleep_s` (I/O stand-in) and records the thread that fetched it."""
+
+    def __init__(self, n: int, sleep_s: float) -> None:
+        super().__init__(n)
+        self.sleep_s = sleep_s
+
+    def __getitem__(self, i):
+        time.sleep(self.sleep_s)
+        return torch.tensor([i, threading.get_ident() % 100000])

@@ -117,3 +117,38 @@ def test_pin_memory_on_cuda(ray_session):
     assert len(batches) == 4
     assert all(b["x"].is_pinned() for b in batches)
     assert [b["id"].tolist() for b in batches] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU-only path")
+def test_ray_device_without_cuda_is_a_clear_error(ray_session):
+    """ray_device='cuda' where CUDA is absent fails at iteration with a message naming the option."""
+    loader = raydl.DataLoader(D.RangeDataset(4), num_workers=1, ray_device="cuda")
+    with pytest.raises(ValueError, match="ray_device='cuda' but CUDA is not available"):
+        iter(loader)
+    with pytest.raises(TypeError, match="ray_device"):
+        raydl.DataLoader(D.RangeDataset(4), num_workers=1, ray_device=3)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA unavailable")
+@pytest.mark.gpu
+def test_device_copier_overlaps_and_synchronises():
+    """DeviceCopier copies pinned batches on a side stream; finish() makes the current stream wait; values intact."""
+    from raydl._device import DeviceCopier, PinStage, pin_memory
+
+    copier = DeviceCopier(torch.device("cuda", 0))
+    stage = PinStage(lambda data: copier(pin_memory(data)))
+    try:
+        batches = [{"x": torch.full((1024, 1024), float(i)), "y": torch.tensor([i])} for i in range(6)]
+        for b in batches[:2]:
+            stage.submit_data(b)
+        out = []
+        for i in range(6):
+            got = copier.finish(stage.take())
+            if i + 2 < 6:
+                stage.submit_data(batches[i + 2])
+            got["x"].mul_(2)  # a step on the current stream, after the copy's event
+            out.append(got)
+        torch.cuda.synchronize()
+        assert all(o["x"].is_cuda and float(o["x"][0, 0]) == 2 * i and int(o["y"]) == i for i, o in enumerate(out))
+    finally:
+        stage.shutdown()

@@ -1,0 +1,91 @@
+"""How batch tensors travel from a worker to the driver without a pickle copy of their data.
+
+NOTE [ raydl zero-copy ]
+Ray stores NumPy arrays in its object store out of band: the driver maps them read-only, with
+no copy. torch tensors, by contrast, are pickled through their storage bytes (a copy on each
+side). So a worker `encode`s each dense CPU tensor of its batch as a `_TensorView` holding the
+tensor's memory as a NumPy array (a view, no copy), and the driver `decode`s it back into a
+tensor. The mapped memory is read-only, while torch's DataLoader hands out writable tensors:
+decoding therefore makes the driver's one copy — into pinned memory when pinning (the pin
+thread decodes), into ordinary memory otherwise. Tensors NumPy cannot represent (bfloat16,
+complex32, quantized, sparse, non-CPU) and containers other than dict, list, tuple and
+namedtuple travel as Ray pickles them, unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+__all__ = ["encode", "decode"]
+
+# Below this size a pickle copy costs less than the bookkeeping (and Ray inlines small objects).
+_MIN_ZERO_COPY_BYTES = 64 * 1024
+
+
+class _TensorView:
+    """A CPU tensor's memory as a NumPy array, plus what is needed to rebuild the exact tensor."""
+
+    __slots__ = ("array", "dtype", "shape")
+
+    def __init__(self, array: np.ndarray, dtype: torch.dtype, shape: tuple) -> None:
+        self.array, self.dtype, self.shape = array, dtype, shape
+
+    def __reduce__(self):
+        return (_TensorView, (self.array, self.dtype, self.shape))
+
+
+def _encode_tensor(t: torch.Tensor) -> Any:
+    if (
+        type(t) is not torch.Tensor
+        or t.device.type != "cpu"
+        or t.layout != torch.strided
+        or t.is_quantized
+        or t.requires_grad
+        or t.dtype not in _NUMPY_DTYPES
+        or not t.is_contiguous()  # keep torch's strides exactly: such tensors travel pickled
+        or t.numel() * t.element_size() < _MIN_ZERO_COPY_BYTES
+    ):
+        return t
+    return _TensorView(t.numpy(), t.dtype, tuple(t.shape))
+
+
+_NUMPY_DTYPES = {
+    torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+    torch.float16, torch.float32, torch.float64, torch.complex64, torch.complex128,
+}  # fmt: skip
+
+
+def _walk(data: Any, leaf: Callable[[Any], Any]) -> Any:
+    """Apply `leaf` to every element of exact dicts, lists, tuples and namedtuples, keeping their types."""
+    kind = type(data)
+    if kind is dict:
+        return {k: _walk(v, leaf) for k, v in data.items()}
+    if kind is list:
+        return [_walk(v, leaf) for v in data]
+    if kind is tuple:
+        return tuple(_walk(v, leaf) for v in data)
+    if isinstance(data, tuple) and hasattr(data, "_fields") and type(data).__bases__ == (tuple,):
+        return kind(*(_walk(v, leaf) for v in data))
+    return leaf(data)
+
+
+def encode(batch: Any) -> Any:
+    """Worker side: replace large dense CPU tensors by zero-copy `_TensorView`s."""
+    return _walk(batch, lambda x: _encode_tensor(x) if isinstance(x, torch.Tensor) else x)
+
+
+def _decode_leaf(x: Any, pin: bool) -> Any:
+    if type(x) is not _TensorView:
+        return x
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+    # The one copy: from the read-only object-store mapping into memory the caller owns.
+    np.copyto(out.numpy(), x.array.reshape(x.shape), casting="no")
+    return out
+
+
+def decode(batch: Any, pin: bool = False) -> Any:
+    """Driver side: rebuild tensors from `_TensorView`s with one copy (into pinned memory if `pin`)."""
+    return _walk(batch, lambda x: _decode_leaf(x, pin))

@@ -1,0 +1,66 @@
+"""Zero-copy batch transfer and threaded fetching: same batches as torch, tensors safe to use."""
+
+from __future__ import annotations
+
+import functools
+import pickle
+from collections import namedtuple
+
+import pytest
+import torch
+
+import raydl
+from raydl._transfer import _TensorView, decode, encode
+from tests import _datasets as D
+from tests._parity import assert_same_batches
+
+Pair = namedtuple("Pair", ["a", "b"])
+
+
+def test_encode_decode_round_trip_keeps_types_and_values():
+    """Large dense tensors become views and come back equal, writable, contiguous; others travel untouched."""
+    big = torch.arange(50000, dtype=torch.float32).view(500, 100)
+    batch = {
+        "big": big,
+        "small": torch.ones(3),
+        "pair": Pair(torch.zeros(40000, dtype=torch.int64), "x"),
+        "bf16": torch.ones(100000, dtype=torch.bfloat16),
+        "strided": torch.ones(400, 400)[:, ::2],
+        "list": [big, 7],
+    }
+    encoded = encode(batch)
+    assert type(encoded["big"]) is _TensorView and type(encoded["pair"].a) is _TensorView
+    assert type(encoded["small"]) is torch.Tensor and type(encoded["bf16"]) is torch.Tensor
+    assert type(encoded["strided"]) is torch.Tensor, "non-contiguous tensors keep torch's strides via pickling"
+    decoded = decode(pickle.loads(pickle.dumps(encoded)))
+    assert type(decoded["pair"]) is Pair and decoded["list"][1] == 7
+    for key in ("big", "small", "bf16", "strided"):
+        assert torch.equal(decoded[key], batch[key]) and decoded[key].stride() == batch[key].stride()
+    decoded["big"][0, 0] = -1.0  # writable, like torch's
+    assert batch["big"][0, 0] == 0.0
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_large_batches_match_torch_and_are_writable():
+    """Image-sized batches (uint8, float16, bool, int64, bfloat16) equal torch's and can be written in place."""
+    batches = assert_same_batches(functools.partial(D.ImageDataset, 12), batch_size=4, shuffle=True)
+    for batch in batches[0]:
+        batch["image"] += 1
+        batch["half"].mul_(2)
+        assert batch["image"].is_contiguous()
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_threads_per_worker_keeps_order_and_content():
+    """ray_threads_per_worker fetches a batch's samples on several threads, in the batch's order."""
+    kwargs = dict(batch_size=8, num_workers=1, timeout=60)
+    plain = [b[:, 0].tolist() for b in raydl.DataLoader(D.SleepyDataset(32, 0.01), **kwargs)]
+    batches = list(raydl.DataLoader(D.SleepyDataset(32, 0.01), ray_threads_per_worker=8, **kwargs))
+    assert [b[:, 0].tolist() for b in batches] == plain == [list(range(i, i + 8)) for i in range(0, 32, 8)]
+    assert max(len(set(b[:, 1].tolist())) for b in batches) > 1, "samples were not fetched on several threads"
+
+
+def test_threads_per_worker_validation():
+    """ray_threads_per_worker must be a positive int."""
+    with pytest.raises(ValueError, match="ray_threads_per_worker"):
+        raydl.DataLoader(D.RangeDataset(4), num_workers=1, ray_threads_per_worker=0)
