@@ -8,6 +8,9 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
+import torch  # noqa: E402
+
+import raydl  # noqa: E402
 from tests import _datasets as D  # noqa: E402
 from tests._parity import assert_same_batches  # noqa: E402
 
@@ -45,5 +48,12 @@ def configurations(draw):
 def test_random_configurations_match_torch(config, seed):
     """Any dataset size, batching, sampler, num_workers, prefetch_factor and in_order gives torch's batches."""
     n, cfg = config
+    try:
+        torch.utils.data.DataLoader(D.RangeDataset(n), **cfg)
+    except ValueError as expected:  # e.g. shuffle over an empty dataset: raydl must refuse it alike
+        with pytest.raises(ValueError) as actual:
+            raydl.DataLoader(D.RangeDataset(n), **cfg)
+        assert str(actual.value) == str(expected)
+        return
     compare = "exact" if cfg["in_order"] else "multiset"
     assert_same_batches(lambda: D.RangeDataset(n), seed=seed, compare=compare, torch_workers=0, **cfg)
