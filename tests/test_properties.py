@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
@@ -43,7 +45,7 @@ def configurations(draw):
 
 
 @pytest.mark.usefixtures("ray_session")
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=25, deadline=None, derandomize=bool(os.environ.get("CI")), suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(configurations(), st.integers(min_value=0, max_value=2**31 - 1))
 def test_random_configurations_match_torch(config, seed):
     """Any dataset size, batching, sampler, num_workers, prefetch_factor and in_order gives torch's batches."""
