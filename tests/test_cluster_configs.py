@@ -322,6 +322,18 @@ def test_local_cluster_starts_three_loopback_nodes_and_stops_them(tmp_path):
         assert result["ips"] == ["127.0.0.1"]
         assert result["data"] == 8 and result["trainer"] == 1
         assert result["used"] and set(result["used"]) <= set(result["data_nodes"])
+
+        # examples/cluster_training.py, as its docstring says to run it, against this cluster.
+        example = subprocess.run(
+            [sys.executable, os.path.join(repo, "examples", "cluster_training.py"), "--address", address],
+            env=driver_env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=repo,
+        )
+        assert example.returncode == 0, example.stdout[-3000:] + example.stderr[-3000:]
+        assert "finished: workers ran on 2 data node(s)" in example.stdout, example.stdout[-3000:]
     finally:
         stopped = script("stop", check=False)
     assert stopped.returncode == 0, stopped.stdout + stopped.stderr
