@@ -110,26 +110,7 @@ class _RayLoaderIter(Iterator[Any]):
       * `_tasks_outstanding == len(_task_info) <= prefetch_factor * num_workers`.
       * `_workers_num_tasks[w] == count of tasks in _task_info on worker w`.
       * `_workers_status[w]` is False once iterable worker w reported the end of its stream.
-    See NOTE [ raydl ordering ] and NOTE [ raydl recovery ]
-The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
-When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
-or its node left the cluster) or that the task's result was lost with its node:
-  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
-     seeds itself and runs worker_init_fn exactly as the first one did;
-  2. every task that was outstanding on the dead worker is sent again, in send order, to the
-     replacement, under the same task idx: ordering and the reorder buffer are untouched;
-  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
-Every batch is handed out exactly once, in order; a deterministic dataset gives identical
-batches. Worker-side random draws of a replaced worker restart from its seed.
-Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
-death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
-making (the oldest task outstanding on it, which an actor runs first): a poison batch that
-kills every worker it reaches ends there, never in an endless loop.
-IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
-point where it died, and restarting it would duplicate samples. Their death raises
-WorkerDiedError at once.
-
-NOTE [ raydl shutdown ].
+    See NOTE [ raydl ordering ] and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -231,26 +212,7 @@ NOTE [ raydl shutdown ].
         return data
 
     def shutdown(self) -> None:
-        """Release the pin thread, buffered refs and worker actors; idempotent (NOTE [ raydl recovery ]
-The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
-When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
-or its node left the cluster) or that the task's result was lost with its node:
-  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
-     seeds itself and runs worker_init_fn exactly as the first one did;
-  2. every task that was outstanding on the dead worker is sent again, in send order, to the
-     replacement, under the same task idx: ordering and the reorder buffer are untouched;
-  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
-Every batch is handed out exactly once, in order; a deterministic dataset gives identical
-batches. Worker-side random draws of a replaced worker restart from its seed.
-Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
-death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
-making (the oldest task outstanding on it, which an actor runs first): a poison batch that
-kills every worker it reaches ends there, never in an endless loop.
-IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
-point where it died, and restarting it would duplicate samples. Their death raises
-WorkerDiedError at once.
-
-NOTE [ raydl shutdown ])."""
+        """Release the pin thread, buffered refs and worker actors; idempotent (NOTE [ raydl shutdown ])."""
         if self._state == _State.SHUT_DOWN:
             return
         self._state = _State.SHUT_DOWN
@@ -342,12 +304,7 @@ NOTE [ raydl shutdown ])."""
         if self._state != _State.RUNNING:
             raise StopIteration
         if not self._pool.is_ready:
-            try:
-                self._pool.wait_ready(self._startup_timeout_s)
-            except BaseException:
-                self._fail()
-                raise
-            self._ready_at_s = time.monotonic()
+            self._wait_workers_ready()
         while True:
             while self._rcvd_idx < self._send_idx:
                 task = self._task_info.get(self._rcvd_idx)
@@ -395,26 +352,7 @@ NOTE [ raydl shutdown ])."""
             self._abandon_task(idx)
 
     def _release_workers(self) -> None:
-        """Steps 2 and 3 of NOTE [ raydl recovery ]
-The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
-When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
-or its node left the cluster) or that the task's result was lost with its node:
-  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
-     seeds itself and runs worker_init_fn exactly as the first one did;
-  2. every task that was outstanding on the dead worker is sent again, in send order, to the
-     replacement, under the same task idx: ordering and the reorder buffer are untouched;
-  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
-Every batch is handed out exactly once, in order; a deterministic dataset gives identical
-batches. Worker-side random draws of a replaced worker restart from its seed.
-Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
-death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
-making (the oldest task outstanding on it, which an actor runs first): a poison batch that
-kills every worker it reaches ends there, never in an endless loop.
-IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
-point where it died, and restarting it would duplicate samples. Their death raises
-WorkerDiedError at once.
-
-NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
+        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         self._drop_all_tasks()
         self._pool.shutdown()
 
@@ -534,6 +472,10 @@ NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         for i in on_worker:
             old = self._task_info[i]
             self._task_info[i] = _Task(worker_id, actor.fetch.remote(self._epoch, old.work), old.index, old.work)
+        self._wait_workers_ready()
+
+    def _wait_workers_ready(self) -> None:
+        """Bounded wait for (new) workers to start; a failure ends the iterator."""
         try:
             self._pool.wait_ready(self._startup_timeout_s)
         except BaseException:
