@@ -162,6 +162,22 @@ def test_unpicklable_dataset_names_the_attribute():
     assert "Fix:" in str(info.value)
 
 
+@pytest.mark.parametrize("field", ["collate_fn", "worker_init_fn"])
+def test_unpicklable_functions_are_named(field):
+    """A collate_fn / worker_init_fn closing over a lock fails with a TypeError naming that argument."""
+    import threading
+
+    lock = threading.Lock()
+
+    def uses_lock(arg):
+        with lock:
+            return arg
+
+    loader = raydl.DataLoader(D.RangeDataset(4), num_workers=1, **{field: uses_lock})
+    with pytest.raises(TypeError, match=rf"raydl cannot send {field} to its Ray workers: {field}.* cannot be pickled"):
+        iter(loader)
+
+
 def test_unplaceable_workers_fail_with_the_shortfall():
     """Workers asking for a resource no node has end in WorkerPlacementError naming it, within the timeout."""
     loader = raydl.DataLoader(
