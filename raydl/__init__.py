@@ -14,10 +14,18 @@ iterator classes. One private Ray constant is touched, in `_ray_utils.py` (loopb
 from __future__ import annotations
 
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
+from ._patch import is_patched, patch, patched, unpatch
 from ._warm import release_idle_workers
 from ._worker import get_worker_info
 from .loader import DataLoader
 
-__all__ = ["DataLoader", "get_worker_info", "release_idle_workers", "WorkerDiedError", "WorkerPlacementError", "WorkerRecord", "__version__"]
+__all__ = [
+    "DataLoader",
+    "get_worker_info",
+    "release_idle_workers",
+    "patch",
+    "unpatch",
+    "patched",
+    "is_patched", "WorkerDiedError", "WorkerPlacementError", "WorkerRecord", "__version__"]
 
 __version__ = "0.1.0"

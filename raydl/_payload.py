@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from ._worker import WorkerPayload
@@ -56,6 +57,12 @@ def put_payload(payload: WorkerPayload, share_memory: bool = False) -> Any:
     import ray
     from ray import cloudpickle
 
+    # A script relaunched by multiprocessing's spawn (Lightning's ddp_spawn) runs as
+    # `__mp_main__`, a module no Ray worker can import: ship its classes by value, as cloudpickle
+    # already does for `__main__`.
+    main = sys.modules.get("__mp_main__")
+    if main is not None and sys.modules.get("__main__") is main:
+        cloudpickle.register_pickle_by_value(main)
     try:
         return ray.put(payload) if share_memory else ray.put(cloudpickle.dumps(payload))
     except Exception as put_error:

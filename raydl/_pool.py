@@ -8,7 +8,7 @@ from typing import Any, Mapping, Optional
 
 from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, STATUS_CHECK_INTERVAL_S
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord, rebuild_worker_exception, remote_traceback
-from ._ray_utils import describe_placement
+from ._ray_utils import describe_placement, resource_request
 from ._warm import WARM_POOL
 from ._worker import Worker
 
@@ -50,14 +50,16 @@ class WorkerPool:
         self.actor_options = dict(actor_options)
         self._payload_ref = payload_ref
         self._base_seed = base_seed
-        self._reuse = reuse
+        # Only workers that reserve nothing are kept warm: an idle actor holding CPUs, GPUs or
+        # custom resources would starve other Ray work (a Ray Train trainer, another loader).
+        self._reuse = reuse and not resource_request(self.actor_options)
         self._key = repr(sorted(self.actor_options.items(), key=lambda kv: kv[0]))
         cls = _worker_actor_class()
         try:
             self._configured = cls.options(**self.actor_options)
         except (TypeError, ValueError) as e:
             raise ValueError(f"raydl: invalid ray_remote_args {dict(actor_options)!r}: {e}") from None
-        warm = WARM_POOL.take(self._key, num_workers) if reuse else []
+        warm = WARM_POOL.take(self._key, num_workers) if self._reuse else []
         # workers whose actor came from the warm pool and has not confirmed it is alive yet
         self._unconfirmed_warm = set(range(len(warm)))
         self.actors = warm + [self._configured.remote() for _ in range(num_workers - len(warm))]

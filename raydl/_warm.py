@@ -5,7 +5,8 @@ Starting a Ray actor that imports torch takes seconds; configuring a started one
 milliseconds. When a loader's workers end cleanly (no task left on them), they are reset and
 kept here, keyed by their exact actor options, instead of being killed; the next loader with
 the same options takes them and configures them (new payload, seeds, worker_init_fn), so its
-first batch does not wait for process start-up. Bounds:
+first batch does not wait for process start-up. Only workers that reserve no Ray resources (raydl's default, num_cpus=0) are kept: an idle
+actor holding CPUs, GPUs or custom resources would starve other Ray work. Bounds:
   * at most MAX_IDLE_PER_KEY idle actors per option set (extra ones are killed at once);
   * an actor idle for longer than the idle timeout (RAYDL_IDLE_WORKER_TIMEOUT_S, default
     WARM_IDLE_TIMEOUT_S) is killed by a reaper thread, which exits when the pool is empty;

@@ -140,7 +140,6 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_threads_per_worker = options.threads_per_worker
         self.ray_device = options.device
         self.shuffle = shuffle
-        self._ray_iterator: Optional[_RayLoaderIter] = None
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -174,23 +173,23 @@ class DataLoader(_TorchDataLoader[T_co]):
         if self.num_workers == 0:
             return super().__iter__()
         if self.persistent_workers:
-            if self._ray_iterator is None or not self._ray_iterator.reusable:
-                self._ray_iterator = _RayLoaderIter(self)
+            if not (isinstance(self._iterator, _RayLoaderIter) and self._iterator.reusable):
+                self._iterator = _RayLoaderIter(self)
             else:
-                self._ray_iterator._reset(self)
-            return self._ray_iterator
+                self._iterator._reset(self)
+            return self._iterator
         return _RayLoaderIter(self)
 
     @property
     def worker_records(self) -> list:
         """Where the persistent workers run (worker id, pid, node); empty before the first iteration."""
-        return self._ray_iterator.worker_records if self._ray_iterator is not None else []
+        return self._iterator.worker_records if isinstance(self._iterator, _RayLoaderIter) else []
 
     def shutdown(self) -> None:
         """Release the persistent workers now (idempotent); the next iteration starts new ones."""
-        if self._ray_iterator is not None:
-            self._ray_iterator.shutdown()
-            self._ray_iterator = None
+        if isinstance(self._iterator, _RayLoaderIter):
+            self._iterator.shutdown()
+        self._iterator = None
 
     def __enter__(self) -> DataLoader[T_co]:
         return self
@@ -200,5 +199,5 @@ class DataLoader(_TorchDataLoader[T_co]):
 
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
-        state["_ray_iterator"] = None  # actors belong to this process's loader, not to a copy
+        state["_iterator"] = None  # actors belong to this process's loader, not to a copy
         return state

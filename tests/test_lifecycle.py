@@ -268,15 +268,17 @@ class TestWarmPool:
             assert_same_batches(lambda: D.RandomAugmentDataset(8), batch_size=2, shuffle=True, num_workers=2)
 
     def test_opt_out_and_other_options_get_new_processes(self):
-        """ray_reuse_workers=False never keeps workers; different ray_remote_args never share them."""
+        """ray_reuse_workers=False or reserved resources: never kept; different ray_remote_args never share workers."""
         raydl.release_idle_workers()
         base = _alive_worker_actors()
         kwargs = dict(batch_size=1, num_workers=2, timeout=TIMEOUT_S)
         list(raydl.DataLoader(D.PidDataset(2), ray_reuse_workers=False, **kwargs))
         assert raydl._warm.WARM_POOL.idle_count() == 0
         a = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(2), **kwargs)}
+        kept = raydl._warm.WARM_POOL.idle_count()
         b = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(2), ray_remote_args={"num_cpus": 0.01}, **kwargs)}
         assert not (a & b)
+        assert raydl._warm.WARM_POOL.idle_count() == kept, "workers reserving CPUs must not be kept idle"
         assert _wait_until(lambda: _alive_worker_actors() == base)
 
     def test_idle_workers_released_after_timeout(self, monkeypatch):

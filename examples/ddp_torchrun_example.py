@@ -1,0 +1,138 @@
+"""raydl with plain DDP under torchrun: each rank builds its own raydl loader over one shared Ray.
+
+One command on one machine (2 CPU processes, gloo):
+
+    torchrun --nproc_per_node=2 examples/ddp_torchrun_example.py
+    # or: python -m torch.distributed.run --nproc_per_node=2 examples/ddp_torchrun_example.py
+
+Each rank builds `raydl.DataLoader(ds, sampler=DistributedSampler(ds), num_workers=...)` exactly
+as it would build torch's, so the ranks see disjoint shards; the loaders' workers are Ray actors.
+
+Which Ray the ranks share:
+  * RAY_ADDRESS set (a cluster; with token auth also `export RAY_AUTH_MODE=token`): every rank's
+    loader joins it (raydl's precedence), nothing is started here;
+  * otherwise rank 0 starts a local Ray on 127.0.0.1 (`ray.init()`, after the loopback variable
+    set at the top of this file) and broadcasts its address, and the auth mode that `ray.init`
+    chose, over the process group; the other ranks pass that address to their loaders as
+    `ray_address=`. Rank 0's Ray lives as long as rank 0: a final barrier keeps it up until
+    every rank is done.
+
+Every sample carries its index and the pid of the process that made it; each rank prints its
+sample count per epoch and which processes made its batches, and rank 0 checks that the ranks'
+shards are disjoint and cover the dataset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+# Before Ray is imported (raydl imports it lazily): a local Ray listens on 127.0.0.1 only, and
+# a rank connecting to one on 127.0.0.1 does not rewrite that address to a routable IP.
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.nn.parallel import DistributedDataParallel  # noqa: E402
+from torch.utils.data import Dataset, DistributedSampler  # noqa: E402
+
+import raydl  # noqa: E402
+
+
+class IndexedPoints(Dataset):
+    """Point i: 8 features, a label, and (i, pid of the process that made it)."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = (self.x.sum(dim=1) > 0).long()
+
+    def __len__(self) -> int:
+        return len(self.y)
+
+    def __getitem__(self, i: int):
+        return self.x[i], self.y[i], torch.tensor([i, os.getpid()])
+
+
+def shared_ray_address(rank: int) -> str | None:
+    """The Ray every rank's loader joins: None means RAY_ADDRESS (raydl reads it); else rank 0's new local Ray."""
+    if os.environ.get("RAY_ADDRESS"):
+        return None
+    message = [None, None]
+    if rank == 0:
+        import ray
+
+        ray.init(include_dashboard=False)  # a new local Ray, on 127.0.0.1
+        message = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
+        print(f"rank 0 started a local Ray at {message[0]} for all ranks", flush=True)
+    dist.broadcast_object_list(message, src=0)
+    address, auth_mode = message
+    if rank != 0 and auth_mode:
+        os.environ["RAY_AUTH_MODE"] = auth_mode  # ray.init enabled token auth for its cluster
+    return address
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--samples", type=int, default=1024)
+    parser.add_argument("--batch-size", type=int, default=32)
+    parser.add_argument("--num-workers", type=int, default=2, help="raydl workers per rank")
+    parser.add_argument("--epochs", type=int, default=2)
+    args = parser.parse_args()
+
+    dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    address = shared_ray_address(rank)
+
+    dataset = IndexedPoints(args.samples)
+    sampler = DistributedSampler(dataset, shuffle=True, seed=0)
+    loader = raydl.DataLoader(
+        dataset,
+        batch_size=args.batch_size,
+        sampler=sampler,
+        num_workers=args.num_workers,
+        persistent_workers=True,
+        ray_address=address,
+    )
+    torch.manual_seed(0)
+    model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+
+    with loader:
+        for epoch in range(args.epochs):
+            sampler.set_epoch(epoch)
+            indices, pids, loss_sum = [], set(), 0.0
+            for x, y, meta in loader:
+                loss = F.cross_entropy(model(x), y)
+                optimizer.zero_grad()
+                loss.backward()
+                optimizer.step()
+                indices += meta[:, 0].tolist()
+                pids.update(meta[:, 1].tolist())
+                loss_sum += loss.item() * len(y)
+            print(
+                f"rank {rank}: epoch {epoch}: {len(indices)} samples, loss {loss_sum / len(indices):.3f}, "
+                f"made by Ray worker pids {sorted(pids)} (this rank's pid {os.getpid()}: "
+                f"{'not among them' if os.getpid() not in pids else 'AMONG THEM'})",
+                flush=True,
+            )
+            shards = [None] * world_size
+            dist.all_gather_object(shards, indices)
+            if rank == 0:
+                sets = [set(s) for s in shards]
+                disjoint = sum(len(s) for s in sets) == len(set().union(*sets))
+                print(
+                    f"epoch {epoch}: samples per rank {[len(s) for s in shards]}, shards disjoint: {disjoint}, "
+                    f"cover the dataset: {set().union(*sets) == set(range(len(dataset)))}",
+                    flush=True,
+                )
+    dist.barrier()  # rank 0's Ray (if it started one) stays up until every rank is done
+    if rank == 0:
+        print(f"ddp_torchrun_example: done, {world_size} ranks", flush=True)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

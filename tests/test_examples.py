@@ -1,0 +1,116 @@
+"""Every example runs as a user runs it: one command, in a fresh process, exit code 0, its key lines.
+
+The two multi-process examples (Lightning DDP, torchrun) run exactly as on a fresh laptop, with
+no Ray for them: their rank 0 starts a local Ray on loopback and the other ranks join it, which
+is what they demonstrate. The single-driver examples join the test session's Ray through
+RAY_ADDRESS, as a user's driver joins a cluster (a new local Ray per example would only add its
+start-up time; raydl's own local start is covered by the quickstart tests). The environment is
+this one minus every RAY_* variable (plus RAY_ADDRESS and the auth mode where a session Ray is
+joined) and PYTHONPATH to this checkout. Sizes are reduced where the defaults only make the run
+longer, not different.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+import raydl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EXAMPLES = os.path.join(REPO, "examples")
+TIMEOUT_S = 170
+
+
+def _session_ray_env(ray_session) -> dict:
+    """Join the test session's Ray: its address, the token auth mode ray.init chose for it, loopback."""
+    env = {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"}
+    if os.environ.get("RAY_AUTH_MODE"):
+        env["RAY_AUTH_MODE"] = os.environ["RAY_AUTH_MODE"]
+    release = getattr(raydl, "release_idle_workers", None)
+    if release is not None:
+        release()  # idle warm workers of earlier tests may hold CPUs the example's trainers need
+    return env
+
+
+def _run(args: list[str], extra_env: dict | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env.update(extra_env or {})
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    env["PYTHONUNBUFFERED"] = "1"
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    return output
+
+
+def test_lightning_example_ddp_two_ranks_share_one_ray():
+    """lightning_example.py --devices 2: both DDP ranks train on re-instantiated raydl loaders fed by Ray workers."""
+    pytest.importorskip("lightning")
+    out = _run([os.path.join(EXAMPLES, "lightning_example.py"), "--devices", "2", "--samples", "256", "--max-epochs", "1"])
+    assert "lightning_example: done, 4 steps per rank on 2 process(es)" in out
+    assert re.search(r"started a local Ray at 127\.0\.0\.1:\d+", out)
+    for rank in (0, 1):
+        line = re.search(rf"^rank {rank}: 4 steps on raydl\.loader\.DataLoader .*$", out, re.M)
+        assert line, out[-3000:]
+        assert "ray_remote_args={'num_cpus': 0}" in line.group(0) and "sampler DistributedSampler" in line.group(0)
+        assert line.group(0).endswith(": True")
+
+
+def test_accelerate_example_trains_on_ray_workers(ray_session):
+    """accelerate_example.py: prepare() rebuilds the loader, and under raydl.patch() every epoch's batches come from Ray workers."""
+    pytest.importorskip("accelerate")
+    out = _run(
+        [os.path.join(EXAMPLES, "accelerate_example.py"), "--samples", "256", "--epochs", "2"],
+        _session_ray_env(ray_session),
+    )
+    assert "accelerate prepared a DataLoaderShard around a torch.utils.data.dataloader.DataLoader" in out
+    epochs = re.findall(r"^epoch \d: loss [\d.]+ over 256 samples; .*: (True|False)$", out, re.M)
+    assert epochs == ["True", "True"], out[-3000:]
+    assert "accelerate_example: done" in out
+
+
+def test_ray_train_example_two_training_workers(ray_session):
+    """ray_train_example.py: a TorchTrainer with 2 training workers, each fed by its own raydl workers."""
+    pytest.importorskip("ray.train.torch")
+    out = _run(
+        [os.path.join(EXAMPLES, "ray_train_example.py"), "--samples", "128", "--epochs", "1"],
+        _session_ray_env(ray_session),
+    )
+    line = re.search(r"^ray_train_example: done, rank 0's last metrics: (.*)$", out, re.M)
+    assert line, out[-4000:]
+    assert "'samples': 64" in line.group(1) and "'from_ray_workers': True" in line.group(1)
+
+
+def test_ddp_torchrun_example_ranks_see_disjoint_shards():
+    """torchrun, 2 gloo ranks: rank 0 starts the shared Ray, each rank's raydl loader reads a disjoint half."""
+    out = _run(
+        ["-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(EXAMPLES, "ddp_torchrun_example.py"),
+         "--samples", "256", "--epochs", "2"]
+    )
+    assert re.search(r"rank 0 started a local Ray at 127\.0\.0\.1:\d+ for all ranks", out)
+    for rank in (0, 1):
+        for epoch in (0, 1):
+            assert re.search(rf"^rank {rank}: epoch {epoch}: 128 samples, .*not among them\)$", out, re.M), out[-3000:]
+    assert out.count("samples per rank [128, 128], shards disjoint: True, cover the dataset: True") == 2
+    assert "ddp_torchrun_example: done, 2 ranks" in out
+
+
+def test_train_image_classifier_times_both_loaders_with_identical_training(ray_session):
+    """train_image_classifier.py: prints each epoch's time for torch's and raydl's loader; same seeds give the same losses."""
+    out = _run(
+        [os.path.join(EXAMPLES, "train_image_classifier.py"), "--samples", "384", "--epochs", "2"],
+        _session_ray_env(ray_session),
+    )
+    runs = {}
+    for name in ("torch", "raydl"):
+        runs[name] = re.findall(rf"^{name} DataLoader: epoch (\d): [\d.]+ s \(\d+ images/s\), (loss .*)$", out, re.M)
+        assert [epoch for epoch, _ in runs[name]] == ["0", "1"], out[-3000:]
+    assert runs["torch"] == runs["raydl"]  # same batches, same worker-side augmentation, same training
+    assert re.search(r"^raydl DataLoader: 2 Ray workers on \['127\.0\.0\.1'\]$", out, re.M)
