@@ -25,3 +25,22 @@ def ray_session():
         )
     yield ray
     ray.shutdown()
+
+
+@pytest.fixture
+def unpatched():
+    """The test starts and ends with torch's own DataLoader iteration, whatever it patched."""
+    import raydl
+
+    raydl.unpatch()
+    yield
+    raydl.unpatch()
+
+
+@pytest.fixture(scope="module")
+def release_warm_workers_after_module():
+    """Idle warm workers are released when the module ends, so later trainers find the cluster as it was."""
+    yield
+    import raydl
+
+    raydl.release_idle_workers()

@@ -24,24 +24,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 
-@pytest.fixture(autouse=True)
-def _always_unpatched():
-    raydl.unpatch()
-    yield
-    raydl.unpatch()
-
-
-def _release_warm_workers() -> None:
-    """Idle warm workers may hold CPUs reserved through ray_remote_args: free them for the next trainer."""
-    release = getattr(raydl, "release_idle_workers", None)
-    if release is not None:
-        release()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_at_end():
-    yield
-    _release_warm_workers()
+pytestmark = pytest.mark.usefixtures("unpatched", "release_warm_workers_after_module")
 
 
 def _lightning_trainer(**kwargs):
@@ -195,7 +178,7 @@ def test_ray_train_torch_trainer_prepare_data_loader_keeps_ray_workers(ray_sessi
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    _release_warm_workers()  # idle workers holding reserved CPUs would keep the trainers from being placed
+    raydl.release_idle_workers()  # idle workers holding reserved CPUs would keep the trainers from being placed
     samples = 16
     trainer = TorchTrainer(
         H.ray_train_loop,

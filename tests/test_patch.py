@@ -18,25 +18,7 @@ TIMEOUT_S = 60
 ORIGINALS = {name: TorchDataLoader.__dict__[name] for name in ("_get_iterator", "__iter__")}
 
 
-@pytest.fixture(autouse=True)
-def _always_unpatched():
-    """Every test starts and ends with torch's own DataLoader, whatever it did."""
-    raydl.unpatch()
-    yield
-    raydl.unpatch()
-
-
-def _release_warm_workers() -> None:
-    """Idle warm workers may hold CPUs reserved through ray_remote_args: free them."""
-    release = getattr(raydl, "release_idle_workers", None)
-    if release is not None:
-        release()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _release_at_end():
-    yield
-    _release_warm_workers()
+pytestmark = pytest.mark.usefixtures("unpatched", "release_warm_workers_after_module")
 
 
 def _torch_loader(n: int = 24, seed: int = 0, **kwargs) -> TorchDataLoader:
@@ -195,7 +177,7 @@ def test_persistent_torch_loader_keeps_ray_workers_until_unpatch(ray_session):
 
 def test_patch_options_reach_torch_loaders_but_not_loaders_with_their_own(ray_session):
     """patch(ray_remote_args=...) configures a plain torch loader's actors; a loader's own ray_ attribute wins."""
-    _release_warm_workers()  # this test reserves up to 1.5 of the session's 2 CPUs
+    raydl.release_idle_workers()  # this test reserves up to 1.5 of the session's 2 CPUs
 
     def loader(**attrs):
         dl = TorchDataLoader(H.AssignedCpuDataset(4), batch_size=2, num_workers=1, timeout=TIMEOUT_S)
