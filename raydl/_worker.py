@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 import torch
 import torch.utils.data._utils.worker as _torch_worker
+from torch.utils.data import default_collate
 
 from ._errors import annotate_traceback
 from ._fetch import IterableFetcher, MapFetcher, StreamEnd
@@ -58,6 +59,21 @@ def get_worker_info() -> Optional[Any]:
     Same object as `torch.utils.data.get_worker_info()` returns, so either function works.
     """
     return torch.utils.data.get_worker_info()
+
+
+def _private_memory_collate(batch: Any) -> Any:
+    """torch's default_collate, without its shared-memory output.
+
+    Inside a worker (get_worker_info() is not None) default_collate allocates its output in
+    shared memory, which torch's queues hand to the main process; raydl ships batches through
+    Ray's object store instead, so that allocation only costs time. The batch is the same.
+    """
+    info = _torch_worker._worker_info
+    _torch_worker._worker_info = None
+    try:
+        return default_collate(batch)
+    finally:
+        _torch_worker._worker_info = info
 
 
 def _describe_process() -> dict:
@@ -130,9 +146,10 @@ class Worker:
     def _make_fetcher(self) -> MapFetcher | IterableFetcher:
         p = self._payload
         assert p is not None
+        collate = _private_memory_collate if p.collate_fn is default_collate else p.collate_fn
         if p.is_iterable:
-            return IterableFetcher(p.dataset, p.auto_collation, p.collate_fn, p.drop_last)
-        return MapFetcher(p.dataset, p.auto_collation, p.collate_fn, p.threads_per_worker)
+            return IterableFetcher(p.dataset, p.auto_collation, collate, p.drop_last)
+        return MapFetcher(p.dataset, p.auto_collation, collate, p.threads_per_worker)
 
     def fetch(self, epoch: int, index: Any) -> Any:
         """One batch for `index` (a list of indices, one index, or for iterables the batch length).

@@ -70,9 +70,10 @@ class DataLoader(_TorchDataLoader[T_co]):
             (its process exits or is killed, or its node leaves); its in-flight batches are
             resent, so no batch is lost or repeated. One more death raises `WorkerDiedError`
             naming the batch it was making. ``0`` disables recovery. Defaults to ``3``.
-        ray_reuse_workers (bool): when this loader's workers end cleanly, keep their started
-            processes warm for the next loader with the same ray_remote_args (its first batch
-            then skips process start-up); idle ones are released after
+        ray_reuse_workers (bool): when this loader's workers end cleanly and reserve no Ray
+            resources (the default num_cpus=0; workers holding CPUs, GPUs or custom resources
+            are never kept idle), keep their started processes warm for the next loader with
+            the same ray_remote_args (its first batch then skips process start-up); idle ones are released after
             RAYDL_IDLE_WORKER_TIMEOUT_S seconds (120), at exit, or by
             `raydl.release_idle_workers()`. ``False``: always new processes, killed at the end.
             Defaults to ``True``.

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Offload: the trainer keeps its core; raydl's workers run on another Ray node (another core).
+
+    python benchmarks/bench_offload.py            # full run (about 3-5 minutes with cluster start-up)
+    python benchmarks/bench_offload.py --quick    # smoke run (about 1-2 minutes)
+
+The training process (this driver) is pinned to CPU 0 with os.sched_setaffinity before anything
+starts a thread, so torch's forked DataLoader workers share that one core with it — exactly
+what happens when a trainer's host has no spare CPU. raydl's workers run on a second Ray node
+started with `ray start` under `taskset -c 1` (resource {"data": ...}), selected with
+ray_remote_args={"resources": {"data": 1}, "num_cpus": ...}. The head node (GCS, the driver's
+raylet and object store) is started under `taskset -c 0`, beside the trainer, as the GPU host's
+own raylet would be. Both use cluster/local_cluster.sh's loopback-only start, in their own
+directory and ports (RAYDL_CLUSTER_DIR=/tmp/raydl-bench-off, port 6590, dashboard 8590).
+
+Workload: CPU-bound ~1 ms/sample producing 3x64x64 float32, batch 64, 2 workers; optionally a
+simulated training step in the driver (a fixed amount of single-threaded matmul work per batch).
+Reported: steady-state samples/s (epochs after the first) of torch and raydl, alternating, and
+the raydl/torch ratio. Every process started here is stopped in a `finally` (bounded waits).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+if not hasattr(os, "sched_setaffinity") or len(os.sched_getaffinity(0)) < 2:
+    sys.exit("bench_offload.py needs Linux and at least 2 usable CPUs")
+TRAINER_CPU, DATA_CPU = sorted(os.sched_getaffinity(0))[:2]
+# Before torch (and its thread pools) or Ray (its threads) start: every thread of this process,
+# and every process it forks, inherits this single-CPU mask.
+os.sched_setaffinity(0, {TRAINER_CPU})
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import importlib.metadata  # noqa: E402
+import time  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402
+
+import numpy as np  # noqa: E402
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.utils.data  # noqa: E402
+
+import raydl  # noqa: E402
+
+import warnings  # noqa: E402
+
+torch.set_num_threads(1)  # one core for the trainer
+# torch warns that 2 workers exceed this process's 1 allowed CPU: that is the point of this benchmark.
+warnings.filterwarnings("ignore", message="This DataLoader will create")
+
+
+class TrainStep:
+    """A fixed amount of single-threaded work per batch (calibrated once to about `ms` on an idle core)."""
+
+    def __init__(self, ms: float) -> None:
+        self.ms = ms
+        self.a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
+        self.reps = 0
+        if ms > 0:
+            self.reps = 1
+            for _ in range(5):
+                t0 = time.perf_counter()
+                self(None)
+                per = (time.perf_counter() - t0) / self.reps
+                self.reps = max(1, round(ms / 1e3 / per))
+
+    def __call__(self, batch) -> None:
+        x = self.a
+        for _ in range(self.reps):
+            x = np.tanh(x @ self.a * 0.01)
+
+
+def run_epochs(loader, epochs: int, step: TrainStep) -> dict:
+    """Epoch 1 (start-up) then `epochs` measured epochs; the step runs on every batch."""
+    t0 = time.perf_counter()
+    first_batch = None
+    for batch in loader:
+        if first_batch is None:
+            first_batch = time.perf_counter() - t0
+        step(batch)
+    t1 = time.perf_counter()
+    n = 0
+    for _ in range(epochs):
+        for batch in loader:
+            step(batch)
+            n += len(batch[1])
+    t2 = time.perf_counter()
+    return {"ttfb_s": first_batch, "samples_per_s": n / (t2 - t1), "first_epoch_s": t1 - t0}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--reps", type=int, default=None, help="alternating repetitions per loader (default 3; quick 1)")
+    p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 2; quick 1)")
+    p.add_argument("--samples", type=int, default=None, help="samples per epoch (default 2048; quick 512)")
+    p.add_argument("--train-ms", default="0,32", help="simulated training step per batch, ms of work (comma list)")
+    p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this long for a quiet second before each measurement (default 10; quick 0)")
+    p.add_argument("--cluster-dir", default="/tmp/raydl-bench-off")
+    p.add_argument("--port", type=int, default=6590)
+    p.add_argument("--dashboard-port", type=int, default=8590)
+    args = p.parse_args()
+    reps = args.reps or (1 if args.quick else 3)
+    epochs = args.epochs or (1 if args.quick else 2)
+    n = args.samples or (512 if args.quick else 2048)
+    W = args.num_workers
+    start = time.perf_counter()
+
+    info = {**C.machine_info(ray_version=importlib.metadata.version("ray")), "trainer_cpu": TRAINER_CPU, "data_cpu": DATA_CPU}
+    res = C.Results("offload", args.quick)
+    res.write({"section": "machine", **info, "argv": sys.argv[1:]})
+    C.log(C.describe_machine(info))
+
+    iters = C.calibrate_cpu_iters()  # on the trainer's core, before anything else runs on it
+    wl = C.Workload("cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", n, 64, "cpu", iters)
+    per_sample = C.sample_cost_s(wl.sample)
+    steps = {float(x): TrainStep(float(x)) for x in args.train_ms.split(",")}
+    C.log(f"workload: {iters} numpy passes/sample = {per_sample * 1e3:.2f} ms/sample; train steps "
+          + ", ".join(f"{ms:g} ms -> {s.reps} matmuls" for ms, s in steps.items()))
+
+    cluster = C.LocalCluster(args.cluster_dir, args.port, args.dashboard_port, env={"RAYDL_CLUSTER_HEAD_CPUS": "1"})
+    rows, notes = [], []
+    try:
+        t0 = time.perf_counter()
+        cluster.start(0, taskset=str(TRAINER_CPU))  # head only: GCS + the driver's raylet, on the trainer's core
+        cluster.add_worker_node(num_cpus=1, resources={"data": W}, object_store_bytes=500_000_000, taskset=str(DATA_CPU))
+        C.connect_driver(cluster.address)
+        import ray
+
+        C.wait_for_nodes(2)
+        C.register_by_value()
+        cluster_start_s = time.perf_counter() - t0
+        C.log(f"cluster up in {cluster_start_s:.1f} s: {[n_['Resources'] for n_ in ray.nodes() if n_['Alive']]}")
+        driver_node = ray.get_runtime_context().get_node_id()
+
+        def make(name: str):
+            ds = C.WorkloadDataset(wl)
+            if name == "torch":
+                return torch.utils.data.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True)
+            return raydl.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True,
+                                    ray_remote_args={"resources": {"data": 1}, "num_cpus": 1 / W})
+
+        # Where everything runs: checked, not assumed.
+        loader = make("raydl")
+        next(iter(loader))
+        recs = loader.worker_records
+        placement = {
+            "raydl_worker_nodes_differ_from_driver": all(r.node_id != driver_node for r in recs),
+            "raydl_worker_affinity": sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()}),
+            "driver_affinity": sorted(os.sched_getaffinity(0)),
+        }
+        loader.shutdown()
+        loader = make("torch")
+        it = iter(loader)
+        next(it)
+        placement["torch_worker_affinity"] = sorted({c for ch in psutil.Process().children() for c in ch.cpu_affinity()})
+        del it, loader
+        res.write({"section": "placement", **placement})
+        C.log(f"placement: {placement}")
+        if not placement["raydl_worker_nodes_differ_from_driver"] or placement["raydl_worker_affinity"] != [DATA_CPU]:
+            notes.append(f"raydl's workers were NOT where intended: {placement}")
+
+        mon_roots = cluster.pids
+        gate = C.QuietGate(args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10), 90, mon_roots)
+        for ms, step in steps.items():
+            got: dict = {"torch": [], "raydl": []}
+            for rep in range(reps):
+                for name in (("torch", "raydl") if rep % 2 == 0 else ("raydl", "torch")):
+                    gc.collect()
+                    loader = make(name)
+                    gate.wait()
+                    with C.LoadMonitor(extra_roots=mon_roots) as mon:
+                        r = run_epochs(loader, epochs, step)
+                    if hasattr(loader, "shutdown"):
+                        loader.shutdown()
+                    del loader
+                    rec = {"section": "offload", "loader": name, "train_ms": ms, "rep": rep, "num_workers": W,
+                           "samples_per_epoch": n, "measured_epochs": epochs, **r,
+                           "foreign_cores": round(mon.foreign_cores, 3), "our_cores": round(mon.ours_cores, 3)}
+                    res.write(rec)
+                    got[name].append(rec)
+                    C.log(f"train {ms:g} ms/batch rep {rep} {name:6s} {r['samples_per_s']:7.0f} samples/s "
+                          f"(foreign load {mon.foreign_cores:.2f} cores)")
+            t = [r["samples_per_s"] for r in got["torch"]]
+            d = [r["samples_per_s"] for r in got["raydl"]]
+            fl = C.median([r["foreign_cores"] for r in got["torch"] + got["raydl"]])
+            paired = [dr / tr for dr, tr in zip(d, t)]  # same repetition: measured back to back
+            rows.append([f"{ms:g}", f"{C.median(t):,.0f} ({min(t):,.0f}–{max(t):,.0f})",
+                         f"{C.median(d):,.0f} ({min(d):,.0f}–{max(d):,.0f})",
+                         f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})", f"{fl:.2f}"])
+            res.write({"section": "offload_summary", "train_ms": ms, "torch_median": C.median(t), "raydl_median": C.median(d),
+                       "ratio_paired_median": C.median(paired), "ratio_paired_all": paired, "foreign_cores_median": fl})
+    finally:
+        try:
+            raydl.release_idle_workers()
+        except Exception:
+            pass
+        try:
+            import ray
+
+            ray.shutdown()
+        except Exception:
+            pass
+        cluster.stop()
+
+    lines = [f"## raydl offload benchmark ({'quick' if args.quick else 'full'} run)", "", C.describe_machine(info), "",
+             f"Trainer (this process, torch.set_num_threads(1)) pinned to CPU {TRAINER_CPU}; torch's {W} forked workers "
+             f"inherit that CPU. raydl's {W} workers on a second Ray node started under `taskset -c {DATA_CPU}` "
+             f"(ray_remote_args={{'resources': {{'data': 1}}, 'num_cpus': {1 / W:g}}}); the head node (GCS, the driver's "
+             f"raylet and object store) under `taskset -c {TRAINER_CPU}`. Workload: {wl.description} "
+             f"({per_sample * 1e3:.2f} ms/sample measured), {n} samples/epoch; steady state over {epochs} epoch(s) after "
+             f"the first; {reps} alternating repetitions, median (min–max); raydl / torch = median (min–max) of the "
+             f"per-repetition ratios (torch and raydl measured back to back). Train step = a fixed amount of "
+             f"single-threaded matmul work per batch, calibrated to that many ms on an idle core. Placement checked: "
+             f"{placement}. Before each measurement the run waited up to {gate.max_wait_s:g} s for a quiet second "
+             f"(waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy).", ""]
+    lines.append(C.md_table(["train step ms/batch", "torch samples/s", "raydl samples/s", "raydl / torch (paired)", "foreign load (cores)"], rows))
+    for note in notes:
+        lines += ["", f"Note: {note}"]
+    lines += ["", f"Cluster start-up {cluster_start_s:.0f} s (not in the numbers). Run took {(time.perf_counter() - start) / 60:.1f} min; "
+              f"load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}."]
+    report = "\n".join(lines)
+    print(report)
+    md = res.write_text(".md", report + "\n")
+    res.close()
+    print(f"\nresults: {res.jsonl_path}\n         {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
