@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 # Before Ray is imported (raydl imports it lazily): a local Ray listens on 127.0.0.1 only, and
 # a rank connecting to one on 127.0.0.1 does not rewrite that address to a routable IP.
@@ -56,6 +57,13 @@ class IndexedPoints(Dataset):
         return self.x[i], self.y[i], torch.tensor([i, os.getpid()])
 
 
+
+def say(*parts: object, flush: bool = True) -> None:
+    """Print one line with a single write: lines of concurrent ranks never interleave in a shared pipe."""
+    sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
+    if flush:
+        sys.stdout.flush()
+
 def shared_ray_address(rank: int) -> str | None:
     """The Ray every rank's loader joins: None means RAY_ADDRESS (raydl reads it); else rank 0's new local Ray."""
     if os.environ.get("RAY_ADDRESS"):
@@ -66,7 +74,7 @@ def shared_ray_address(rank: int) -> str | None:
 
         ray.init(include_dashboard=False)  # a new local Ray, on 127.0.0.1
         message = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
-        print(f"rank 0 started a local Ray at {message[0]} for all ranks", flush=True)
+        say(f"rank 0 started a local Ray at {message[0]} for all ranks", flush=True)
     dist.broadcast_object_list(message, src=0)
     address, auth_mode = message
     if rank != 0 and auth_mode:
@@ -112,7 +120,7 @@ def main() -> None:
                 indices += meta[:, 0].tolist()
                 pids.update(meta[:, 1].tolist())
                 loss_sum += loss.item() * len(y)
-            print(
+            say(
                 f"rank {rank}: epoch {epoch}: {len(indices)} samples, loss {loss_sum / len(indices):.3f}, "
                 f"made by Ray worker pids {sorted(pids)} (this rank's pid {os.getpid()}: "
                 f"{'not among them' if os.getpid() not in pids else 'AMONG THEM'})",
@@ -123,14 +131,14 @@ def main() -> None:
             if rank == 0:
                 sets = [set(s) for s in shards]
                 disjoint = sum(len(s) for s in sets) == len(set().union(*sets))
-                print(
+                say(
                     f"epoch {epoch}: samples per rank {[len(s) for s in shards]}, shards disjoint: {disjoint}, "
                     f"cover the dataset: {set().union(*sets) == set(range(len(dataset)))}",
                     flush=True,
                 )
     dist.barrier()  # rank 0's Ray (if it started one) stays up until every rank is done
     if rank == 0:
-        print(f"ddp_torchrun_example: done, {world_size} ranks", flush=True)
+        say(f"ddp_torchrun_example: done, {world_size} ranks", flush=True)
     dist.destroy_process_group()
 
 

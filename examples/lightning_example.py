@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 
 # Before Ray is imported: a local Ray started by this script listens on 127.0.0.1 only.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -79,12 +80,13 @@ class Classifier(L.LightningModule):
         cls = f"{type(loader).__module__}.{type(loader).__qualname__}"
         trainer_pid = os.getpid()
         from_ray = trainer_pid not in self.worker_pids and len(self.worker_pids) > 0
-        print(
+        # One write per line: the ranks share the output pipe, and print() writes the newline separately.
+        sys.stdout.write(
             f"rank {self.global_rank}: {self.trainer.global_step} steps on {cls} "
             f"(ray_remote_args={loader.ray_remote_args}, sampler {type(loader.sampler).__name__}); "
-            f"batches made by worker pids {sorted(self.worker_pids)}, not by this trainer (pid {trainer_pid}): {from_ray}",
-            flush=True,
+            f"batches made by worker pids {sorted(self.worker_pids)}, not by this trainer (pid {trainer_pid}): {from_ray}\n"
         )
+        sys.stdout.flush()
 
 
 def start_shared_ray_for_ranks() -> None:
