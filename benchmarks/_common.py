@@ -507,6 +507,23 @@ class LocalCluster:
         self.stop()
 
 
+def disconnect_and_stop(cluster: "LocalCluster") -> None:
+    """Release raydl's idle workers, leave Ray and stop the benchmark's cluster, whatever failed before."""
+    try:
+        import raydl
+
+        raydl.release_idle_workers()
+    except Exception:
+        pass
+    try:
+        import ray
+
+        ray.shutdown()
+    except Exception:
+        pass
+    cluster.stop()
+
+
 def connect_driver(address: str) -> None:
     """ray.init to a local_cluster.sh cluster, as its header says a driver must (token auth, loopback kept)."""
     os.environ["RAY_AUTH_MODE"] = "token"

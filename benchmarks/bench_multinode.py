@@ -174,17 +174,7 @@ def main() -> int:
                     C.log(f"{human(size):>6s} {where:6s} rep {rep}: p50 {lat['p50_ms']:8.2f} ms  p95 {lat['p95_ms']:8.2f} ms  "
                           f"{bw['mb_per_s']:8.0f} MB/s  (workers on {bw['worker_nodes']}; foreign load {mon.foreign_cores:.2f})")
     finally:
-        try:
-            raydl.release_idle_workers()
-        except Exception:
-            pass
-        try:
-            import ray
-
-            ray.shutdown()
-        except Exception:
-            pass
-        cluster.stop()
+        C.disconnect_and_stop(cluster)
 
     rows = []
     for size in SIZES:

@@ -196,17 +196,7 @@ def main() -> int:
             res.write({"section": "offload_summary", "train_ms": ms, "torch_median": C.median(t), "raydl_median": C.median(d),
                        "ratio_paired_median": C.median(paired), "ratio_paired_all": paired, "foreign_cores_median": fl})
     finally:
-        try:
-            raydl.release_idle_workers()
-        except Exception:
-            pass
-        try:
-            import ray
-
-            ray.shutdown()
-        except Exception:
-            pass
-        cluster.stop()
+        C.disconnect_and_stop(cluster)
 
     lines = [f"## raydl offload benchmark ({'quick' if args.quick else 'full'} run)", "", C.describe_machine(info), "",
              f"Trainer (this process, torch.set_num_threads(1)) pinned to CPU {TRAINER_CPU}; torch's {W} forked workers "

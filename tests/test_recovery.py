@@ -17,6 +17,18 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 TIMEOUT_S = 60
 
 
+def _kill_one_worker_and_expect(loader, worker_id: int, match: str) -> None:
+    """After the first batch, kill one worker actor; the rest of the epoch must raise WorkerDiedError matching `match`."""
+    import ray
+
+    it = iter(loader)
+    next(it)
+    ray.kill(it._pool.actors[worker_id], no_restart=True)
+    with pytest.raises(raydl.WorkerDiedError, match=match):
+        for _ in it:
+            pass
+
+
 def _torch_batches(dataset, **kwargs):
     return [b.tolist() for b in torch.utils.data.DataLoader(dataset, **kwargs)]
 
@@ -74,8 +86,6 @@ def test_poison_batch_ends_in_a_clear_error():
 
 def test_recovery_disabled_raises_at_once():
     """ray_max_worker_restarts=0: a killed worker surfaces as WorkerDiedError naming it (no hang, no retry)."""
-    import ray
-
     loader = raydl.DataLoader(
         D.SlowDataset(8, {i: 0.3 for i in range(8)}),
         batch_size=1,
@@ -83,25 +93,13 @@ def test_recovery_disabled_raises_at_once():
         timeout=TIMEOUT_S,
         ray_max_worker_restarts=0,
     )
-    it = iter(loader)
-    next(it)
-    ray.kill(it._pool.actors[1], no_restart=True)
-    with pytest.raises(raydl.WorkerDiedError, match="raydl worker 1"):
-        for _ in it:
-            pass
+    _kill_one_worker_and_expect(loader, worker_id=1, match="raydl worker 1")
 
 
 def test_iterable_worker_death_is_a_clear_error():
     """IterableDataset workers are not replayed: their death raises WorkerDiedError explaining why."""
-    import ray
-
     loader = raydl.DataLoader(D.UnshardedIterable(200), batch_size=2, num_workers=2, timeout=TIMEOUT_S)
-    it = iter(loader)
-    next(it)
-    ray.kill(it._pool.actors[0], no_restart=True)
-    with pytest.raises(raydl.WorkerDiedError, match="does not restart IterableDataset workers"):
-        for _ in it:
-            pass
+    _kill_one_worker_and_expect(loader, worker_id=0, match="does not restart IterableDataset workers")
 
 
 def test_persistent_worker_killed_between_epochs():

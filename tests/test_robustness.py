@@ -10,7 +10,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 import raydl
 from tests import _datasets as D
