@@ -10,6 +10,10 @@ decoding therefore makes the driver's one copy — into pinned memory when pinni
 thread decodes), into ordinary memory otherwise. Tensors NumPy cannot represent (bfloat16,
 complex32, quantized, sparse, non-CPU) and containers other than dict, list, tuple and
 namedtuple travel as Ray pickles them, unchanged.
+Small tensors take the same route: torch pickles a tensor through `torch.save` of its storage
+(about 0.2 ms even for a 0-dim label tensor, on each side), a NumPy array pickles in a few
+microseconds, and Ray sends small objects inline with the task's reply. On the overhead-floor
+benchmark (batch of 64 tiny samples) this alone moved raydl from ~1.0x to ~1.3x torch.
 """
 
 from __future__ import annotations
@@ -21,8 +25,6 @@ import torch
 
 __all__ = ["encode", "decode"]
 
-# Below this size a pickle copy costs less than the bookkeeping (and Ray inlines small objects).
-_MIN_ZERO_COPY_BYTES = 64 * 1024
 
 
 class _TensorView:
@@ -46,7 +48,6 @@ def _encode_tensor(t: torch.Tensor) -> Any:
         or t.requires_grad
         or t.dtype not in _NUMPY_DTYPES
         or not t.is_contiguous()  # keep torch's strides exactly: such tensors travel pickled
-        or t.numel() * t.element_size() < _MIN_ZERO_COPY_BYTES
     ):
         return t
     return _TensorView(t.numpy(), t.dtype, tuple(t.shape))

@@ -18,7 +18,7 @@ Pair = namedtuple("Pair", ["a", "b"])
 
 
 def test_encode_decode_round_trip_keeps_types_and_values():
-    """Large dense tensors become views and come back equal, writable, contiguous; others travel untouched."""
+    """Dense tensors (large and small) become views and come back equal, writable; others travel untouched."""
     big = torch.arange(50000, dtype=torch.float32).view(500, 100)
     batch = {
         "big": big,
@@ -30,14 +30,16 @@ def test_encode_decode_round_trip_keeps_types_and_values():
     }
     encoded = encode(batch)
     assert type(encoded["big"]) is _TensorView and type(encoded["pair"].a) is _TensorView
-    assert type(encoded["small"]) is torch.Tensor and type(encoded["bf16"]) is torch.Tensor
+    assert type(encoded["small"]) is _TensorView, "small tensors avoid torch's slow storage pickling too"
+    assert type(encoded["bf16"]) is torch.Tensor
     assert type(encoded["strided"]) is torch.Tensor, "non-contiguous tensors keep torch's strides via pickling"
     decoded = decode(pickle.loads(pickle.dumps(encoded)))
     assert type(decoded["pair"]) is Pair and decoded["list"][1] == 7
     for key in ("big", "small", "bf16", "strided"):
         assert torch.equal(decoded[key], batch[key]) and decoded[key].stride() == batch[key].stride()
     decoded["big"][0, 0] = -1.0  # writable, like torch's
-    assert batch["big"][0, 0] == 0.0
+    decoded["small"][0] = -1.0
+    assert batch["big"][0, 0] == 0.0 and batch["small"][0] == 1.0
 
 
 @pytest.mark.usefixtures("ray_session")
