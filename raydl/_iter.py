@@ -14,6 +14,8 @@ index and result queues:
   * results stay in Ray's object store until handed out: `ray.get` is only called on the ref
     about to be returned.
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
+A batch made on another node starts moving to the driver's node as soon as it exists, so the
+transfer overlaps the training step (NOTE [ raydl remote prefetch ] in _prefetch.py).
 
 NOTE [ raydl recovery ]
 The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
@@ -36,7 +38,7 @@ WorkerDiedError at once.
 
 NOTE [ raydl shutdown ]
 `shutdown()` is the one way resources are released; it is idempotent and runs, in order:
-  1. stop and join the pin thread (bounded wait);
+  1. stop and join the pin thread and the remote-prefetch thread (bounded waits);
   2. drop every buffered ObjectRef (Ray frees the objects);
   3. kill the worker actors (`ray.kill(no_restart=True)`).
 It is called when an epoch ends without persistent workers, when an error ends the iterator,
@@ -67,6 +69,7 @@ from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
 from ._fetch import StreamEnd
 from ._options import RayOptions
 from ._payload import put_payload
+from ._prefetch import RemotePrefetcher
 from ._transfer import decode
 from ._pool import WorkerPool
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
@@ -129,6 +132,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._state = _State.RUNNING
         self._pin_stage: Optional[PinStage] = None
+        self._prefetcher: Optional[RemotePrefetcher] = None  # started when a worker runs on another node
         self._source_ended = False
 
         if loader.pin_memory and loader.pin_memory_device:
@@ -156,6 +160,9 @@ class _RayLoaderIter(Iterator[Any]):
         self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
 
         ensure_ray_initialized(options.address)
+        import ray
+
+        self._driver_node_id = ray.get_runtime_context().get_node_id()
         payload = WorkerPayload(
             dataset=loader.dataset,
             is_iterable=self._is_iterable,
@@ -276,14 +283,32 @@ class _RayLoaderIter(Iterator[Any]):
             return
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
-        ref = self._pool.actors[worker_id].fetch.remote(self._epoch, work)
-        self._task_info[self._send_idx] = _Task(worker_id, ref, index, work)
+        self._task_info[self._send_idx] = _Task(worker_id, self._submit(worker_id, work), index, work)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
 
+    def _submit(self, worker_id: int, work: Any) -> Any:
+        """Send one unit of work to a worker; a batch made on another node starts moving here at once."""
+        ref = self._pool.actors[worker_id].fetch.remote(self._epoch, work)
+        if self._on_other_node(worker_id):
+            self._prefetch([ref])
+        return ref
+
+    def _prefetch(self, refs: list) -> None:
+        if refs:
+            if self._prefetcher is None:
+                self._prefetcher = RemotePrefetcher()
+            self._prefetcher.watch(refs)
+
+    def _on_other_node(self, worker_id: int) -> bool:
+        record = self._pool.records[worker_id]
+        return record is not None and record.node_id != self._driver_node_id
+
     def _pop_task(self, idx: int) -> _Task:
         task = self._task_info.pop(idx)
+        if self._prefetcher is not None:
+            self._prefetcher.forget([task.ref])
         self._tasks_outstanding -= 1
         self._workers_num_tasks[task.worker_id] -= 1
         return task
@@ -352,7 +377,10 @@ class _RayLoaderIter(Iterator[Any]):
             self._abandon_task(idx)
 
     def _release_workers(self) -> None:
-        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
+        """Steps 1 (prefetch thread), 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
+        if self._prefetcher is not None:
+            self._prefetcher.shutdown()
+            self._prefetcher = None
         self._drop_all_tasks()
         self._pool.shutdown()
 
@@ -482,6 +510,8 @@ class _RayLoaderIter(Iterator[Any]):
             self._fail()
             raise
         self._ready_at_s = time.monotonic()
+        # Tasks sent before the workers reported where they run: start their transfers now.
+        self._prefetch([t.ref for t in self._task_info.values() if self._on_other_node(t.worker_id)])
 
     # ------------------------------------------------------------------ pinning
 

@@ -46,6 +46,24 @@ def main() -> None:
         facts["default_same_as_torch"] = got == expected
         facts["default_nodes"] = len({r.node_id for r in it.worker_records})
 
+        # 1b. Batches made on other nodes move to the driver's node while the caller is busy
+        # (NOTE [ raydl remote prefetch ]): after a pause, every finished batch is already local.
+        loader = raydl.DataLoader(
+            D.ImageDataset(48), batch_size=8, num_workers=2, timeout=60,
+            ray_remote_args={"num_cpus": 0.25, "resources": {"data": 1}},
+        )  # ~0.3 MB per batch: in the object store, not inlined
+        it = iter(loader)
+        next(it)
+        time.sleep(2.0)  # a "training step": the remaining batches finish meanwhile
+        refs = [t.ref for t in it._task_info.values()]
+        ray.wait(refs, num_returns=len(refs), timeout=30, fetch_local=False)
+        time.sleep(0.5)
+        locations = ray.experimental.get_object_locations(refs)
+        facts["prefetch_outstanding"] = len(refs)
+        facts["prefetch_local_before_next"] = sum(head_id in loc["node_ids"] for loc in locations.values())
+        facts["prefetch_rest_complete"] = 1 + len(list(it)) == 6
+        del it, loader
+
         # 2. "data" nodes only, never the trainer's node; then a data node is removed mid-epoch.
         loader = raydl.DataLoader(
             D.SlowDataset(40, {i: 0.05 for i in range(40)}),

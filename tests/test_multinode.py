@@ -41,6 +41,13 @@ def test_resources_keep_workers_on_data_nodes(facts):
     assert not facts["on_trainer_node"]
 
 
+def test_batches_from_other_nodes_are_pulled_ahead(facts):
+    """While the caller is busy, finished batches of workers on other nodes already move to the driver's node."""
+    assert facts["prefetch_outstanding"] == 4
+    assert facts["prefetch_local_before_next"] == facts["prefetch_outstanding"]
+    assert facts["prefetch_rest_complete"]
+
+
 def test_node_removed_mid_epoch_is_recovered(facts):
     """A data node removed mid-epoch: its workers are replaced on the survivor; all batches once, in order."""
     assert facts["after_removal_complete_in_order"]
