@@ -99,7 +99,8 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=None, help="alternating repetitions per loader (default 3; quick 1)")
     p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 2; quick 1)")
     p.add_argument("--samples", type=int, default=None, help="samples per epoch (default 2048; quick 512)")
-    p.add_argument("--train-ms", default="0,32,64", help="simulated training step per batch, ms of work (comma list)")
+    p.add_argument("--train-ms", default="0,32,64,D", help="simulated training step per batch, ms of work (comma list; "
+                   "D = as long as torch's data work per batch, measured by the 0 step, which must come first)")
     p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this long for a quiet second before each measurement (default 10; quick 0)")
     p.add_argument("--cluster-dir", default="/tmp/raydl-bench-off")
     p.add_argument("--port", type=int, default=6590)
@@ -119,7 +120,10 @@ def main() -> int:
     iters = C.calibrate_cpu_iters()  # on the trainer's core, before anything else runs on it
     wl = C.Workload("cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", n, 64, "cpu", iters)
     per_sample = C.sample_cost_s(wl.sample)
-    steps = {float(x): TrainStep(float(x)) for x in args.train_ms.split(",")}
+    wanted = [x.strip() for x in args.train_ms.split(",")]
+    if "D" in wanted and wanted[0] != "0":
+        p.error("--train-ms: 'D' (a step as long as the data work per batch) needs 0 first, which measures it")
+    steps = {float(x): TrainStep(float(x)) for x in wanted if x != "D"}
     C.log(f"workload: {iters} numpy passes/sample = {per_sample * 1e3:.2f} ms/sample; train steps "
           + ", ".join(f"{ms:g} ms -> {s.reps} matmuls" for ms, s in steps.items()))
 
@@ -168,7 +172,9 @@ def main() -> int:
 
         mon_roots = cluster.pids
         gate = C.QuietGate(args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10), 90, mon_roots)
-        for ms, step in steps.items():
+        queue = list(steps.items())
+        while queue:
+            ms, step = queue.pop(0)
             got: dict = {"torch": [], "raydl": []}
             for rep in range(reps):
                 for name in (("torch", "raydl") if rep % 2 == 0 else ("raydl", "torch")):
@@ -196,6 +202,9 @@ def main() -> int:
             # the pace, 1/max(D, S). So the ratio is at most (D+S)/max(D, S) <= 2.
             if ms == 0:
                 data_ms = 1e3 * wl.batch_size / C.median(t)
+                if "D" in wanted:  # the balanced case: a step as long as torch's data work per batch
+                    queue.append((round(data_ms), TrainStep(round(data_ms))))
+                    C.log(f"D = {data_ms:.0f} ms of data work per batch: adding a {round(data_ms)} ms step")
             ceiling = f"{(data_ms + ms) / max(data_ms, ms):.2f}×" if data_ms else "—"
             rows.append([f"{ms:g}", f"{C.median(t):,.0f} ({min(t):,.0f}–{max(t):,.0f})",
                          f"{C.median(d):,.0f} ({min(d):,.0f}–{max(d):,.0f})",
