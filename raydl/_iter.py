@@ -200,7 +200,7 @@ class _RayLoaderIter(Iterator[Any]):
     def __next__(self) -> Any:
         if self._state == _State.SHUT_DOWN:
             raise StopIteration
-        # Batches arrive encoded (NOTE [ raydl zero-copy ]); decoding makes the driver's one copy.
+        # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
         data = self._next_pinned() if self._pin_device is not None else decode(self._next_data())
         self._num_yielded += 1
         if (

@@ -53,6 +53,34 @@ def test_large_batches_match_torch_and_are_writable():
 
 
 @pytest.mark.usefixtures("ray_session")
+def test_kept_batches_outlive_their_loader_and_do_not_alias():
+    """Batch tensors live over object-store memory: views kept after the loader is gone keep their values,
+    writes stay private to each batch, and later batches never reuse the memory of a batch still held."""
+    import gc
+    import warnings
+
+    import numpy as np
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no "non-writable NumPy array" warning reaches the user
+        loader = raydl.DataLoader(D.ImageDataset(16), batch_size=4, num_workers=2, timeout=60)
+        kept = [b["image"][1:] for b in loader]  # views only: the batches themselves are dropped
+    expected = [b["image"][1:].clone() for b in torch.utils.data.DataLoader(D.ImageDataset(16), batch_size=4)]
+    loader.shutdown()
+    del loader
+    gc.collect()
+    kept[0].fill_(7)  # writable, like torch's; .numpy() too
+    kept[1].numpy()[...] = 9
+    # Push fresh batches through the store: they must not land on memory the kept views still use.
+    for _ in raydl.DataLoader(D.ImageDataset(64), batch_size=8, num_workers=2, timeout=60):
+        pass
+    gc.collect()
+    assert torch.all(kept[0] == 7) and np.all(kept[1].numpy() == 9)
+    for got, want in zip(kept[2:], expected[2:]):
+        assert torch.equal(got, want)
+
+
+@pytest.mark.usefixtures("ray_session")
 def test_threads_per_worker_keeps_order_and_content():
     """ray_threads_per_worker fetches a batch's samples on several threads, in the batch's order."""
     kwargs = dict(batch_size=8, num_workers=1, timeout=60)
