@@ -54,3 +54,7 @@ CONNECT_PROBE_TIMEOUT_S = 5.0
 # STALL_FACTOR times the typical batch latency, is reported once with a RuntimeWarning.
 STALL_WARN_MIN_S = 60.0
 STALL_FACTOR = 10.0
+
+# How often the raylet of a local Ray that raydl starts frees dropped objects (Ray's default is
+# 1000 ms); only for the local Ray raydl starts itself, never for a cluster it joins.
+LOCAL_FREE_OBJECTS_PERIOD_MS = 100

@@ -23,7 +23,7 @@ import socket
 import threading
 from typing import Any, Mapping, Optional
 
-from ._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS
+from ._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
 
 __all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement"]
 
@@ -93,7 +93,13 @@ def _start_local_ray() -> None:
     ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ[_LOOPBACK_ENV_VAR] = "0"
     try:
-        ray.init(address="local", include_dashboard=False)
+        # Batches are dropped at the loader's pace: free them in small, frequent batches so the
+        # store never holds up to a second's worth of batches already handed out (Ray's default).
+        ray.init(
+            address="local",
+            include_dashboard=False,
+            _system_config={"free_objects_period_milliseconds": LOCAL_FREE_OBJECTS_PERIOD_MS},
+        )
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:
