@@ -6,8 +6,6 @@ from __future__ import annotations
 # Short enough that a timeout or a dead worker is noticed promptly, long enough to stay off
 # the CPU while waiting.
 STATUS_CHECK_INTERVAL_S = 0.1
-# The remote-prefetch thread's longest wait before it looks at newly sent batches (NOTE [ raydl remote prefetch ]).
-PREFETCH_POLL_S = 0.01
 
 # torch's default when num_workers > 0 and prefetch_factor is None.
 DEFAULT_PREFETCH_FACTOR = 2

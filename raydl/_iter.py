@@ -15,7 +15,11 @@ index and result queues:
     about to be returned.
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
 A batch made on another node starts moving to the driver's node as soon as it exists, so the
-transfer overlaps the training step (NOTE [ raydl remote prefetch ] in _prefetch.py).
+transfer overlaps the training step: `ref.future()` registers Ray's asynchronous get, which asks
+the local raylet to pull the object once it is made (a plain `ray.get` pulls only when called,
+after the caller's step; `ray.wait(fetch_local=True, timeout=0)` on a task still running
+registers no pull in Ray 2.60, measured). The future is dropped at once: nothing waits on it,
+and it holds no batch once the pull is done.
 
 NOTE [ raydl recovery ]
 The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
@@ -38,7 +42,7 @@ WorkerDiedError at once.
 
 NOTE [ raydl shutdown ]
 `shutdown()` is the one way resources are released; it is idempotent and runs, in order:
-  1. stop and join the pin thread and the remote-prefetch thread (bounded waits);
+  1. stop and join the pin thread (bounded wait);
   2. drop every buffered ObjectRef (Ray frees the objects);
   3. kill the worker actors (`ray.kill(no_restart=True)`).
 It is called when an epoch ends without persistent workers, when an error ends the iterator,
@@ -69,7 +73,6 @@ from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
 from ._fetch import StreamEnd
 from ._options import RayOptions
 from ._payload import put_payload
-from ._prefetch import RemotePrefetcher
 from ._transfer import decode
 from ._pool import WorkerPool
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
@@ -132,7 +135,6 @@ class _RayLoaderIter(Iterator[Any]):
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._state = _State.RUNNING
         self._pin_stage: Optional[PinStage] = None
-        self._prefetcher: Optional[RemotePrefetcher] = None  # started when a worker runs on another node
         self._source_ended = False
 
         if loader.pin_memory and loader.pin_memory_device:
@@ -295,11 +297,11 @@ class _RayLoaderIter(Iterator[Any]):
             self._prefetch([ref])
         return ref
 
-    def _prefetch(self, refs: list) -> None:
-        if refs:
-            if self._prefetcher is None:
-                self._prefetcher = RemotePrefetcher()
-            self._prefetcher.watch(refs)
+    @staticmethod
+    def _prefetch(refs: list) -> None:
+        """Have Ray pull these (remote) batches to this node as soon as they exist (NOTE [ raydl ordering ])."""
+        for ref in refs:
+            ref.future()
 
     def _on_other_node(self, worker_id: int) -> bool:
         record = self._pool.records[worker_id]
@@ -307,8 +309,6 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _pop_task(self, idx: int) -> _Task:
         task = self._task_info.pop(idx)
-        if self._prefetcher is not None:
-            self._prefetcher.forget([task.ref])
         self._tasks_outstanding -= 1
         self._workers_num_tasks[task.worker_id] -= 1
         return task
@@ -377,10 +377,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._abandon_task(idx)
 
     def _release_workers(self) -> None:
-        """Steps 1 (prefetch thread), 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
-        if self._prefetcher is not None:
-            self._prefetcher.shutdown()
-            self._prefetcher = None
+        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
         self._drop_all_tasks()
         self._pool.shutdown()
 

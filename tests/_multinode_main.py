@@ -47,7 +47,7 @@ def main() -> None:
         facts["default_nodes"] = len({r.node_id for r in it.worker_records})
 
         # 1b. Batches made on other nodes move to the driver's node while the caller is busy
-        # (NOTE [ raydl remote prefetch ]): after a pause, every finished batch is already local.
+        # (NOTE [ raydl ordering ]): after a pause, every finished batch is already local.
         loader = raydl.DataLoader(
             D.ImageDataset(48), batch_size=8, num_workers=2, timeout=60,
             ray_remote_args={"num_cpus": 0.25, "resources": {"data": 1}},
