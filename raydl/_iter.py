@@ -165,6 +165,7 @@ class _RayLoaderIter(Iterator[Any]):
         import ray
 
         self._driver_node_id = ray.get_runtime_context().get_node_id()
+        self._via_client = ray.util.client.ray.is_connected()  # Ray Client: batches are copied (NOTE [ raydl zero-copy ])
         payload = WorkerPayload(
             dataset=loader.dataset,
             is_iterable=self._is_iterable,
@@ -203,7 +204,7 @@ class _RayLoaderIter(Iterator[Any]):
         if self._state == _State.SHUT_DOWN:
             raise StopIteration
         # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
-        data = self._next_pinned() if self._pin_device is not None else decode(self._next_data())
+        data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
         self._num_yielded += 1
         if (
             self._is_iterable

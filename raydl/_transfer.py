@@ -12,7 +12,8 @@ memory as a NumPy array (a view, no copy), and the driver `decode`s it back into
     as long as any view of it lives, exactly as torch's batches keep their shared memory.
     Ray's shutdown does not unmap memory still referenced (checked with Ray 2.60).
   * with pinning, the pin thread decodes into pinned memory: the driver's one copy, which
-    torch makes too.
+    torch makes too. A driver connected through Ray Client (`ray://`) also copies: its values
+    arrive as Python bytes objects, which must not be written.
 Tensors NumPy cannot represent (bfloat16, complex32, quantized, sparse, non-CPU) and
 containers other than dict, list, tuple and namedtuple travel as Ray pickles them, unchanged.
 Small tensors take the same route: torch pickles a tensor through `torch.save` of its storage
@@ -84,20 +85,24 @@ def encode(batch: Any) -> Any:
     return _walk(batch, lambda x: _encode_tensor(x) if isinstance(x, torch.Tensor) else x)
 
 
-def _decode_leaf(x: Any, pin: bool) -> Any:
+def _decode_leaf(x: Any, pin: bool, copy: bool) -> Any:
     if type(x) is not _TensorView:
         return x
     array = x.array.reshape(x.shape)
-    if not pin:
+    if not pin and not copy:
         with warnings.catch_warnings():
             # torch warns once about arrays flagged read-only; this memory may be written (NOTE above)
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
             return torch.from_numpy(array)
-    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-    np.copyto(out.numpy(), array, casting="no")  # the one copy, into pinned memory
+    out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
+    np.copyto(out.numpy(), array, casting="no")  # the one copy, into pinned memory (or private memory)
     return out
 
 
-def decode(batch: Any, pin: bool = False) -> Any:
-    """Driver side: rebuild tensors from `_TensorView`s, over the object store's memory (or copied into pinned memory if `pin`)."""
-    return _walk(batch, lambda x: _decode_leaf(x, pin))
+def decode(batch: Any, pin: bool = False, copy: bool = False) -> Any:
+    """Driver side: rebuild tensors from `_TensorView`s over the received memory, or copied (into pinned memory if `pin`).
+
+    `copy=True` is for a driver connected through Ray Client (`ray://`), whose values arrive as
+    Python bytes objects that must not be written.
+    """
+    return _walk(batch, lambda x: _decode_leaf(x, pin, copy))

@@ -40,6 +40,10 @@ def test_encode_decode_round_trip_keeps_types_and_values():
     decoded["big"][0, 0] = -1.0  # writable, like torch's
     decoded["small"][0] = -1.0
     assert batch["big"][0, 0] == 0.0 and batch["small"][0] == 1.0
+    received = pickle.loads(pickle.dumps(encoded))
+    view, copied = decode(received)["big"], decode(received, copy=True)["big"]  # copy: the Ray Client path
+    assert view.data_ptr() == received["big"].array.ctypes.data, "without pinning the tensor is the received memory"
+    assert copied.data_ptr() != view.data_ptr() and torch.equal(copied, view)
 
 
 @pytest.mark.usefixtures("ray_session")
