@@ -15,8 +15,9 @@ sizes from 64 KB to 64 MB, the same raydl loader runs with its workers
 and, for reference, torch's DataLoader (forked workers, shared memory). A batch is 16 samples of
 size/16 bytes that each worker holds already (no per-sample work), collated by torch's
 default_collate, so the numbers are the collate copy (the same for every loader) plus the
-transport: for raydl the worker's put into its node's object store, the transfer, the driver's
-get and its one copy into a writable tensor; for torch, passing a shared-memory handle.
+transport: for raydl the worker's put into its node's object store, the transfer and the
+driver's get (the tensor is made over the object store's memory, no copy); for torch, passing
+a shared-memory handle.
 
 Latency: 1 worker, prefetch_factor=1, so each next() waits for exactly one round trip (the task
 is sent when the previous batch is handed out); p50/p95 over an epoch, after a warm-up epoch.
