@@ -200,13 +200,7 @@ def main() -> int:
              + ", ".join(f"{w}: {sorted(v)}" for w, v in placement_seen.items()) + f" (driver node {driver_node[:8]}).", ""]
     lines.append(C.md_table(["batch", "remote p50/p95 ms", "local p50/p95 ms", "torch p50/p95 ms", "remote MB/s",
                              "local MB/s", "torch MB/s", "remote / local", "foreign load (cores)"], rows))
-    lines += ["", f"Cluster start-up {cluster_start_s:.0f} s (not in the numbers). Run took "
-              f"{(time.perf_counter() - start) / 60:.1f} min; load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}."]
-    report = "\n".join(lines)
-    print(report)
-    md = res.write_text(".md", report + "\n")
-    res.close()
-    print(f"\nresults: {res.jsonl_path}\n         {md}")
+    res.finish_cluster_report(lines, cluster_start_s, start)
     return 0
 
 

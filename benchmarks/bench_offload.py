@@ -232,13 +232,7 @@ def main() -> int:
               "the slower of the two set the pace. It is 1 with no step and at most 2 (S = D)."]
     for note in notes:
         lines += ["", f"Note: {note}"]
-    lines += ["", f"Cluster start-up {cluster_start_s:.0f} s (not in the numbers). Run took {(time.perf_counter() - start) / 60:.1f} min; "
-              f"load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}."]
-    report = "\n".join(lines)
-    print(report)
-    md = res.write_text(".md", report + "\n")
-    res.close()
-    print(f"\nresults: {res.jsonl_path}\n         {md}")
+    res.finish_cluster_report(lines, cluster_start_s, start)
     return 0
 
 
