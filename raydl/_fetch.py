@@ -13,7 +13,7 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-__all__ = ["MapFetcher", "IterableFetcher", "StreamEnd"]
+__all__ = ["MapFetcher", "IterableFetcher", "StreamEnd", "StartFailed"]
 
 
 class StreamEnd:
@@ -26,6 +26,23 @@ class StreamEnd:
 
     def __reduce__(self):
         return (StreamEnd, (self.worker_id,))
+
+
+class StartFailed:
+    """Returned by `fetch` on a worker whose `configure` failed.
+
+    The driver has already raised configure's error (it waits for every worker to start before
+    reading a batch); raising it again from each queued fetch would only make Ray print it once
+    per prefetched batch as an unhandled error.
+    """
+
+    __slots__ = ("worker_id",)
+
+    def __init__(self, worker_id: int) -> None:
+        self.worker_id = worker_id
+
+    def __reduce__(self):
+        return (StartFailed, (self.worker_id,))
 
 
 class MapFetcher:

@@ -32,10 +32,17 @@ or its node left the cluster) or that the task's result was lost with its node:
   3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
 Every batch is handed out exactly once, in order; a deterministic dataset gives identical
 batches. Worker-side random draws of a replaced worker restart from its seed.
+Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
+next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
+worker meanwhile are held (`_Task.ref is None`) and all sent once the lost batches are done.
+Why: an actor that dies just after finishing a task may take the task's reply with it, and Ray
+then reports that finished task as failed too. With several tasks in flight a death cannot be
+pinned on one batch; with one in flight it can.
 Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
 death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
-making (the oldest task outstanding on it, which an actor runs first): a poison batch that
-kills every worker it reaches ends there, never in an endless loop.
+making (on probation the one batch in flight; otherwise the oldest sent, which an actor runs
+first, and the message says a later one may be the cause): a poison batch that kills every
+worker it reaches ends there, after every batch before it, never in an endless loop.
 IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
 point where it died, and restarting it would duplicate samples. Their death raises
 WorkerDiedError at once.
@@ -70,7 +77,7 @@ from . import _constants
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
 from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
-from ._fetch import StreamEnd
+from ._fetch import StartFailed, StreamEnd
 from ._options import RayOptions
 from ._payload import put_payload
 from ._transfer import decode
@@ -96,13 +103,20 @@ class _State(IntEnum):
 
 @dataclass(frozen=True)
 class _Task:
-    """One batch in flight: the worker making it, the ref of its result, the indices it covers, what was sent."""
+    """One batch in flight: the worker making it, the ref of its result, the indices it covers, what was sent.
+
+    `ref` is None while the task is held for a worker on probation (NOTE [ raydl recovery ]).
+    """
 
     worker_id: int
     ref: Any
     index: Any
     work: Any
     sent_s: float = field(default_factory=time.monotonic)
+
+
+class _Held(Exception):
+    """Internal: the task waited on was held for its worker's probation (NOTE [ raydl recovery ]); pick another."""
 
 
 class _RayLoaderIter(Iterator[Any]):
@@ -116,7 +130,10 @@ class _RayLoaderIter(Iterator[Any]):
       * `_tasks_outstanding == len(_task_info) <= prefetch_factor * num_workers`.
       * `_workers_num_tasks[w] == count of tasks in _task_info on worker w`.
       * `_workers_status[w]` is False once iterable worker w reported the end of its stream.
-    See NOTE [ raydl ordering ] and NOTE [ raydl shutdown ].
+      * `_probation[w]`: idxs of batches lost with worker w's last process and not yet handed
+        out (NOTE [ raydl recovery ]). While w is on probation exactly one of its tasks is sent,
+        its oldest; the others have `ref is None`. Off probation every task has a ref.
+    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -262,6 +279,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._tasks_outstanding = 0
         self._workers_status = [True] * self._num_workers
         self._workers_num_tasks = [0] * self._num_workers
+        self._probation: dict[int, set[int]] = {}
         # Each epoch starts the round robin at worker 0, as torch does.
         self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
         for _ in range(self._prefetch_factor * self._num_workers):
@@ -286,7 +304,8 @@ class _RayLoaderIter(Iterator[Any]):
             return
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
-        self._task_info[self._send_idx] = _Task(worker_id, self._submit(worker_id, work), index, work)
+        ref = None if worker_id in self._probation else self._submit(worker_id, work)
+        self._task_info[self._send_idx] = _Task(worker_id, ref, index, work)
         self._workers_num_tasks[worker_id] += 1
         self._tasks_outstanding += 1
         self._send_idx += 1
@@ -308,18 +327,37 @@ class _RayLoaderIter(Iterator[Any]):
         record = self._pool.records[worker_id]
         return record is not None and record.node_id != self._driver_node_id
 
+    def _send_held(self, idx: int) -> None:
+        """Send task `idx`, held until now for its worker's probation."""
+        task = self._task_info[idx]
+        self._task_info[idx] = _Task(task.worker_id, self._submit(task.worker_id, task.work), task.index, task.work)
+
     def _pop_task(self, idx: int) -> _Task:
         task = self._task_info.pop(idx)
         self._tasks_outstanding -= 1
         self._workers_num_tasks[task.worker_id] -= 1
+        lost = self._probation.get(task.worker_id)
+        if lost is not None:
+            # Probation (NOTE [ raydl recovery ]): the worker's one task in flight is done; send the next.
+            lost.discard(idx)
+            held = sorted(i for i, t in self._task_info.items() if t.worker_id == task.worker_id and t.ref is None)
+            if lost:
+                if held and not any(t.ref is not None for t in self._task_info.values() if t.worker_id == task.worker_id):
+                    self._send_held(held[0])
+            else:
+                del self._probation[task.worker_id]
+                for i in held:
+                    self._send_held(i)
         return task
 
     def _abandon_task(self, idx: int) -> None:
         """Forget task `idx` without using its result (its worker must finish it before being reused)."""
         task = self._pop_task(idx)
-        self._pool.abandon(task.worker_id, task.ref)
+        if task.ref is not None:
+            self._pool.abandon(task.worker_id, task.ref)
 
     def _drop_all_tasks(self) -> None:
+        self._probation = {}  # nothing held is sent while the epoch's tasks are dropped
         for idx in list(getattr(self, "_task_info", {})):
             self._abandon_task(idx)
 
@@ -348,6 +386,8 @@ class _RayLoaderIter(Iterator[Any]):
             try:
                 # A timeout leaves the task in place: the next call waits for the same batch.
                 data = self._get_result(idx, task)
+            except _Held:
+                continue
             except RayTaskError as e:
                 self._consume(idx)
                 # As torch does: refill before raising, so a caller that catches the error can go on.
@@ -358,6 +398,9 @@ class _RayLoaderIter(Iterator[Any]):
                     remote_traceback(e),
                 ) from None
             self._consume(idx)
+            if isinstance(data, StartFailed):  # unreachable: workers are waited for before any batch is read
+                self._fail()
+                raise RuntimeError(f"raydl bug: read a batch from worker {data.worker_id}, whose start failed")
             if isinstance(data, StreamEnd):
                 self._retire_worker(data.worker_id)
                 self._try_put_index()
@@ -414,7 +457,7 @@ class _RayLoaderIter(Iterator[Any]):
         import ray
 
         deadline = self._deadline()
-        by_ref = {task.ref: idx for idx, task in self._task_info.items()}
+        by_ref = {task.ref: idx for idx, task in self._task_info.items() if task.ref is not None}
         while True:
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=STATUS_CHECK_INTERVAL_S, fetch_local=True)
             if ready:
@@ -450,6 +493,8 @@ class _RayLoaderIter(Iterator[Any]):
             except (RayActorError, ObjectLostError) as e:
                 self._recover(task.worker_id, e)
                 task = self._task_info[idx]
+                if task.ref is None:  # in_order=False picked a later batch of the worker: it waits its turn
+                    raise _Held from None
                 deadline = self._deadline()
 
     def _check_stall(self, idx: int, task: _Task) -> None:
@@ -471,7 +516,8 @@ class _RayLoaderIter(Iterator[Any]):
         """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
         where = self._pool.describe(worker_id)
         on_worker = sorted(i for i, t in self._task_info.items() if t.worker_id == worker_id)
-        suspect = self._task_info[on_worker[0]]
+        sent = [i for i in on_worker if self._task_info[i].ref is not None]
+        suspect = self._task_info[sent[0]]
         cause = _first_line(error)
         self._pool.mark_failed(worker_id)
         if self._is_iterable:
@@ -484,8 +530,8 @@ class _RayLoaderIter(Iterator[Any]):
         if self._pool.restarts[worker_id] >= self._max_worker_restarts:
             self._fail()
             raise WorkerDiedError(
-                f"{where} exited unexpectedly while making batch {on_worker[0]} (indices {_short(suspect.index)}) "
-                f"after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
+                f"{where} exited unexpectedly while making batch {sent[0]} (indices {_short(suspect.index)})"
+                f"{_also_sent(sent)} after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
                 f"{self._max_worker_restarts}): {cause}. If this batch kills every worker it reaches, a sample "
                 "in it crashes the process (out of memory, native code): fix or skip that sample, or give "
                 "workers more memory via ray_remote_args."
@@ -494,10 +540,12 @@ class _RayLoaderIter(Iterator[Any]):
             "raydl: %s died (%s); starting a replacement and resending %d batch(es)", where, cause, len(on_worker)
         )
         self._pool.replace(worker_id)
-        actor = self._pool.actors[worker_id]
+        # Probation: the lost batches are re-made one at a time, oldest first.
+        self._probation[worker_id] = set(on_worker)
         for i in on_worker:
             old = self._task_info[i]
-            self._task_info[i] = _Task(worker_id, actor.fetch.remote(self._epoch, old.work), old.index, old.work)
+            self._task_info[i] = _Task(worker_id, None, old.index, old.work)
+        self._send_held(on_worker[0])
         self._wait_workers_ready()
 
     def _wait_workers_ready(self) -> None:
@@ -509,7 +557,7 @@ class _RayLoaderIter(Iterator[Any]):
             raise
         self._ready_at_s = time.monotonic()
         # Tasks sent before the workers reported where they run: start their transfers now.
-        self._prefetch([t.ref for t in self._task_info.values() if self._on_other_node(t.worker_id)])
+        self._prefetch([t.ref for t in self._task_info.values() if t.ref is not None and self._on_other_node(t.worker_id)])
 
     # ------------------------------------------------------------------ pinning
 
@@ -546,6 +594,13 @@ def _first_line(error: BaseException, limit: int = 300) -> str:
     """The gist of a Ray error for a one-line message."""
     text = " ".join(str(error).split())
     return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _also_sent(sent: list) -> str:
+    """For a death with several tasks in flight: the later ones, any of which may have caused it."""
+    if len(sent) < 2:
+        return ""
+    return f" or a batch sent to it after that one (batch(es) {', '.join(map(str, sent[1:]))})"
 
 
 def _short(index: Any, limit: int = 8) -> str:

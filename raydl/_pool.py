@@ -18,6 +18,12 @@ logger = logging.getLogger(__name__)
 
 _remote_worker_cls = None
 
+_MISSING_MODULE_HINT = (
+    " (the worker cannot import module {name!r}, which the dataset, collate_fn or worker_init_fn "
+    "needs: install it on every node, or ship your code to the workers with "
+    "ray.init(runtime_env={{'py_modules': [<your package>]}}) or runtime_env={{'working_dir': '.'}})"
+)
+
 
 def _worker_actor_class():
     """`ray.remote(Worker)`, built once per process so Ray exports the class once."""
@@ -153,9 +159,10 @@ class WorkerPool:
                     info = ray.get(ref)
                 except RayTaskError as e:
                     self._failed.add(wid)
-                    raise rebuild_worker_exception(
-                        e.cause, f"in raydl worker {wid} while starting", remote_traceback(e)
-                    ) from None
+                    where = f"in raydl worker {wid} while starting"
+                    if isinstance(e.cause, ModuleNotFoundError):
+                        where += _MISSING_MODULE_HINT.format(name=e.cause.name)
+                    raise rebuild_worker_exception(e.cause, where, remote_traceback(e)) from None
                 except RayActorError as e:
                     if wid in self._unconfirmed_warm:
                         # An idle actor died while it waited in the warm pool: start a new one.

@@ -146,18 +146,28 @@ def describe_placement(options: Mapping[str, Any], num_pending: int, num_workers
     total = ray.cluster_resources()
     shown = sorted(set(request) | {"CPU"})
     fmt = lambda res: "{" + ", ".join(f"{k}: {res.get(k, 0):g}" for k in shown) + "}"  # noqa: E731
+    label = options.get("label_selector")
+    label_note = f" and label_selector={label!r}" if label else ""
+    asks = f"each asks for {fmt(request)}{label_note}"
+    where = f"Cluster total {fmt(total)}, available {fmt(available)} across {len(nodes)} node(s)"
+    if feasible and not label and _fits(request, available):
+        # Resources are free: what is missing is the worker processes themselves.
+        msg = (
+            f"{num_pending} of {num_workers} raydl workers did not start: {asks} and the cluster has that "
+            f"free, but Ray has not got their processes running. The node may be overloaded, or worker "
+            f"processes fail while starting (see the worker-*.err and raylet.out logs in the Ray session's "
+            f"logs directory, /tmp/ray/session_latest/logs by default). {where}. Fix what the logs show, or "
+            "raise ray_startup_timeout_s if start-up is just slow."
+        )
+        return feasible, msg
     why = (
         "no node of the cluster has that much in total"
         if not feasible
         else "the cluster has it in total but not free now (other actors or loaders hold it)"
     )
-    label = options.get("label_selector")
-    label_note = f" and label_selector={label!r}" if label else ""
     msg = (
-        f"{num_pending} of {num_workers} raydl workers could not be placed: each asks for "
-        f"{fmt(request)}{label_note}; {why}. Cluster total {fmt(total)}, available {fmt(available)} "
-        f"across {len(nodes)} node(s). Fix: lower the request in ray_remote_args (e.g. "
-        "{'num_cpus': 0.5}), use fewer num_workers, add nodes with those resources, or raise "
-        "ray_startup_timeout_s if nodes are still joining."
+        f"{num_pending} of {num_workers} raydl workers could not be placed: {asks}; {why}. {where}. "
+        "Fix: lower the request in ray_remote_args (e.g. {'num_cpus': 0.5}), use fewer num_workers, add "
+        "nodes with those resources, or raise ray_startup_timeout_s if nodes are still joining."
     )
     return feasible, msg

@@ -28,7 +28,7 @@ import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
 from ._errors import annotate_traceback
-from ._fetch import IterableFetcher, MapFetcher, StreamEnd
+from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd
 from ._transfer import encode
 
 __all__ = ["WorkerPayload", "Worker", "numpy_seed_state", "get_worker_info"]
@@ -113,19 +113,19 @@ class Worker:
         """
         self.reset()
         self._worker_id = worker_id
-        if isinstance(payload, bytes):  # the default: a private, writable copy, as torch's workers get
-            from ray import cloudpickle
-
-            payload = cloudpickle.loads(payload)
-        self._payload = payload
-        seed = base_seed + worker_id
-        random.seed(seed)
-        torch.manual_seed(seed)
-        np.random.seed(numpy_seed_state(base_seed, worker_id))
-        _torch_worker._worker_info = _torch_worker.WorkerInfo(
-            id=worker_id, num_workers=num_workers, seed=seed, dataset=payload.dataset
-        )
         try:
+            if isinstance(payload, bytes):  # the default: a private, writable copy, as torch's workers get
+                from ray import cloudpickle
+
+                payload = cloudpickle.loads(payload)
+            self._payload = payload
+            seed = base_seed + worker_id
+            random.seed(seed)
+            torch.manual_seed(seed)
+            np.random.seed(numpy_seed_state(base_seed, worker_id))
+            _torch_worker._worker_info = _torch_worker.WorkerInfo(
+                id=worker_id, num_workers=num_workers, seed=seed, dataset=payload.dataset
+            )
             if payload.worker_init_fn is not None:
                 payload.worker_init_fn(worker_id)
             self._fetcher = self._make_fetcher()
@@ -158,7 +158,7 @@ class Worker:
         stream, as torch's worker does when it is told to resume.
         """
         if self._init_error is not None:
-            raise self._init_error
+            return StartFailed(self._worker_id)
         if self._payload is None:
             raise RuntimeError("raydl worker used before configure(): this is a raydl bug")
         try:

@@ -191,3 +191,38 @@ def test_unplaceable_workers_fail_with_the_shortfall():
         list(loader)
     assert "2 of 2 raydl workers could not be placed" in str(info.value) and "Fix:" in str(info.value)
     assert time.monotonic() - t0 < 30
+
+
+def test_workers_slow_to_start_with_resources_free_point_to_the_logs():
+    """Free resources but no worker running within ray_startup_timeout_s: the error says so and where to look."""
+    loader = raydl.DataLoader(
+        D.RangeDataset(4),
+        num_workers=1,
+        # A runtime_env of its own: Ray must start a new process (several seconds), none is waiting.
+        ray_remote_args={"runtime_env": {"env_vars": {"RAYDL_TEST_SLOW_START": "1"}}},
+        ray_startup_timeout_s=0.05,
+        ray_reuse_workers=False,
+    )
+    with pytest.raises(raydl.WorkerPlacementError, match="1 of 1 raydl workers did not start") as info:
+        list(loader)
+    assert "has that free" in str(info.value) and "logs" in str(info.value)
+    assert "could not be placed" not in str(info.value)
+
+
+def test_dataset_module_missing_on_workers_names_the_module_and_the_fix(tmp_path, monkeypatch):
+    """A dataset whose module only the driver can import fails at start-up naming the module and how to ship it."""
+    pkg = tmp_path / "driver_only_mod_raydl"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text(
+        "import torch\n"
+        "class Data(torch.utils.data.Dataset):\n"
+        "    def __len__(self):\n        return 4\n"
+        "    def __getitem__(self, i):\n        return i\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))  # the driver only: workers were started without it
+    import driver_only_mod_raydl
+
+    loader = raydl.DataLoader(driver_only_mod_raydl.Data(), num_workers=1, timeout=TIMEOUT_S, ray_reuse_workers=False)
+    with pytest.raises(ModuleNotFoundError, match=r"raydl worker 0 while starting .*'driver_only_mod_raydl'") as info:
+        list(loader)
+    assert "py_modules" in str(info.value)

@@ -68,10 +68,20 @@ def test_sigkill_from_outside_is_recovered():
     assert it._pool.restarts == [0, 1]
 
 
-def test_poison_batch_ends_in_a_clear_error():
-    """A batch that kills every worker it reaches ends, after ray_max_worker_restarts, in WorkerDiedError naming it."""
+@pytest.mark.parametrize("bad_index", [4, 5])
+def test_poison_batch_ends_in_a_clear_error(bad_index):
+    """A batch that kills every worker it reaches ends, after ray_max_worker_restarts, in WorkerDiedError naming it.
+
+    Every batch before it is handed out first. bad_index=4 kills the worker the moment it starts
+    batch 2, right after it finished batch 0: Ray may then report batch 0 as lost too, and only
+    the replacement's one-at-a-time re-making (probation) pins the death on the right batch.
+    """
     loader = raydl.DataLoader(
-        D.PoisonDataset(12, bad_index=5), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_max_worker_restarts=1
+        D.PoisonDataset(12, bad_index=bad_index),
+        batch_size=2,
+        num_workers=2,
+        timeout=TIMEOUT_S,
+        ray_max_worker_restarts=1,
     )
     seen = []
     t0 = time.monotonic()
@@ -79,9 +89,51 @@ def test_poison_batch_ends_in_a_clear_error():
         for batch in loader:
             seen.append(batch.flatten().tolist())
     msg = str(info.value)
-    assert "raydl worker 0" in msg and "batch 2" in msg and "[4, 5]" in msg and "ray_max_worker_restarts=1" in msg
+    assert "raydl worker 0" in msg and "ray_max_worker_restarts=1" in msg
+    assert "while making batch 2 (indices [4, 5]) after" in msg, msg
     assert seen == [[0, 1], [2, 3]]
     assert time.monotonic() - t0 < 60
+
+
+def _check_invariants(it) -> None:
+    """The invariants written in _RayLoaderIter's docstring."""
+    tasks = it._task_info
+    assert 0 <= it._rcvd_idx <= it._send_idx
+    assert all(it._rcvd_idx <= i < it._send_idx for i in tasks)
+    assert it._tasks_outstanding == len(tasks) <= it._prefetch_factor * it._num_workers
+    for w in range(it._num_workers):
+        mine = sorted(i for i, t in tasks.items() if t.worker_id == w)
+        assert it._workers_num_tasks[w] == len(mine)
+        sent = [i for i in mine if tasks[i].ref is not None]
+        if w in it._probation:
+            assert sent == mine[:1], f"worker {w} on probation has {sent} sent of {mine}"
+        else:
+            assert sent == mine
+
+
+def test_replacement_remakes_lost_batches_one_at_a_time():
+    """After a SIGKILL with four batches lost, the replacement has one in flight until they are re-made; torch's batches."""
+    kwargs = dict(batch_size=1, shuffle=True, generator=torch.Generator().manual_seed(3))
+    expected = _torch_batches(D.RangeDataset(40), **kwargs)
+    kwargs["generator"] = torch.Generator().manual_seed(3)
+    loader = raydl.DataLoader(
+        D.SlowDataset(40, {i: 0.02 for i in range(40)}), num_workers=2, prefetch_factor=4, timeout=TIMEOUT_S, **kwargs
+    )
+    it = iter(loader)
+    out = [next(it).tolist()]
+    _check_invariants(it)
+    os.kill(it.worker_records[1].pid, signal.SIGKILL)
+    probation_seen = 0
+    while True:
+        try:
+            out.append(next(it).tolist())
+        except StopIteration:
+            break
+        _check_invariants(it)
+        probation_seen += 1 in it._probation
+    assert out == expected
+    assert it._pool.restarts == [0, 1]
+    assert probation_seen >= 2, "the replacement was never on probation: the test exercised nothing"
 
 
 def test_recovery_disabled_raises_at_once():
