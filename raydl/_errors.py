@@ -20,6 +20,18 @@ class WorkerDiedError(RuntimeError):
     """A raydl worker actor exited while the driver still needed it (its process died or its node left)."""
 
 
+class WorkerStartDied(WorkerDiedError):
+    """Internal: worker `worker_id`'s process died before it reported it had started.
+
+    Tasks may already have been queued behind its start (a pool's first start), so the driver
+    treats this as any other death of that worker (NOTE [ raydl recovery ] in _iter.py).
+    """
+
+    def __init__(self, worker_id: int, message: str) -> None:
+        super().__init__(message)
+        self.worker_id = worker_id
+
+
 class WorkerPlacementError(RuntimeError):
     """Ray could not place (or start) the worker actors within the startup timeout."""
 

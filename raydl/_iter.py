@@ -27,9 +27,13 @@ When `ray.get` on a task reports that its worker actor died (its process exited 
 or its node left the cluster) or that the task's result was lost with its node:
   1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
      seeds itself and runs worker_init_fn exactly as the first one did;
-  2. every task that was outstanding on the dead worker is sent again, in send order, to the
-     replacement, under the same task idx: ordering and the reorder buffer are untouched;
-  3. the driver waits (bounded by ray_startup_timeout_s) for the replacement and goes on.
+  2. the driver waits (bounded by ray_startup_timeout_s) for the replacement to report that it
+     has started, with nothing queued behind its start: a replacement that dies there died
+     starting, not making a batch, and is one more death of that worker;
+  3. every task that was outstanding on the dead worker is sent again, in send order, to the
+     replacement, under the same task idx: ordering and the reorder buffer are untouched.
+A worker that dies during a pool's first start, when tasks were already queued behind its start
+(to save a round trip), is recovered the same way.
 Every batch is handed out exactly once, in order; a deterministic dataset gives identical
 batches. Worker-side random draws of a replaced worker restart from its seed.
 Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
@@ -76,7 +80,7 @@ from torch.utils.data import IterableDataset
 from . import _constants
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
-from ._errors import WorkerDiedError, rebuild_worker_exception, remote_traceback
+from ._errors import WorkerDiedError, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._fetch import StartFailed, StreamEnd
 from ._options import RayOptions
 from ._payload import put_payload
@@ -517,7 +521,6 @@ class _RayLoaderIter(Iterator[Any]):
         where = self._pool.describe(worker_id)
         on_worker = sorted(i for i, t in self._task_info.items() if t.worker_id == worker_id)
         sent = [i for i in on_worker if self._task_info[i].ref is not None]
-        suspect = self._task_info[sent[0]]
         cause = _first_line(error)
         self._pool.mark_failed(worker_id)
         if self._is_iterable:
@@ -528,30 +531,48 @@ class _RayLoaderIter(Iterator[Any]):
                 "Restart the epoch, or use a map-style dataset to get automatic recovery."
             ) from None
         if self._pool.restarts[worker_id] >= self._max_worker_restarts:
+            suspect = _short(self._task_info[sent[0]].index) if sent else ""
             self._fail()
+            restarts = (
+                f"after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
+                f"{self._max_worker_restarts}): {cause}."
+            )
+            if not sent:
+                raise WorkerDiedError(
+                    f"{where} died while starting (unpickling the dataset, running worker_init_fn) {restarts} If "
+                    "every new worker dies there, that code crashes the process (out of memory, native code): "
+                    "fix it, or give workers more memory via ray_remote_args."
+                ) from None
+            starting = "while starting or " if isinstance(error, WorkerStartDied) else ""
             raise WorkerDiedError(
-                f"{where} exited unexpectedly while making batch {sent[0]} (indices {_short(suspect.index)})"
-                f"{_also_sent(sent)} after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
-                f"{self._max_worker_restarts}): {cause}. If this batch kills every worker it reaches, a sample "
-                "in it crashes the process (out of memory, native code): fix or skip that sample, or give "
-                "workers more memory via ray_remote_args."
+                f"{where} exited unexpectedly {starting}while making batch {sent[0]} (indices "
+                f"{suspect}){_also_sent(sent)} {restarts} If this batch kills every "
+                "worker it reaches, a sample in it crashes the process (out of memory, native code): fix or "
+                "skip that sample, or give workers more memory via ray_remote_args."
             ) from None
         logger.warning(
             "raydl: %s died (%s); starting a replacement and resending %d batch(es)", where, cause, len(on_worker)
         )
         self._pool.replace(worker_id)
-        # Probation: the lost batches are re-made one at a time, oldest first.
-        self._probation[worker_id] = set(on_worker)
+        # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
+        if on_worker:
+            self._probation[worker_id] = set(on_worker)
         for i in on_worker:
             old = self._task_info[i]
             self._task_info[i] = _Task(worker_id, None, old.index, old.work)
-        self._send_held(on_worker[0])
-        self._wait_workers_ready()
+        self._wait_workers_ready()  # a replacement dying while starting recurses here, one restart more
+        if on_worker and self._task_info[on_worker[0]].ref is None:
+            self._send_held(on_worker[0])
 
     def _wait_workers_ready(self) -> None:
-        """Bounded wait for (new) workers to start; a failure ends the iterator."""
+        """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""
         try:
             self._pool.wait_ready(self._startup_timeout_s)
+        except WorkerStartDied as e:
+            if self._state != _State.RUNNING:
+                raise
+            self._recover(e.worker_id, e)  # replaces it and waits again (NOTE [ raydl recovery ])
+            return
         except BaseException:
             self._fail()
             raise

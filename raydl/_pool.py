@@ -7,7 +7,7 @@ import time
 from typing import Any, Mapping, Optional
 
 from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, STATUS_CHECK_INTERVAL_S
-from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord, rebuild_worker_exception, remote_traceback
+from ._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._ray_utils import describe_placement, resource_request
 from ._warm import WARM_POOL
 from ._worker import Worker
@@ -144,7 +144,7 @@ class WorkerPool:
             the user's exception type: `worker_init_fn` (or `iter(dataset)`) failed in a worker.
             WorkerPlacementError: a worker could not be placed or started within `timeout_s`,
                 or (after INFEASIBLE_GRACE_S) no node could ever host it.
-            WorkerDiedError: a worker process died while starting.
+            WorkerStartDied: a worker process died while starting.
         """
         import ray
         from ray.exceptions import RayActorError, RayTaskError
@@ -170,7 +170,7 @@ class WorkerPool:
                         self._start_fresh(wid)
                         continue
                     self._failed.add(wid)
-                    raise WorkerDiedError(f"raydl worker {wid} died while starting: {e}") from None
+                    raise WorkerStartDied(wid, f"raydl worker {wid} died while starting: {e}") from None
                 self._unconfirmed_warm.discard(wid)
                 self.records[wid] = WorkerRecord(worker_id=wid, **info)
                 self._ready_refs[wid] = None

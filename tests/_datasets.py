@@ -203,6 +203,13 @@ def failing_init_fn(worker_id: int) -> None:
     raise RuntimeError(f"init failed in worker {worker_id}")
 
 
+def exiting_init_fn(worker_id: int) -> None:
+    """worker_init_fn whose process exits (a native crash in start-up code)."""
+    import os
+
+    os._exit(4)
+
+
 def sum_collate(batch):
     """A custom collate_fn: the sum of the batch's first elements, and its length."""
     return {"sum": sum(int(b[0]) for b in batch), "n": len(batch)}

@@ -95,6 +95,34 @@ def test_poison_batch_ends_in_a_clear_error(bad_index):
     assert time.monotonic() - t0 < 60
 
 
+def test_worker_init_fn_that_kills_the_process_ends_in_a_clear_error():
+    """A worker_init_fn that kills every process is retried ray_max_worker_restarts times, then named as the cause."""
+    loader = raydl.DataLoader(
+        D.RangeDataset(8),
+        batch_size=2,
+        num_workers=1,
+        worker_init_fn=D.exiting_init_fn,
+        timeout=TIMEOUT_S,
+        ray_max_worker_restarts=1,
+    )
+    with pytest.raises(raydl.WorkerDiedError) as info:
+        next(iter(loader))
+    msg = str(info.value)
+    assert "raydl worker 0" in msg and "died while starting" in msg and "worker_init_fn" in msg, msg
+    assert "after 1 restart(s) (ray_max_worker_restarts=1)" in msg
+
+
+def test_death_on_the_first_batch_is_recovered_and_named():
+    """A worker dying on its first batch, right after starting, is one more recoverable death; the batch is named."""
+    loader = raydl.DataLoader(
+        D.PoisonDataset(8, bad_index=0), batch_size=2, num_workers=1, timeout=TIMEOUT_S, ray_max_worker_restarts=1
+    )
+    with pytest.raises(raydl.WorkerDiedError) as info:
+        next(iter(loader))
+    msg = str(info.value)
+    assert "while making batch 0 (indices [0, 1])" in msg and "after 1 restart(s)" in msg, msg
+
+
 def _check_invariants(it) -> None:
     """The invariants written in _RayLoaderIter's docstring."""
     tasks = it._task_info
