@@ -6,7 +6,10 @@ Compares, in one run and with the same dataset and worker count:
   * raydl.DataLoader(ray_device="cuda"): batches arrive on the GPU, copied on a side stream.
 GPU busy time is measured with CUDA events around each training step; idle = wall - busy.
 
-    python benchmarks/bench_gpu.py --workers 4 --epochs 3
+    python benchmarks/bench_gpu.py --workers 4 --epochs 3 --reps 3
+
+Each repetition builds a new loader of each kind, in rotated order (so slow drifts hit all of
+them); the table shows medians and each loader's samples/s over torch's in the same repetition.
 """
 
 from __future__ import annotations
@@ -91,6 +94,20 @@ def run(name: str, loader, to_device: bool, epochs: int) -> dict:
     return row
 
 
+LOADERS = ("torch pin_memory + .to(non_blocking)", "raydl pin_memory + .to(non_blocking)", "raydl ray_device='cuda'")
+
+
+def make_loader(name: str, ds: Dataset, common: dict):
+    """A new loader of kind `name` and whether the loop must copy its batches to the GPU itself."""
+    import raydl
+
+    if name == LOADERS[0]:
+        return torch.utils.data.DataLoader(ds, pin_memory=True, **common), True
+    if name == LOADERS[1]:
+        return raydl.DataLoader(ds, pin_memory=True, **common), True
+    return raydl.DataLoader(ds, ray_device="cuda", **common), False
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--samples", type=int, default=4096)
@@ -98,27 +115,39 @@ def main() -> None:
     parser.add_argument("--workers", type=int, default=4)
     parser.add_argument("--epochs", type=int, default=3)
     parser.add_argument("--work-ms", type=float, default=0.5)
+    parser.add_argument("--reps", type=int, default=3, help="repetitions; the loaders' order rotates each time")
     args = parser.parse_args()
-
-    import raydl
 
     ds = Images(args.samples, args.work_ms)
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, persistent_workers=True)
-    rows = []
-    torch_loader = torch.utils.data.DataLoader(ds, pin_memory=True, **common)
-    rows.append(run("torch pin_memory + .to(non_blocking)", torch_loader, True, args.epochs))
-    del torch_loader
-    with raydl.DataLoader(ds, pin_memory=True, **common) as loader:
-        rows.append(run("raydl pin_memory + .to(non_blocking)", loader, True, args.epochs))
-    with raydl.DataLoader(ds, ray_device="cuda", **common) as loader:
-        rows.append(run("raydl ray_device='cuda'", loader, False, args.epochs))
+    rows: dict[str, list[dict]] = {name: [] for name in LOADERS}
+    for rep in range(args.reps):
+        order = LOADERS[rep % len(LOADERS):] + LOADERS[: rep % len(LOADERS)]
+        for name in order:
+            loader, to_device = make_loader(name, ds, common)
+            row = run(name, loader, to_device, args.epochs)
+            row["rep"] = rep
+            rows[name].append(row)
+            if hasattr(loader, "shutdown"):
+                loader.shutdown()
+            del loader
+
+    def med(xs):
+        return float(np.median(xs))
+
     print(f"\n{torch.cuda.get_device_name()} | {os.cpu_count()} CPUs | torch {torch.__version__} | "
-          f"{args.workers} workers, batch {args.batch_size}, {args.work_ms} ms CPU work per sample")
-    print("| loader | first epoch s | steady epoch s | GPU busy s | GPU idle % | samples/s |")
+          f"{args.workers} workers, batch {args.batch_size}, {args.work_ms} ms CPU work per sample | "
+          f"{args.reps} repetitions, loaders in rotated order; medians, (min-max); first epochs excluded")
+    print("| loader | steady epoch s | GPU busy s | GPU idle % | samples/s | vs torch (paired) |")
     print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['loader']} | {r['first_epoch_s']} | {r['steady_wall_s']} | {r['gpu_busy_s']} | "
-              f"{r['gpu_idle_pct']} | {r['samples_per_s']} |")
+    base = rows[LOADERS[0]]
+    for name in LOADERS:
+        rs = rows[name]
+        idle = [r["gpu_idle_pct"] for r in rs]
+        ratios = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(rs, base)]
+        print(f"| {name} | {med([r['steady_wall_s'] for r in rs]):.3f} | {med([r['gpu_busy_s'] for r in rs]):.3f} | "
+              f"{med(idle):.1f} ({min(idle):.1f}-{max(idle):.1f}) | {med([r['samples_per_s'] for r in rs]):,.0f} | "
+              f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
 
 
 if __name__ == "__main__":
