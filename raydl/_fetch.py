@@ -16,8 +16,8 @@ from typing import Any, Callable, Iterator
 __all__ = ["MapFetcher", "IterableFetcher", "StreamEnd", "StartFailed"]
 
 
-class StreamEnd:
-    """Returned by an iterable worker whose replica is exhausted (torch's `_IterableDatasetStopIteration`)."""
+class _WorkerSignal:
+    """A worker's answer to `fetch` that is not a batch; it names the worker."""
 
     __slots__ = ("worker_id",)
 
@@ -25,10 +25,16 @@ class StreamEnd:
         self.worker_id = worker_id
 
     def __reduce__(self):
-        return (StreamEnd, (self.worker_id,))
+        return (type(self), (self.worker_id,))
 
 
-class StartFailed:
+class StreamEnd(_WorkerSignal):
+    """Returned by an iterable worker whose replica is exhausted (torch's `_IterableDatasetStopIteration`)."""
+
+    __slots__ = ()
+
+
+class StartFailed(_WorkerSignal):
     """Returned by `fetch` on a worker whose `configure` failed.
 
     The driver has already raised configure's error (it waits for every worker to start before
@@ -36,13 +42,7 @@ class StartFailed:
     per prefetched batch as an unhandled error.
     """
 
-    __slots__ = ("worker_id",)
-
-    def __init__(self, worker_id: int) -> None:
-        self.worker_id = worker_id
-
-    def __reduce__(self):
-        return (StartFailed, (self.worker_id,))
+    __slots__ = ()
 
 
 class MapFetcher:

@@ -342,11 +342,12 @@ class _RayLoaderIter(Iterator[Any]):
         self._workers_num_tasks[task.worker_id] -= 1
         lost = self._probation.get(task.worker_id)
         if lost is not None:
-            # Probation (NOTE [ raydl recovery ]): the worker's one task in flight is done; send the next.
+            # Probation (NOTE [ raydl recovery ]): the worker's one task in flight is done, so all
+            # its others are held; send the next, or all of them once the lost batches are re-made.
             lost.discard(idx)
             held = sorted(i for i, t in self._task_info.items() if t.worker_id == task.worker_id and t.ref is None)
             if lost:
-                if held and not any(t.ref is not None for t in self._task_info.values() if t.worker_id == task.worker_id):
+                if held:
                     self._send_held(held[0])
             else:
                 del self._probation[task.worker_id]
