@@ -299,7 +299,8 @@ def section_memory(b: Bench, res: C.Results) -> dict:
         state = {"max_outstanding": 0, "max_store": 0, "max_objects": 0}
 
         def probe(it: Any, k: int) -> None:
-            n = getattr(it, "_tasks_outstanding", None)
+            sched = getattr(it, "_sched", None)  # raydl keeps its tasks in a Schedule; torch on the iterator
+            n = sched.tasks_outstanding if sched is not None else getattr(it, "_tasks_outstanding", None)
             if n is not None:
                 state["max_outstanding"] = max(state["max_outstanding"], n)
             if k % 8 == 4:

@@ -38,7 +38,8 @@ Every batch is handed out exactly once, in order; a deterministic dataset gives 
 batches. Worker-side random draws of a replaced worker restart from its seed.
 Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
 next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
-worker meanwhile are held (`_Task.ref is None`) and all sent once the lost batches are done.
+worker meanwhile are held (`Task.ref is None`) and all sent once the lost batches are done
+(NOTE [ raydl scheduling ] in _schedule.py).
 Why: an actor that dies just after finishing a task may take the task's reply with it, and Ray
 then reports that finished task as failed too. With several tasks in flight a death cannot be
 pinned on one batch; with one in flight it can.
@@ -65,12 +66,10 @@ interpreter is finalizing: Ray tears its actors down with the driver then.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import sys
 import time
 import warnings
-from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -86,8 +85,9 @@ from ._options import RayOptions
 from ._payload import put_payload
 from ._transfer import decode
 from ._pool import WorkerPool
+from ._schedule import Schedule, Task
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
-from ._worker import WorkerPayload
+from ._worker import BatchMeta, WorkerPayload
 
 if TYPE_CHECKING:
     from .loader import DataLoader
@@ -105,22 +105,8 @@ class _State(IntEnum):
     SHUT_DOWN = 2
 
 
-@dataclass(frozen=True)
-class _Task:
-    """One batch in flight: the worker making it, the ref of its result, the indices it covers, what was sent.
-
-    `ref` is None while the task is held for a worker on probation (NOTE [ raydl recovery ]).
-    """
-
-    worker_id: int
-    ref: Any
-    index: Any
-    work: Any
-    sent_s: float = field(default_factory=time.monotonic)
-
-
 class _Held(Exception):
-    """Internal: the task waited on was held for its worker's probation (NOTE [ raydl recovery ]); pick another."""
+    """Internal: the task waited on was held for its worker's probation (NOTE [ raydl scheduling ] in _schedule.py); pick another."""
 
 
 class _RayLoaderIter(Iterator[Any]):
@@ -129,15 +115,11 @@ class _RayLoaderIter(Iterator[Any]):
     State (torch's names), with invariants that hold between calls:
       * `_send_idx`: idx of the next task to send; `_rcvd_idx`: idx of the next task to hand out
         in order; `0 <= _rcvd_idx <= _send_idx`.
-      * `_task_info[idx] -> _Task` for every task sent and not yet handed out or dropped; its keys
-        lie in `[_rcvd_idx, _send_idx)`.
-      * `_tasks_outstanding == len(_task_info) <= prefetch_factor * num_workers`.
-      * `_workers_num_tasks[w] == count of tasks in _task_info on worker w`.
-      * `_workers_status[w]` is False once iterable worker w reported the end of its stream.
-      * `_probation[w]`: idxs of batches lost with worker w's last process and not yet handed
-        out (NOTE [ raydl recovery ]). While w is on probation exactly one of its tasks is sent,
-        its oldest; the others have `ref is None`. Off probation every task has a ref.
-    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] and NOTE [ raydl shutdown ].
+      * `_sched` (a `Schedule`) holds every task sent and not yet handed out or dropped, keyed by
+        idx: its keys lie in `[_rcvd_idx, _send_idx)`; which worker gets a task, probation and
+        held tasks are its business (NOTE [ raydl scheduling ] in _schedule.py, with its own
+        invariants).
+    See NOTE [ raydl ordering ], NOTE [ raydl recovery ], NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -204,6 +186,7 @@ class _RayLoaderIter(Iterator[Any]):
             reuse=options.reuse_workers,
         )
         self._epoch = 0
+        self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
         self._reset(loader, first_iter=True)
@@ -279,47 +262,30 @@ class _RayLoaderIter(Iterator[Any]):
         self._stall_reported: set[int] = set()  # task idxs already reported as stalled
         self._send_idx = 0  # idx of the next task to be sent to workers
         self._rcvd_idx = 0  # idx of the next task to be handed out in order
-        self._task_info: dict[int, _Task] = {}
-        self._tasks_outstanding = 0
-        self._workers_status = [True] * self._num_workers
-        self._workers_num_tasks = [0] * self._num_workers
-        self._probation: dict[int, set[int]] = {}
-        # Each epoch starts the round robin at worker 0, as torch does.
-        self._worker_queue_idx_cycle = itertools.cycle(range(self._num_workers))
+        self._sched.reset()
         for _ in range(self._prefetch_factor * self._num_workers):
             self._try_put_index()
 
     def _try_put_index(self) -> None:
-        """Draw the next index from the sampler and send it to the next eligible worker (torch's rule)."""
-        max_tasks = self._prefetch_factor * self._num_workers
-        assert self._tasks_outstanding < max_tasks or max_tasks == 0
+        """Draw the next index from the sampler and give it to the next eligible worker (torch's rule)."""
         try:
             index = next(self._sampler_iter)
         except StopIteration:
             return
-        for _ in range(self._num_workers):
-            worker_id = next(self._worker_queue_idx_cycle)
-            if self._workers_status[worker_id]:
-                if self._in_order:
-                    break
-                if self._workers_num_tasks[worker_id] < max_tasks // sum(self._workers_status):
-                    break
-        else:
+        worker_id = self._sched.next_worker()
+        if worker_id is None:
             return
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
-        ref = None if worker_id in self._probation else self._submit(worker_id, work)
-        self._task_info[self._send_idx] = _Task(worker_id, ref, index, work)
-        self._workers_num_tasks[worker_id] += 1
-        self._tasks_outstanding += 1
+        self._sched.add(self._send_idx, worker_id, index, work)
         self._send_idx += 1
 
-    def _submit(self, worker_id: int, work: Any) -> Any:
-        """Send one unit of work to a worker; a batch made on another node starts moving here at once."""
-        ref = self._pool.actors[worker_id].fetch.remote(self._epoch, work)
+    def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
+        """Send task `idx` to a worker: (batch ref, meta ref); a batch made on another node starts moving here at once."""
+        ref, meta_ref = self._pool.actors[worker_id].fetch.options(num_returns=2).remote(self._epoch, idx, work)
         if self._on_other_node(worker_id):
             self._prefetch([ref])
-        return ref
+        return ref, meta_ref
 
     @staticmethod
     def _prefetch(refs: list) -> None:
@@ -331,40 +297,18 @@ class _RayLoaderIter(Iterator[Any]):
         record = self._pool.records[worker_id]
         return record is not None and record.node_id != self._driver_node_id
 
-    def _send_held(self, idx: int) -> None:
-        """Send task `idx`, held until now for its worker's probation."""
-        task = self._task_info[idx]
-        self._task_info[idx] = _Task(task.worker_id, self._submit(task.worker_id, task.work), task.index, task.work)
-
-    def _pop_task(self, idx: int) -> _Task:
-        task = self._task_info.pop(idx)
-        self._tasks_outstanding -= 1
-        self._workers_num_tasks[task.worker_id] -= 1
-        lost = self._probation.get(task.worker_id)
-        if lost is not None:
-            # Probation (NOTE [ raydl recovery ]): the worker's one task in flight is done, so all
-            # its others are held; send the next, or all of them once the lost batches are re-made.
-            lost.discard(idx)
-            held = sorted(i for i, t in self._task_info.items() if t.worker_id == task.worker_id and t.ref is None)
-            if lost:
-                if held:
-                    self._send_held(held[0])
-            else:
-                del self._probation[task.worker_id]
-                for i in held:
-                    self._send_held(i)
-        return task
+    def _abandon(self, tasks: list[Task]) -> None:
+        """Forget these tasks' results (their worker must finish them before being reused)."""
+        for task in tasks:
+            if not task.held:
+                self._pool.abandon(task.worker_id, task.ref)
 
     def _abandon_task(self, idx: int) -> None:
-        """Forget task `idx` without using its result (its worker must finish it before being reused)."""
-        task = self._pop_task(idx)
-        if task.ref is not None:
-            self._pool.abandon(task.worker_id, task.ref)
+        self._abandon([self._sched.pop(idx)])
 
     def _drop_all_tasks(self) -> None:
-        self._probation = {}  # nothing held is sent while the epoch's tasks are dropped
-        for idx in list(getattr(self, "_task_info", {})):
-            self._abandon_task(idx)
+        if hasattr(self, "_sched"):
+            self._abandon(self._sched.drop_all())
 
     def _next_data(self) -> Any:
         """The next batch, per NOTE [ raydl ordering ]; raises StopIteration at the end of the epoch."""
@@ -376,9 +320,9 @@ class _RayLoaderIter(Iterator[Any]):
             self._wait_workers_ready()
         while True:
             while self._rcvd_idx < self._send_idx:
-                task = self._task_info.get(self._rcvd_idx)
+                task = self._sched.task_info.get(self._rcvd_idx)
                 if task is not None:
-                    if self._workers_status[task.worker_id]:
+                    if self._sched.workers_status[task.worker_id]:
                         break
                     self._abandon_task(self._rcvd_idx)
                 self._rcvd_idx += 1
@@ -387,7 +331,7 @@ class _RayLoaderIter(Iterator[Any]):
                 raise StopIteration
 
             idx = self._rcvd_idx if self._in_order else self._first_ready_idx()
-            task = self._task_info[idx]
+            task = self._sched.task_info[idx]
             try:
                 # A timeout leaves the task in place: the next call waits for the same batch.
                 data = self._get_result(idx, task)
@@ -415,15 +359,13 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _consume(self, idx: int) -> None:
         """Task `idx` has been handed out (or failed): forget it and advance the in-order cursor."""
-        self._pop_task(idx)
+        self._sched.pop(idx)
         if idx == self._rcvd_idx:
             self._rcvd_idx += 1
 
     def _retire_worker(self, worker_id: int) -> None:
         """Iterable worker `worker_id` has no more data this epoch: send it nothing more."""
-        self._workers_status[worker_id] = False
-        for idx in [i for i, t in self._task_info.items() if t.worker_id == worker_id]:
-            self._abandon_task(idx)
+        self._abandon(self._sched.retire(worker_id))
 
     def _release_workers(self) -> None:
         """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
@@ -448,7 +390,7 @@ class _RayLoaderIter(Iterator[Any]):
     def _deadline(self) -> Optional[float]:
         return time.monotonic() + self._timeout if self._timeout > 0 else None
 
-    def _raise_timeout(self, idx: int, task: Optional[_Task]) -> None:
+    def _raise_timeout(self, idx: int, task: Optional[Task]) -> None:
         where = ""
         if task is not None:
             where = (
@@ -458,19 +400,19 @@ class _RayLoaderIter(Iterator[Any]):
         raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{where}")
 
     def _first_ready_idx(self) -> int:
-        """in_order=False: the idx of whichever outstanding task finishes first (bounded by timeout)."""
+        """in_order=False: the idx of whichever worker's oldest task finishes first (bounded by timeout)."""
         import ray
 
         deadline = self._deadline()
-        by_ref = {task.ref: idx for idx, task in self._task_info.items() if task.ref is not None}
+        by_ref = self._sched.unordered_candidates()
         while True:
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=STATUS_CHECK_INTERVAL_S, fetch_local=True)
             if ready:
                 return by_ref[ready[0]]
             if deadline is not None and time.monotonic() >= deadline:
-                self._raise_timeout(self._rcvd_idx, self._task_info.get(self._rcvd_idx))
+                self._raise_timeout(self._rcvd_idx, self._sched.task_info.get(self._rcvd_idx))
 
-    def _get_result(self, idx: int, task: _Task) -> Any:
+    def _get_result(self, idx: int, task: Task) -> Any:
         """`ray.get` the task's batch in slices, bounded by `timeout`; a lost worker is replaced.
 
         Raises:
@@ -484,7 +426,8 @@ class _RayLoaderIter(Iterator[Any]):
         deadline = self._deadline()
         while True:
             try:
-                data = ray.get(task.ref, timeout=STATUS_CHECK_INTERVAL_S)
+                data, meta = ray.get([task.ref, task.meta_ref], timeout=STATUS_CHECK_INTERVAL_S)
+                self._on_batch_made(idx, task, meta)
                 latency_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
                 self._typical_latency_s = latency_s if self._typical_latency_s is None else (
                     0.8 * self._typical_latency_s + 0.2 * latency_s
@@ -497,12 +440,15 @@ class _RayLoaderIter(Iterator[Any]):
                     self._check_stall(idx, task)
             except (RayActorError, ObjectLostError) as e:
                 self._recover(task.worker_id, e)
-                task = self._task_info[idx]
-                if task.ref is None:  # in_order=False picked a later batch of the worker: it waits its turn
+                task = self._sched.task_info[idx]
+                if task.held:  # in_order=False picked a later batch of the worker: it waits its turn
                     raise _Held from None
                 deadline = self._deadline()
 
-    def _check_stall(self, idx: int, task: _Task) -> None:
+    def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
+        """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
+
+    def _check_stall(self, idx: int, task: Task) -> None:
         """timeout=0: report (once) a batch outstanding far longer than its peers, instead of a silent hang."""
         waited_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
         typical_s = self._typical_latency_s or 0.0
@@ -520,8 +466,8 @@ class _RayLoaderIter(Iterator[Any]):
     def _recover(self, worker_id: int, error: BaseException) -> None:
         """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
         where = self._pool.describe(worker_id)
-        on_worker = sorted(i for i, t in self._task_info.items() if t.worker_id == worker_id)
-        sent = [i for i in on_worker if self._task_info[i].ref is not None]
+        on_worker = self._sched.tasks_on(worker_id)
+        sent = [i for i in on_worker if not self._sched.task_info[i].held]
         cause = _first_line(error)
         self._pool.mark_failed(worker_id)
         if self._is_iterable:
@@ -532,7 +478,7 @@ class _RayLoaderIter(Iterator[Any]):
                 "Restart the epoch, or use a map-style dataset to get automatic recovery."
             ) from None
         if self._pool.restarts[worker_id] >= self._max_worker_restarts:
-            suspect = _short(self._task_info[sent[0]].index) if sent else ""
+            suspect = _short(self._sched.task_info[sent[0]].index) if sent else ""
             self._fail()
             restarts = (
                 f"after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
@@ -556,14 +502,10 @@ class _RayLoaderIter(Iterator[Any]):
         )
         self._pool.replace(worker_id)
         # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
-        if on_worker:
-            self._probation[worker_id] = set(on_worker)
-        for i in on_worker:
-            old = self._task_info[i]
-            self._task_info[i] = _Task(worker_id, None, old.index, old.work)
+        self._sched.hold_for_replacement(worker_id)
         self._wait_workers_ready()  # a replacement dying while starting recurses here, one restart more
-        if on_worker and self._task_info[on_worker[0]].ref is None:
-            self._send_held(on_worker[0])
+        if on_worker and self._sched.task_info[on_worker[0]].held:
+            self._sched.send_held(on_worker[0])
 
     def _wait_workers_ready(self) -> None:
         """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""
@@ -579,7 +521,7 @@ class _RayLoaderIter(Iterator[Any]):
             raise
         self._ready_at_s = time.monotonic()
         # Tasks sent before the workers reported where they run: start their transfers now.
-        self._prefetch([t.ref for t in self._task_info.values() if t.ref is not None and self._on_other_node(t.worker_id)])
+        self._prefetch([t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)])
 
     # ------------------------------------------------------------------ pinning
 

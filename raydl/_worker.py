@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import random
+import time
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
@@ -31,7 +32,7 @@ from ._errors import annotate_traceback
 from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd
 from ._transfer import encode
 
-__all__ = ["WorkerPayload", "Worker", "numpy_seed_state", "get_worker_info"]
+__all__ = ["WorkerPayload", "BatchMeta", "Worker", "numpy_seed_state", "get_worker_info"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,20 @@ class WorkerPayload:
     drop_last: bool
     worker_init_fn: Optional[Callable[[int], None]]
     threads_per_worker: int = 1
+
+
+@dataclass(frozen=True)
+class BatchMeta:
+    """What a worker reports about one task, returned beside the batch (`fetch` has two returns).
+
+    Small, so Ray inlines it in the task's reply: the driver reads it without touching the
+    batch's buffers.
+    """
+
+    worker_id: int
+    idx: int  # the task's idx in its epoch (the driver's send order)
+    started_s: float  # time.time() in the worker when the fetch began
+    fetch_s: float  # seconds spent making the batch (fetch, collate, encode)
 
 
 def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
@@ -151,12 +166,18 @@ class Worker:
             return IterableFetcher(p.dataset, p.auto_collation, collate, p.drop_last)
         return MapFetcher(p.dataset, p.auto_collation, collate, p.threads_per_worker)
 
-    def fetch(self, epoch: int, index: Any) -> Any:
-        """One batch for `index` (a list of indices, one index, or for iterables the batch length).
+    def fetch(self, epoch: int, idx: int, index: Any) -> tuple[Any, BatchMeta]:
+        """Task `idx`: one batch for `index` (a list of indices, one index, or for iterables the batch length).
 
+        Called with `num_returns=2`: returns the batch (or a `_WorkerSignal`) and its `BatchMeta`.
         `epoch` changes only with persistent workers; an iterable worker then restarts its
         stream, as torch's worker does when it is told to resume.
         """
+        started_s, t0 = time.time(), time.perf_counter()
+        batch = self._fetch(epoch, index)
+        return batch, BatchMeta(self._worker_id, idx, started_s, time.perf_counter() - t0)
+
+    def _fetch(self, epoch: int, index: Any) -> Any:
         if self._init_error is not None:
             return StartFailed(self._worker_id)
         if self._payload is None:

@@ -55,7 +55,7 @@ def main() -> None:
         it = iter(loader)
         next(it)
         time.sleep(2.0)  # a "training step": the remaining batches finish meanwhile
-        refs = [t.ref for t in it._task_info.values()]
+        refs = [t.ref for t in it._sched.task_info.values()]
         ray.wait(refs, num_returns=len(refs), timeout=30, fetch_local=False)
         time.sleep(0.5)
         locations = ray.experimental.get_object_locations(refs)

@@ -125,15 +125,16 @@ def test_death_on_the_first_batch_is_recovered_and_named():
 
 def _check_invariants(it) -> None:
     """The invariants written in _RayLoaderIter's docstring."""
-    tasks = it._task_info
+    sched = it._sched
+    tasks = sched.task_info
     assert 0 <= it._rcvd_idx <= it._send_idx
     assert all(it._rcvd_idx <= i < it._send_idx for i in tasks)
-    assert it._tasks_outstanding == len(tasks) <= it._prefetch_factor * it._num_workers
+    assert sched.tasks_outstanding == len(tasks) <= it._prefetch_factor * it._num_workers
     for w in range(it._num_workers):
         mine = sorted(i for i, t in tasks.items() if t.worker_id == w)
-        assert it._workers_num_tasks[w] == len(mine)
+        assert sched.workers_num_tasks[w] == len(mine)
         sent = [i for i in mine if tasks[i].ref is not None]
-        if w in it._probation:
+        if w in sched.probation:
             assert sent == mine[:1], f"worker {w} on probation has {sent} sent of {mine}"
         else:
             assert sent == mine
@@ -164,7 +165,7 @@ def test_replacement_remakes_lost_batches_one_at_a_time(in_order):
         except StopIteration:
             break
         _check_invariants(it)
-        probation_seen += 1 in it._probation
+        probation_seen += 1 in it._sched.probation
     assert out == expected if in_order else sorted(out) == sorted(expected)
     assert it._pool.restarts == [0, 1]
     assert probation_seen >= 2, "the replacement was never on probation: the test exercised nothing"

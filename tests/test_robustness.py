@@ -175,7 +175,7 @@ def test_batches_larger_than_the_object_store_comfortably_holds(ray_session):
     it = iter(loader)
     sums = []
     for batch in it:
-        assert it._tasks_outstanding <= 2 * 2
+        assert it._sched.tasks_outstanding <= 2 * 2
         sums.append(float(batch[:, 0].sum()))
         del batch
     assert sums == [float(sum(range(i, i + 4))) for i in range(0, 24, 4)]

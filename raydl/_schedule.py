@@ -1,0 +1,157 @@
+"""Which worker makes which batch: torch's round robin, probation after a death, held tasks.
+
+NOTE [ raydl scheduling ]
+A `Schedule` owns the tasks of one epoch from the moment a sampler draw becomes task `idx` until
+its batch is handed out or dropped. It decides, and records:
+  * the worker of each new task: torch's round robin over the worker ids, skipping iterable
+    workers whose stream has ended; with in_order=False also skipping workers that already hold
+    their share (`max_tasks // active workers`) of the tasks in flight;
+  * whether the task is sent now or held: a worker on probation (NOTE [ raydl recovery ] in
+    _iter.py) has exactly one task in flight, its oldest; its other tasks are held
+    (`Task.ref is None`) and sent one at a time as the one before is handed out, then all at
+    once when the batches lost with its last process have been re-made;
+  * which finished tasks may be handed out first with in_order=False: only each worker's oldest
+    task in flight, so one worker's batches come out in the order it made them (torch's result
+    queue keeps that order; for an IterableDataset it is the replica's stream order).
+Invariants, between calls (tests/test_recovery.py checks them after every `next()`):
+  * `tasks_outstanding == len(task_info) <= max_tasks`;
+  * `workers_num_tasks[w] ==` the number of tasks in `task_info` on worker w;
+  * `workers_status[w]` is False once iterable worker w reported the end of its stream;
+  * `probation[w]`: idxs of the batches lost with worker w's last process and not yet handed
+    out; while w is on probation exactly one of its tasks is sent, its oldest; off probation
+    every task has a ref.
+A Schedule talks to no actor: sending is the `submit(worker_id, idx, work)` callable it is given,
+which returns the task's (batch ref, meta ref).
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+__all__ = ["Task", "Schedule"]
+
+
+@dataclass(frozen=True)
+class Task:
+    """One batch in flight: the worker making it, the refs of its results, the indices it covers, what was sent.
+
+    `ref` (the batch) and `meta_ref` (the worker's `BatchMeta` for it) are None while the task is
+    held for a worker on probation.
+    """
+
+    worker_id: int
+    ref: Any
+    meta_ref: Any
+    index: Any
+    work: Any
+    sent_s: float = field(default_factory=time.monotonic)
+
+    @property
+    def held(self) -> bool:
+        return self.ref is None
+
+
+Submit = Callable[[int, int, Any], "tuple[Any, Any]"]
+
+
+class Schedule:
+    """The tasks in flight of one epoch and the rule that places new ones (NOTE [ raydl scheduling ])."""
+
+    def __init__(self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit) -> None:
+        self.num_workers = num_workers
+        self.max_tasks = max_tasks
+        self.in_order = in_order
+        self._submit = submit
+        self.reset()
+
+    def reset(self) -> None:
+        """A new epoch: no task, every worker active, the round robin back at worker 0 (as torch's)."""
+        self.task_info: dict[int, Task] = {}
+        self.tasks_outstanding = 0
+        self.workers_status = [True] * self.num_workers
+        self.workers_num_tasks = [0] * self.num_workers
+        self.probation: dict[int, set[int]] = {}
+        self._cycle = itertools.cycle(range(self.num_workers))
+
+    # ------------------------------------------------------------------ placing tasks
+
+    def next_worker(self) -> Optional[int]:
+        """The worker for the next task by torch's rule, or None when no worker may take one."""
+        for _ in range(self.num_workers):
+            worker_id = next(self._cycle)
+            if not self.workers_status[worker_id]:
+                continue
+            if self.in_order or self.workers_num_tasks[worker_id] < self.max_tasks // sum(self.workers_status):
+                return worker_id
+        return None
+
+    def add(self, idx: int, worker_id: int, index: Any, work: Any) -> None:
+        """Record task `idx` on `worker_id`; send it unless the worker is on probation."""
+        assert self.tasks_outstanding < self.max_tasks or self.max_tasks == 0
+        refs = (None, None) if worker_id in self.probation else self._submit(worker_id, idx, work)
+        self.task_info[idx] = Task(worker_id, refs[0], refs[1], index, work)
+        self.workers_num_tasks[worker_id] += 1
+        self.tasks_outstanding += 1
+
+    def send_held(self, idx: int) -> None:
+        """Send task `idx`, held until now for its worker's probation."""
+        task = self.task_info[idx]
+        ref, meta_ref = self._submit(task.worker_id, idx, task.work)
+        self.task_info[idx] = Task(task.worker_id, ref, meta_ref, task.index, task.work)
+
+    # ------------------------------------------------------------------ removing tasks
+
+    def pop(self, idx: int) -> Task:
+        """Forget task `idx` (handed out, failed or dropped); a worker on probation sends its next."""
+        task = self.task_info.pop(idx)
+        self.tasks_outstanding -= 1
+        self.workers_num_tasks[task.worker_id] -= 1
+        lost = self.probation.get(task.worker_id)
+        if lost is not None:
+            lost.discard(idx)
+            held = [i for i in self.tasks_on(task.worker_id) if self.task_info[i].held]
+            if lost:
+                if held:
+                    self.send_held(held[0])
+            else:
+                del self.probation[task.worker_id]
+                for i in held:
+                    self.send_held(i)
+        return task
+
+    def drop_all(self) -> list[Task]:
+        """Forget every task (nothing held is sent meanwhile); returns them, for their refs to be abandoned."""
+        self.probation = {}
+        return [self.pop(idx) for idx in list(self.task_info)]
+
+    def retire(self, worker_id: int) -> list[Task]:
+        """Iterable worker `worker_id` ended its stream: it gets no more tasks; returns the ones it had."""
+        self.workers_status[worker_id] = False
+        return [self.pop(idx) for idx in self.tasks_on(worker_id)]
+
+    # ------------------------------------------------------------------ recovery and queries
+
+    def hold_for_replacement(self, worker_id: int) -> list[int]:
+        """Worker `worker_id` is being replaced: hold all its tasks and put it on probation; returns their idxs."""
+        on_worker = self.tasks_on(worker_id)
+        if on_worker:
+            self.probation[worker_id] = set(on_worker)
+        for i in on_worker:
+            old = self.task_info[i]
+            self.task_info[i] = Task(worker_id, None, None, old.index, old.work)
+        return on_worker
+
+    def tasks_on(self, worker_id: int) -> list[int]:
+        """The idxs of worker `worker_id`'s tasks, oldest first."""
+        return sorted(i for i, t in self.task_info.items() if t.worker_id == worker_id)
+
+    def unordered_candidates(self) -> dict[Any, int]:
+        """in_order=False: ref -> idx of each worker's oldest task in flight (the only ones that may go first)."""
+        oldest: dict[int, int] = {}
+        for idx, task in self.task_info.items():
+            if not task.held and (task.worker_id not in oldest or idx < oldest[task.worker_id]):
+                oldest[task.worker_id] = idx
+        return {self.task_info[idx].ref: idx for idx in oldest.values()}
