@@ -21,13 +21,17 @@ Invariants, between calls (tests/test_recovery.py checks them after every `next(
     out; while w is on probation exactly one of its tasks is sent, its oldest; off probation
     every task has a ref.
 A Schedule talks to no actor: sending is the `submit(worker_id, idx, work)` callable it is given,
-which returns the task's (batch ref, meta ref).
+which returns the task's (batch ref, meta ref). It holds that callable weakly when it is a bound
+method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, and
+an iterator collected by the cyclic garbage collector runs its shutdown while Ray finalizes the
+actor handles of the same garbage, killing workers on their way to the warm pool.
 """
 
 from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -64,7 +68,7 @@ class Schedule:
         self.num_workers = num_workers
         self.max_tasks = max_tasks
         self.in_order = in_order
-        self._submit = submit
+        self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
         self.reset()
 
     def reset(self) -> None:
@@ -75,6 +79,12 @@ class Schedule:
         self.workers_num_tasks = [0] * self.num_workers
         self.probation: dict[int, set[int]] = {}
         self._cycle = itertools.cycle(range(self.num_workers))
+
+    def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
+        submit = self._submit_ref()
+        if submit is None:
+            raise RuntimeError("raydl bug: a Schedule outlived the iterator that sends its tasks")
+        return submit(worker_id, idx, work)
 
     # ------------------------------------------------------------------ placing tasks
 
