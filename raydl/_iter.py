@@ -81,6 +81,7 @@ from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
 from ._errors import WorkerDiedError, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._fetch import StartFailed, StreamEnd
+from ._locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
 from ._payload import put_payload
 from ._transfer import decode
@@ -178,11 +179,13 @@ class _RayLoaderIter(Iterator[Any]):
             worker_init_fn=loader.worker_init_fn,
             threads_per_worker=options.threads_per_worker,
         )
+        actor_options = worker_actor_options(options.remote_args)
+        warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
         self._pool = WorkerPool(
             put_payload(payload, options.shared_dataset_memory),
             self._num_workers,
             self._base_seed,
-            worker_actor_options(options.remote_args),
+            actor_options,
             reuse=options.reuse_workers,
         )
         self._epoch = 0

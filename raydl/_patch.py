@@ -39,7 +39,8 @@ options given to `patch(...)`/`patched(...)` (e.g. `ray_remote_args={"num_cpus":
 that does carry `ray_*` attributes keeps its own, option by option. torch's arguments keep
 their meaning (same batches for the same generator, same worker seeding and worker info);
 `multiprocessing_context` is ignored, as by `raydl.DataLoader`, and torch's warning about more
-workers than this host has CPUs is not given (the workers may run on other nodes).
+workers than this host has CPUs is given at `iter()` only when every worker runs on this host
+(NOTE [ raydl worker-count warning ] in _locality.py; torch's constructor still warns as torch does).
 
 Persistent workers: a persistent torch loader keeps its `_RayLoaderIter` in torch's own slot,
 `loader._iterator`, so libraries that reset that slot (Lightning does at the end of a fit)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import sys
 from typing import Any
 
+from ._mp_objects import MultiprocessingObjectError, dumps_checked, mp_kind, mp_object_message
 from ._worker import WorkerPayload
 
 __all__ = ["put_payload", "find_unpicklable"]
@@ -13,10 +14,8 @@ _MAX_DEPTH = 3
 
 
 def _pickle_error(obj: Any) -> Exception | None:
-    from ray import cloudpickle
-
     try:
-        cloudpickle.dumps(obj)
+        dumps_checked(obj)  # a multiprocessing object fails here even where pickle would accept it
     except Exception as e:  # pickling raises many types: TypeError, PicklingError, AttributeError...
         return e
     return None
@@ -38,7 +37,7 @@ def find_unpicklable(obj: Any, name: str, depth: int = 0) -> tuple[str, Any, Exc
     err = _pickle_error(obj)
     if err is None:
         return None
-    if depth < _MAX_DEPTH:
+    if depth < _MAX_DEPTH and mp_kind(obj) is None:  # a multiprocessing object is the culprit itself
         for suffix, child in _children(obj):
             found = find_unpicklable(child, name + suffix, depth + 1)
             if found is not None:
@@ -64,13 +63,20 @@ def put_payload(payload: WorkerPayload, share_memory: bool = False) -> Any:
     if main is not None and sys.modules.get("__main__") is main:
         cloudpickle.register_pickle_by_value(main)
     try:
-        return ray.put(payload) if share_memory else ray.put(cloudpickle.dumps(payload))
+        if share_memory:
+            dumps_checked(payload, buffer_callback=lambda _buffer: None)  # arrays are not copied by this check
+            return ray.put(payload)
+        return ray.put(dumps_checked(payload))  # NOTE [ raydl multiprocessing objects ]
     except Exception as put_error:
         # Only now pay for a second pickling pass, to name the culprit.
         for field in ("dataset", "collate_fn", "worker_init_fn"):
             found = find_unpicklable(getattr(payload, field), field)
             if found is not None:
                 path, obj, err = found
+                kind = mp_kind(obj)
+                if kind is not None or isinstance(err, MultiprocessingObjectError):
+                    inside = kind is None
+                    raise TypeError(mp_object_message(field, path, kind or err.kind, inside)) from None
                 raise TypeError(
                     f"raydl cannot send {field} to its Ray workers: {path} (a {type(obj).__name__}) "
                     f"cannot be pickled: {err}. Fix: create it inside the worker instead (lazily on "

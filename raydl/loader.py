@@ -12,7 +12,9 @@ from torch.utils.data import Dataset, Sampler
 
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._iter import _RayLoaderIter
+from ._locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
+from ._ray_utils import worker_actor_options
 
 __all__ = ["DataLoader"]
 
@@ -162,7 +164,12 @@ class DataLoader(_TorchDataLoader[T_co]):
         )
 
     def check_worker_number_rationality(self) -> None:
-        """No-op: raydl's workers are Ray actors, often on other nodes, so this host's CPU count says nothing."""
+        """torch's warning about more workers than this host's CPUs, given only when every worker runs on this host.
+
+        Workers that can go to other nodes do not share this host's CPUs: no warning then. See
+        NOTE [ raydl worker-count warning ] in _locality.py.
+        """
+        warn_if_workers_oversubscribe(self, worker_actor_options(self.ray_remote_args), at_construction=True)
 
     def _get_iterator(self):
         # Kept for code that calls torch's private factory directly.
