@@ -178,6 +178,7 @@ class _RayLoaderIter(Iterator[Any]):
             drop_last=loader.drop_last,
             worker_init_fn=loader.worker_init_fn,
             threads_per_worker=options.threads_per_worker,
+            seed_per_batch=options.seed == "batch",
         )
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]

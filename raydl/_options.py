@@ -9,6 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
+from ._seeding import SEED_MODES
 
 __all__ = ["RayOptions"]
 
@@ -25,6 +26,7 @@ class RayOptions:
     reuse_workers: bool = True
     threads_per_worker: int = 1
     device: Any = None
+    seed: str = "worker"
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -44,6 +46,11 @@ class RayOptions:
         n = self.threads_per_worker
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"ray_threads_per_worker should be a positive int (1: no threads), got {n!r}")
+        if not isinstance(self.seed, str) or self.seed not in SEED_MODES:
+            raise ValueError(
+                f"ray_seed should be 'worker' (torch's seeding: each worker seeded once, the default) or 'batch' "
+                f"(each batch seeded from its position in the epoch, whatever worker makes it), got {self.seed!r}"
+            )
 
     @classmethod
     def from_loader(cls, loader: Any) -> RayOptions:
@@ -58,4 +65,5 @@ class RayOptions:
             reuse_workers=getattr(loader, "ray_reuse_workers", defaults.reuse_workers),
             threads_per_worker=getattr(loader, "ray_threads_per_worker", defaults.threads_per_worker),
             device=getattr(loader, "ray_device", defaults.device),
+            seed=getattr(loader, "ray_seed", defaults.seed),
         )

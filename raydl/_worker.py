@@ -5,9 +5,14 @@ torch draws one `base_seed` per iterator from the loader's `generator` (or torch
 RNG) and gives worker `i` the seed `base_seed + i` for `random` and `torch`, and NumPy a
 32-bit state array derived from `(base_seed, i)`. torch's derivation is NumPy's SeedSequence
 applied to the entropy `[i, base_seed & 0xFFFFFFFF, base_seed >> 32, 0]`, so raydl uses
-NumPy's public SeedSequence with that entropy (tests/test_seeding.py checks the two agree).
+NumPy's public SeedSequence with that entropy (tests/test_units.py checks the two agree).
 A raydl worker seeds itself exactly so, sets the worker info, then runs `worker_init_fn`:
 augmentations drawn in workers match torch's batch for batch.
+With `ray_seed="batch"` (`WorkerPayload.seed_per_batch`), the worker also re-seeds `random`,
+torch and NumPy right before each batch, from (base_seed, epoch, task idx): a batch's draws then
+depend on its position in the epoch, not on the worker (NOTE [ raydl batch seeding ] in
+_seeding.py). The per-worker seeding above still runs first (worker_init_fn and `iter(dataset)`
+see torch's seeds), and `get_worker_info().seed` is still `base_seed + worker_id`.
 
 The one private touch of torch in raydl is here: `get_worker_info()` reads the module global
 `torch.utils.data._utils.worker._worker_info` (checked against torch 2.13), which this module
@@ -30,6 +35,7 @@ from torch.utils.data import default_collate
 
 from ._errors import annotate_traceback
 from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd
+from ._seeding import seed_batch
 from ._transfer import encode
 
 __all__ = ["WorkerPayload", "BatchMeta", "Worker", "numpy_seed_state", "get_worker_info"]
@@ -46,6 +52,7 @@ class WorkerPayload:
     drop_last: bool
     worker_init_fn: Optional[Callable[[int], None]]
     threads_per_worker: int = 1
+    seed_per_batch: bool = False  # ray_seed="batch" (NOTE [ raydl batch seeding ])
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class Worker:
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._init_error: Optional[BaseException] = None
         self._epoch = 0
+        self._base_seed = 0
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this.
@@ -128,6 +136,7 @@ class Worker:
         """
         self.reset()
         self._worker_id = worker_id
+        self._base_seed = base_seed
         try:
             if isinstance(payload, bytes):  # the default: a private, writable copy, as torch's workers get
                 from ray import cloudpickle
@@ -174,6 +183,8 @@ class Worker:
         stream, as torch's worker does when it is told to resume.
         """
         started_s, t0 = time.time(), time.perf_counter()
+        if self._payload is not None and self._payload.seed_per_batch:
+            seed_batch(self._base_seed, epoch, idx)
         batch = self._fetch(epoch, index)
         return batch, BatchMeta(self._worker_id, idx, started_s, time.perf_counter() - t0)
 

@@ -15,6 +15,7 @@ from ._iter import _RayLoaderIter
 from ._locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
 from ._ray_utils import worker_actor_options
+from ._seeding import SeededInProcessIter
 
 __all__ = ["DataLoader"]
 
@@ -88,6 +89,13 @@ class DataLoader(_TorchDataLoader[T_co]):
             non_blocking=True on a side stream in the pin thread, so the copy of batch k+1
             overlaps the step on batch k (the current stream waits on the copy's event).
             Implies pinning. Defaults to ``None`` (batches stay on the CPU, as torch's).
+        ray_seed (str): ``"worker"``: torch's seeding (worker `i` seeds `random`, torch and NumPy
+            once, from the iterator's base seed + `i`). ``"batch"``: before each batch, its worker
+            also seeds them from (base seed, the batch's position in the epoch) with NumPy's
+            SeedSequence, so a batch's random draws do not depend on which worker makes it (the
+            same with 1 or 64 workers, after a replacement); num_workers=0 seeds each batch the
+            same way in the calling process and restores the caller's generators after it. See
+            NOTE [ raydl batch seeding ]. Defaults to ``"worker"``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -120,6 +128,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_reuse_workers: bool = True,
         ray_threads_per_worker: int = 1,
         ray_device: Any = None,
+        ray_seed: str = "worker",
     ) -> None:
         options = RayOptions(
             address=ray_address,
@@ -130,6 +139,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             reuse_workers=bool(ray_reuse_workers),
             threads_per_worker=ray_threads_per_worker,
             device=ray_device,
+            seed=ray_seed,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -142,6 +152,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_reuse_workers = options.reuse_workers
         self.ray_threads_per_worker = options.threads_per_worker
         self.ray_device = options.device
+        self.ray_seed = options.seed
         self.shuffle = shuffle
         super().__init__(
             dataset,
@@ -174,12 +185,12 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _get_iterator(self):
         # Kept for code that calls torch's private factory directly.
         if self.num_workers == 0:
-            return super()._get_iterator()
+            return SeededInProcessIter(self) if self.ray_seed == "batch" else super()._get_iterator()
         return _RayLoaderIter(self)
 
     def __iter__(self):
         if self.num_workers == 0:
-            return super().__iter__()
+            return SeededInProcessIter(self) if self.ray_seed == "batch" else super().__iter__()
         if self.persistent_workers:
             if not (isinstance(self._iterator, _RayLoaderIter) and self._iterator.reusable):
                 self._iterator = _RayLoaderIter(self)

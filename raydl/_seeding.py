@@ -1,0 +1,165 @@
+"""`ray_seed="batch"`: each batch seeded from its position in the epoch, not from the worker making it.
+
+NOTE [ raydl batch seeding ]
+With torch's seeding (`ray_seed="worker"`, the default; NOTE [ raydl seeding ] in _worker.py)
+worker `i` is seeded once, from `base_seed + i`, and every batch it makes draws from where the
+previous one left its generators: a random augmentation depends on which worker made the batch
+and on what that worker made before. Change the pool (1 worker instead of 5, a replacement after
+a death, a resize) and the data changes.
+
+With `ray_seed="batch"`, right before task `idx` is made (`Worker.fetch(epoch, idx, work)`), the
+worker seeds Python's `random`, torch's CPU generator (and CUDA's, when CUDA is initialized in
+that process) and NumPy's global generator from
+    SeedSequence(entropy=base_seed, spawn_key=(epoch, idx))
+(NumPy's documented way to derive independent child streams: this is child `(epoch, idx)` of
+the iterator's base seed). `base_seed` is the iterator's, drawn from the loader's `generator` as
+torch draws it; `idx` is the batch's position in the epoch's sampler order; `epoch` counts the
+epochs of one iterator (0 unless `persistent_workers`, whose later epochs must not repeat the
+first one's draws). A map-style batch's content then depends only on the generator and its
+position: the same with 1 or 64 workers, after a worker is replaced, on any node.
+From the state, four words are generated: words 0-1 are the 64-bit seed of `random` and torch,
+all four seed NumPy (as torch seeds NumPy in workers). `get_worker_info()` is untouched: its
+`seed` is still the worker's `base_seed + id`.
+Cost: one SeedSequence, three seedings, measured by benchmarks/bench_seeding.py (a few tens of
+microseconds, see benchmarks/README.md). CUDA's generators are seeded only when CUDA is already
+initialized in the worker (`torch.manual_seed`'s lazy CUDA seeding records a stack trace per
+call, ~100x the rest): a dataset that draws on CUDA should initialize it in `worker_init_fn`.
+
+num_workers=0 (torch's in-process loading): the same per-batch seeding is applied around each
+batch in the calling process, so the batches equal the workers' ones. The caller's own
+generators (the training loop draws from the same global `random`, torch and NumPy generators)
+are saved before the batch and restored after it: the loop's random stream is the one it would
+have had without raydl's seeding. That save/restore costs some 0.1 ms per batch.
+IterableDataset: each batch is seeded the same way, but a replica's content depends on its
+worker (torch's sharding by `get_worker_info()`), so the pool independence holds for map-style
+datasets only.
+
+The in-process path is raydl's own small iterator (`SeededInProcessIter`), not torch's: the
+seeding must happen between the sampler draw and the fetch (a RandomSampler without a generator
+draws its permutation's seed from torch's global generator on its first draw), and torch's
+iterator does both in one private method.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch.utils.data import IterableDataset
+
+__all__ = ["SEED_MODES", "batch_seed_words", "seed_batch", "SeededInProcessIter"]
+
+# The values of `ray_seed`: "worker" = torch's per-worker seeding, "batch" = NOTE [ raydl batch seeding ].
+SEED_MODES = ("worker", "batch")
+
+_U32 = 0xFFFFFFFF
+
+
+def batch_seed_words(base_seed: int, epoch: int, idx: int) -> np.ndarray:
+    """Four uint32 words seeding batch `idx` of `epoch` under `base_seed` (NOTE [ raydl batch seeding ])."""
+    return np.random.SeedSequence(entropy=base_seed, spawn_key=(epoch, idx)).generate_state(4)
+
+
+def seed_batch(base_seed: int, epoch: int, idx: int) -> None:
+    """Seed `random`, torch (CPU, and CUDA if initialized) and NumPy's global generator for one batch."""
+    words = batch_seed_words(base_seed, epoch, idx)
+    seed = int(words[0]) | (int(words[1]) << 32)
+    random.seed(seed)
+    # torch.manual_seed also queues a lazy CUDA seeding with a stack trace (~0.1 ms); seed the CPU
+    # generator directly and CUDA's only where it is in use.
+    torch.default_generator.manual_seed(seed)
+    if torch.cuda.is_initialized():
+        torch.cuda.manual_seed_all(seed)
+    np.random.seed(words)
+
+
+class _SavedRNG:
+    """The calling process's global generators, saved and restored around an in-process batch."""
+
+    def __init__(self) -> None:
+        self._random = random.getstate()
+        self._torch = torch.default_generator.get_state()
+        self._numpy = np.random.get_state(legacy=False)
+        self._cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_initialized() else None
+
+    def restore(self) -> None:
+        random.setstate(self._random)
+        torch.default_generator.set_state(self._torch)
+        np.random.set_state(self._numpy)
+        if self._cuda is not None:
+            torch.cuda.set_rng_state_all(self._cuda)
+
+
+class SeededInProcessIter(Iterator[Any]):
+    """num_workers=0 with `ray_seed="batch"`: torch's in-process loading, each batch seeded by its position.
+
+    Same steps as torch's in-process iterator, in the same order (the sampler iterator, then the
+    base seed drawn from the loader's `generator`, then `iter(dataset)` for an IterableDataset;
+    per batch: the sampler draw, the fetch, the collate, the pinning), with raydl's fetchers
+    (torch's are private) and the per-batch seeding of NOTE [ raydl batch seeding ] between the
+    sampler draw and the fetch. The caller's generators are restored after each batch.
+    """
+
+    def __init__(self, loader: Any) -> None:
+        # Imported here: _fetch and _device are the worker's modules; this one is imported by both sides.
+        from ._device import pin_memory_target
+        from ._fetch import IterableFetcher, MapFetcher
+
+        # torch's in-process iterator asserts the same (num_workers=0 has no timeout).
+        assert loader.timeout == 0
+        if loader.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+        self._pin_device = pin_memory_target(loader.pin_memory)
+        self._dataset = loader.dataset
+        self._is_iterable = isinstance(loader.dataset, IterableDataset)
+        self._auto_collation = loader.batch_sampler is not None
+        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        self._sampler_iter = iter(self._index_sampler)
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        if self._is_iterable:
+            self._fetcher: Any = IterableFetcher(loader.dataset, self._auto_collation, loader.collate_fn, loader.drop_last)
+        else:
+            self._fetcher = MapFetcher(loader.dataset, self._auto_collation, loader.collate_fn)
+        self._idx = 0  # position of the next batch in the epoch
+        self._num_yielded = 0
+
+    def __iter__(self) -> SeededInProcessIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)
+
+    def __next__(self) -> Any:
+        from ._device import pin_memory
+
+        index = next(self._sampler_iter)  # StopIteration ends the epoch, as in torch
+        work = (len(index) if self._auto_collation else None) if self._is_iterable else index
+        saved = _SavedRNG()
+        seed_batch(self._base_seed, 0, self._idx)
+        try:
+            data = self._fetcher.fetch(work)
+        finally:
+            saved.restore()
+        self._idx += 1
+        if self._pin_device is not None:
+            data = pin_memory(data, self._pin_device)
+        self._num_yielded += 1
+        if (
+            self._is_iterable
+            and self._IterableDataset_len_called is not None
+            and self._num_yielded > self._IterableDataset_len_called
+        ):
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
+                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. ",
+                stacklevel=2,
+            )
+        return data
