@@ -13,6 +13,7 @@ iterator classes. One private Ray constant is touched, in `_ray_utils.py` (loopb
 
 from __future__ import annotations
 
+from .arrow import ArrowDataset
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
 from ._patch import is_patched, patch, patched, unpatch
 from ._warm import release_idle_workers
@@ -21,6 +22,7 @@ from .loader import DataLoader
 
 __all__ = [
     "DataLoader",
+    "ArrowDataset",
     "get_worker_info",
     "release_idle_workers",
     "patch",

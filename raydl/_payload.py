@@ -49,12 +49,16 @@ def put_payload(payload: WorkerPayload, share_memory: bool = False) -> Any:
     """Put the payload into the object store once; an unpicklable part raises a TypeError naming it.
 
     By default the payload travels as pickled bytes, so each worker unpickles a private,
-    writable copy, exactly as torch's worker processes get one. With `share_memory`, it is put
-    as an object: NumPy arrays inside are then mapped read-only from the object store, shared by
-    every worker of a node instead of copied (less memory; writes to them fail).
+    writable copy, exactly as torch's worker processes get one. With `share_memory`, its buffers
+    travel out of band: NumPy arrays and pyarrow data inside are then mapped read-only from the
+    object store, shared by every worker of a node instead of copied (less memory; writes to
+    them fail). `raydl.ArrowDataset` and Hugging Face `datasets` tables are shared either way
+    (NOTE [ raydl shared memory ] in _share.py).
     """
     import ray
     from ray import cloudpickle
+
+    from ._share import pack
 
     # A script relaunched by multiprocessing's spawn (Lightning's ddp_spawn) runs as
     # `__mp_main__`, a module no Ray worker can import: ship its classes by value, as cloudpickle
@@ -63,10 +67,7 @@ def put_payload(payload: WorkerPayload, share_memory: bool = False) -> Any:
     if main is not None and sys.modules.get("__main__") is main:
         cloudpickle.register_pickle_by_value(main)
     try:
-        if share_memory:
-            dumps_checked(payload, buffer_callback=lambda _buffer: None)  # arrays are not copied by this check
-            return ray.put(payload)
-        return ray.put(dumps_checked(payload))  # NOTE [ raydl multiprocessing objects ]
+        return ray.put(pack(payload, share_memory))  # NOTE [ raydl multiprocessing objects ] checked there
     except Exception as put_error:
         # Only now pay for a second pickling pass, to name the culprit.
         for field in ("dataset", "collate_fn", "worker_init_fn"):

@@ -34,6 +34,7 @@ import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
 from ._errors import annotate_traceback
+from ._share import open_payload
 from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd
 from ._seeding import seed_batch
 from ._transfer import encode
@@ -138,10 +139,8 @@ class Worker:
         self._worker_id = worker_id
         self._base_seed = base_seed
         try:
-            if isinstance(payload, bytes):  # the default: a private, writable copy, as torch's workers get
-                from ray import cloudpickle
-
-                payload = cloudpickle.loads(payload)
+            # bytes by default: a private, writable copy, as torch's workers get (NOTE [ raydl shared memory ])
+            payload = open_payload(payload)
             self._payload = payload
             seed = base_seed + worker_id
             random.seed(seed)
