@@ -16,6 +16,7 @@ from __future__ import annotations
 from .arrow import ArrowDataset
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
 from ._patch import is_patched, patch, patched, unpatch
+from ._startup import Startup, start
 from ._warm import release_idle_workers
 from ._worker import get_worker_info
 from .loader import DataLoader
@@ -25,6 +26,8 @@ __all__ = [
     "ArrowDataset",
     "get_worker_info",
     "release_idle_workers",
+    "start",
+    "Startup",
     "patch",
     "unpatch",
     "patched",

@@ -82,6 +82,7 @@ from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, reso
 from ._errors import WorkerDiedError, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._fetch import StartFailed, StreamEnd
 from ._locality import warn_if_workers_oversubscribe
+from ._startup import wait_for_early_start
 from ._options import RayOptions
 from ._payload import put_payload
 from ._transfer import decode
@@ -166,6 +167,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
 
         ensure_ray_initialized(options.address)
+        wait_for_early_start()  # a raydl.start() in progress hands its workers over first (NOTE [ raydl early start ])
         import ray
 
         self._driver_node_id = ray.get_runtime_context().get_node_id()

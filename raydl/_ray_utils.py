@@ -21,6 +21,7 @@ import logging
 import os
 import socket
 import threading
+import time
 from typing import Any, Mapping, Optional
 
 from ._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
@@ -88,6 +89,7 @@ def _start_local_ray() -> None:
     import ray._private.ray_constants as ray_constants
 
     logger.debug("raydl: starting a local Ray on loopback")
+    t0 = time.monotonic()
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     saved_env = os.environ.get(_LOOPBACK_ENV_VAR)
     ray_constants.ENABLE_RAY_CLUSTER = False
@@ -100,6 +102,7 @@ def _start_local_ray() -> None:
             include_dashboard=False,
             _system_config={"free_objects_period_milliseconds": LOCAL_FREE_OBJECTS_PERIOD_MS},
         )
+        logger.debug("raydl: local Ray up in %.2f s", time.monotonic() - t0)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag
         if saved_env is None:

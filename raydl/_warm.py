@@ -144,8 +144,11 @@ class WarmPool:
             reaper.join(timeout=5.0)
         return len(entries)
 
-    def idle_count(self) -> int:
+    def idle_count(self, key: str | None = None) -> int:
+        """Idle actors kept, for one option key or (None) for all."""
         with self._lock:
+            if key is not None:
+                return len(self._idle.get(key, []))
             return sum(len(v) for v in self._idle.values())
 
     def _ensure_reaper(self) -> None:

@@ -1,0 +1,102 @@
+"""raydl.start(): Ray and idle workers come up in the background and the next loader takes them."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import raydl
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_workers=-1), "num_workers should be an int between 0 and 16"),
+        (dict(num_workers=17), "num_workers should be an int between 0 and 16"),
+        (dict(num_workers="2"), "num_workers should be an int"),
+        (dict(num_workers=True), "num_workers should be an int"),
+        (dict(num_workers=2, ray_remote_args={"num_cpus": 1}), "reserve .*CPU.* Fix: drop num_cpus"),
+        (dict(num_workers=2, ray_remote_args={"resources": {"data": 1}}), "only workers that reserve no Ray resources"),
+    ],
+)
+def test_bad_arguments_raise_before_anything_starts(kwargs, match):
+    """Bad arguments raise ValueError at the call, naming the problem (and nothing is started)."""
+    with pytest.raises(ValueError, match=match):
+        raydl.start(**kwargs)
+
+
+def test_bad_remote_args_type_raises_like_a_loader():
+    """ray_remote_args that is not a mapping is refused with the loader's own error."""
+    with pytest.raises((TypeError, ValueError), match="ray_remote_args"):
+        raydl.start(num_workers=1, ray_remote_args=["num_cpus", 0])
+
+
+_SCRIPT = r"""
+import json, os, time
+import ray
+import raydl
+from raydl._startup import _warm_key
+from raydl._ray_utils import worker_actor_options
+from raydl._warm import WARM_POOL
+from tests import _datasets as D
+
+facts = {"ray_before": ray.is_initialized()}
+try:
+    raydl.start(num_workers=1, ray_address="127.0.0.1:1").wait(60)
+except ConnectionError as e:
+    facts["bad_address_error"] = str(e)
+started = raydl.start(num_workers=2)
+facts["returned_before_ray_up"] = not ray.is_initialized() or not started.done()
+# A loader iterated at once, while the start is still in progress, takes the started workers.
+loader = raydl.DataLoader(D.PidDataset(8), batch_size=2, num_workers=2, timeout=60)
+batches = list(loader)
+started.wait(60)
+facts["batches"] = [b[:, 0].tolist() for b in batches]
+facts["loader_pids"] = sorted({int(b[0, 1]) for b in batches})
+key = _warm_key(worker_actor_options(None))
+facts["gcs_host"] = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
+facts["node_ip"] = ray.util.get_node_ip_address()
+facts["idle_after_loader"] = WARM_POOL.idle_count(key)
+# Idempotent: tops up to num_workers idle workers with these options, starts nothing more.
+raydl.start(num_workers=2).wait(60)
+facts["idle_after_second_start"] = WARM_POOL.idle_count(key)
+again = raydl.start(num_workers=3)
+again.wait(60)
+facts["started_by_third"] = again.started
+facts["idle_after_third_start"] = WARM_POOL.idle_count(key)
+pids = set()
+for entry in list(WARM_POOL._idle[key]):
+    pids.add(ray.get(entry.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+facts["loader_pids_still_idle"] = sorted(set(facts["loader_pids"]) & pids)
+print("FACTS " + json.dumps(facts), flush=True)
+raydl.release_idle_workers()
+"""
+
+
+def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
+    """In a fresh process: start() returns before Ray is up, Ray listens on loopback, the loader uses the
+    started workers (no extra ones), and repeated calls only top the idle workers up."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    proc = subprocess.run(
+        [sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
+    )
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "SIGTERM handler is not set" not in proc.stderr
+    facts = json.loads(lines[-1][len("FACTS ") :])
+    assert facts["ray_before"] is False and facts["returned_before_ray_up"]
+    assert "could not reach a Ray cluster at '127.0.0.1:1'" in facts["bad_address_error"]
+    assert facts["batches"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert len(facts["loader_pids"]) == 2
+    assert facts["gcs_host"] == "127.0.0.1" and facts["node_ip"] == "127.0.0.1"
+    assert facts["idle_after_loader"] == 2  # the loader's two workers went back: they were start()'s
+    assert facts["idle_after_second_start"] == 2
+    assert facts["started_by_third"] == 1 and facts["idle_after_third_start"] == 3
+    assert facts["loader_pids_still_idle"] == facts["loader_pids"]
