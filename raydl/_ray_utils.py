@@ -13,6 +13,15 @@ is False, a local Ray binds 127.0.0.1 instead of every interface. raydl sets it 
 environment variable, which Ray's own processes inherit) only around its own local start and
 restores both afterwards, so a later connection to a real cluster is unaffected. Checked
 against ray 2.60.
+
+NOTE [ raydl worker niceness ]
+Ray's worker processes add 15 to the niceness they inherit (its `worker_niceness` setting), so
+under full CPU load they yield to every normal process, the trainer included; torch's worker
+processes run at the trainer's niceness. A local Ray that raydl starts for this process serves
+this trainer's loaders only, so raydl starts it with `worker_niceness=0`: its workers keep the
+driver's niceness, as torch's do (measured in benchmarks/bench_niceness.py). A Ray raydl joins
+(an address, RAY_ADDRESS, a Ray already running) keeps its own setting, and so does a user who
+sets RAY_worker_niceness.
 """
 
 from __future__ import annotations
@@ -31,6 +40,7 @@ __all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request",
 logger = logging.getLogger(__name__)
 
 _LOOPBACK_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+_WORKER_NICENESS_ENV_VAR = "RAY_worker_niceness"
 _init_lock = threading.Lock()
 
 
@@ -97,11 +107,13 @@ def _start_local_ray() -> None:
     try:
         # Batches are dropped at the loader's pace: free them in small, frequent batches so the
         # store never holds up to a second's worth of batches already handed out (Ray's default).
-        ray.init(
-            address="local",
-            include_dashboard=False,
-            _system_config={"free_objects_period_milliseconds": LOCAL_FREE_OBJECTS_PERIOD_MS},
-        )
+        system_config: dict[str, Any] = {"free_objects_period_milliseconds": LOCAL_FREE_OBJECTS_PERIOD_MS}
+        if _WORKER_NICENESS_ENV_VAR not in os.environ:
+            # Ray raises its workers' niceness by 15 (below the trainer); torch's worker processes
+            # run at the trainer's. On the Ray raydl starts for this process only, keep them there
+            # too (NOTE [ raydl worker niceness ]); RAY_worker_niceness, if set, still wins.
+            system_config["worker_niceness"] = 0
+        ray.init(address="local", include_dashboard=False, _system_config=system_config)
         logger.debug("raydl: local Ray up in %.2f s", time.monotonic() - t0)
     finally:
         ray_constants.ENABLE_RAY_CLUSTER = saved_flag

@@ -46,7 +46,8 @@ from raydl._ray_utils import worker_actor_options
 from raydl._warm import WARM_POOL
 from tests import _datasets as D
 
-facts = {"ray_before": ray.is_initialized()}
+os.nice(1)  # the workers of raydl's own Ray keep the driver's niceness (NOTE [ raydl worker niceness ])
+facts = {"ray_before": ray.is_initialized(), "driver_nice": os.getpriority(os.PRIO_PROCESS, 0)}
 try:
     raydl.start(num_workers=1, ray_address="127.0.0.1:1").wait(60)
 except ConnectionError as e:
@@ -73,6 +74,7 @@ facts["idle_after_third_start"] = WARM_POOL.idle_count(key)
 pids = set()
 for entry in list(WARM_POOL._idle[key]):
     pids.add(ray.get(entry.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
+    facts["worker_nice"] = ray.get(entry.actor.__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0)))
 facts["loader_pids_still_idle"] = sorted(set(facts["loader_pids"]) & pids)
 print("FACTS " + json.dumps(facts), flush=True)
 raydl.release_idle_workers()
@@ -81,7 +83,7 @@ raydl.release_idle_workers()
 
 def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     """In a fresh process: start() returns before Ray is up, Ray listens on loopback, the loader uses the
-    started workers (no extra ones), and repeated calls only top the idle workers up."""
+    started workers (no extra ones), repeated calls only top the idle workers up, workers keep the driver's niceness."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(
@@ -100,3 +102,4 @@ def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     assert facts["idle_after_second_start"] == 2
     assert facts["started_by_third"] == 1 and facts["idle_after_third_start"] == 3
     assert facts["loader_pids_still_idle"] == facts["loader_pids"]
+    assert facts["worker_nice"] == facts["driver_nice"]  # not Ray's +15: torch's workers run at the trainer's

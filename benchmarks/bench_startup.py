@@ -1,0 +1,167 @@
+"""Cold start-up: time to the first batch of the first loader in a new process with no Ray running.
+
+    python benchmarks/bench_startup.py                # 3 repetitions (about 2 minutes on 2 cores)
+    python benchmarks/bench_startup.py --reps 5 --num-workers 4
+
+Each measurement is a fresh Python process (`--child MODE`), timed from before `import torch`
+to the first batch in hand, with no Ray running beforehand:
+  * torch: torch's DataLoader (fork);
+  * raydl: raydl.DataLoader, nothing done early (Ray's start and the workers' start in series);
+  * raydl+start: `raydl.start(num_workers)` called right after the import, then a model build of
+    `--build-s` seconds (a CPU-bound loop in the main process), then the loader. The same build
+    runs in the torch and raydl cases, so the three columns compare the same script.
+The child reports its phases (import torch, import the loader, Ray up, workers ready, first
+batch) from raydl's debug log. Repetitions rotate the order of the modes; medians are reported,
+with the load other processes put on the machine meanwhile (this machine is shared).
+Results: one JSON line per run, then a markdown table.
+"""
+
+t0 = __import__("time").perf_counter()  # the clock starts before anything is imported
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+MODES = ("torch", "raydl", "raydl+start")
+
+
+def _build_model(seconds: float) -> None:
+    """Stand-in for building a model: `seconds` of single-threaded CPU work in the main process."""
+    import torch
+
+    end = time.perf_counter() + seconds
+    layers = []
+    while time.perf_counter() < end:
+        layers.append(torch.nn.Linear(256, 256))
+        if len(layers) > 64:
+            layers.clear()
+
+
+def child(mode: str, num_workers: int, build_s: float) -> None:
+    import logging
+
+    marks: dict = {}
+
+    def mark(name: str) -> None:
+        marks[name] = round(time.perf_counter() - t0, 3)
+
+    class _Marks(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            msg = record.getMessage()
+            for needle, name in (("Ray up", "ray_up"), ("workers ready", "workers_ready"),
+                                 ("starting a local Ray", "ray_start_begin")):
+                if needle in msg and name not in marks:
+                    mark(name)
+
+    raydl_log = logging.getLogger("raydl")
+    raydl_log.setLevel(logging.DEBUG)
+    raydl_log.addHandler(_Marks())
+    raydl_log.propagate = False
+
+    import torch
+
+    mark("import_torch")
+
+    class Samples(torch.utils.data.Dataset):
+        def __len__(self) -> int:
+            return 1024
+
+        def __getitem__(self, i: int):
+            return torch.full((3, 32, 32), float(i))
+
+    if mode == "torch":
+        from torch.utils.data import DataLoader
+    else:
+        import raydl
+
+        DataLoader = raydl.DataLoader
+        marks["raydl_file"] = raydl.__file__
+    mark("import_loader")
+    if mode == "raydl+start":
+        raydl.start(num_workers=num_workers)
+        mark("start_returned")
+    if build_s:
+        _build_model(build_s)
+        mark("model_built")
+    loader = DataLoader(Samples(), batch_size=64, num_workers=num_workers)
+    it = iter(loader)
+    mark("iter")
+    next(it)
+    mark("first_batch")
+    print("RESULT " + json.dumps({"mode": mode, "num_workers": num_workers, "build_s": build_s, **marks}), flush=True)
+    del it, loader
+
+
+def _foreign_load(seconds: float, fn):
+    """Run fn(); also return the machine's average busy cores meanwhile (all processes, ours included)."""
+    import psutil
+
+    before = psutil.cpu_times()
+    start = time.perf_counter()
+    out = fn()
+    after = psutil.cpu_times()
+    busy = sum(getattr(after, f) - getattr(before, f) for f in ("user", "nice", "system", "irq", "softirq"))
+    return out, round(busy / max(time.perf_counter() - start, 1e-9), 2)
+
+
+def run_child(mode: str, num_workers: int, build_s: float) -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--num-workers", str(num_workers),
+           "--build-s", str(build_s)]
+    wall0 = time.perf_counter()
+    proc, load = _foreign_load(0, lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=300))
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    rec = json.loads(lines[-1][len("RESULT "):])
+    rec["process_wall_s"] = round(time.perf_counter() - wall0, 2)
+    rec["machine_busy_cores"] = load
+    return rec
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--child", choices=MODES)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--num-workers", type=int, default=2)
+    ap.add_argument("--build-s", type=float, default=0.0, help="seconds of model building before the loader")
+    ap.add_argument("--modes", default=",".join(MODES))
+    args = ap.parse_args()
+    if args.child:
+        child(args.child, args.num_workers, args.build_s)
+        return
+    modes = args.modes.split(",")
+    runs: dict = {m: [] for m in modes}
+    for rep in range(args.reps):
+        order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+        for mode in order:
+            rec = run_child(mode, args.num_workers, args.build_s)
+            rec["rep"] = rep
+            print(json.dumps(rec), flush=True)
+            runs[mode].append(rec)
+    med = lambda recs, k: statistics.median(r[k] for r in recs if k in r) if any(k in r for r in recs) else None  # noqa: E731
+    print(f"\nCold first batch, {args.num_workers} workers, model build {args.build_s:g} s, median of {args.reps} "
+          f"(s from before `import torch`; machine busy cores = all processes' CPU use during the run, 2 cores)\n")
+    print("| loader | first batch | import torch | import loader | Ray up | workers ready | after model built | busy cores |")
+    print("|---|---|---|---|---|---|---|---|")
+    fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
+    for mode in modes:
+        recs = runs[mode]
+        after_build = None
+        if args.build_s:
+            after_build = statistics.median(r["first_batch"] - r["model_built"] for r in recs)
+        print(f"| {mode} | {fmt(med(recs, 'first_batch'))} | {fmt(med(recs, 'import_torch'))} | "
+              f"{fmt(med(recs, 'import_loader'))} | {fmt(med(recs, 'ray_up'))} | {fmt(med(recs, 'workers_ready'))} | "
+              f"{fmt(after_build)} | {fmt(med(recs, 'machine_busy_cores'))} |")
+
+
+if __name__ == "__main__":
+    main()
