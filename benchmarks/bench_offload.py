@@ -8,14 +8,16 @@ The training process (this driver) is pinned to CPU 0 with os.sched_setaffinity 
 starts a thread, so torch's forked DataLoader workers share that one core with it — exactly
 what happens when a trainer's host has no spare CPU. raydl's workers run on a second Ray node
 started with `ray start` under `taskset -c 1` (resource {"data": ...}), selected with
-ray_remote_args={"resources": {"data": 1}, "num_cpus": ...}. The head node (GCS, the driver's
+ray_remote_args={"resources": {"data": 1}, "num_cpus": ...} ("raydl"), or with no ray_remote_args at
+all ("raydl-auto": raydl's own placement, NOTE [ raydl placement ], which must pick the node that
+is not the driver's). The head node (GCS, the driver's
 raylet and object store) is started under `taskset -c 0`, beside the trainer, as the GPU host's
 own raylet would be. Both use cluster/local_cluster.sh's loopback-only start, in their own
 directory and ports (RAYDL_CLUSTER_DIR=/tmp/raydl-bench-off, port 6590, dashboard 8590).
 
 Workload: CPU-bound ~1 ms/sample producing 3x64x64 float32, batch 64, 2 workers; optionally a
 simulated training step in the driver (a fixed amount of single-threaded matmul work per batch).
-Reported: steady-state samples/s (epochs after the first) of torch and raydl, alternating, and
+Reported: steady-state samples/s (epochs after the first) of torch and the raydl variants, in rotated order, and
 the raydl/torch ratio. Every process started here is stopped in a `finally` (bounded waits).
 """
 
@@ -96,12 +98,14 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=None, help="alternating repetitions per loader (default 3; quick 1)")
+    p.add_argument("--reps", type=int, default=None, help="repetitions per loader, in rotated order (default 3; quick 1)")
     p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 2; quick 1)")
     p.add_argument("--samples", type=int, default=None, help="samples per epoch (default 2048; quick 512)")
     p.add_argument("--train-ms", default="0,32,64,D", help="simulated training step per batch, ms of work (comma list; "
                    "D = as long as torch's data work per batch, measured by the 0 step, which must come first)")
     p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this long for a quiet second before each measurement (default 10; quick 0)")
+    p.add_argument("--loaders", default="torch,raydl,raydl-auto",
+                   help="comma list: torch, raydl (resources hint), raydl-auto (no placement hints); torch first")
     p.add_argument("--cluster-dir", default="/tmp/raydl-bench-off")
     p.add_argument("--port", type=int, default=6590)
     p.add_argument("--dashboard-port", type=int, default=8590)
@@ -110,6 +114,10 @@ def main() -> int:
     epochs = args.epochs or (1 if args.quick else 2)
     n = args.samples or (512 if args.quick else 2048)
     W = args.num_workers
+    names = [x.strip() for x in args.loaders.split(",")]
+    if names[0] != "torch" or not set(names) <= {"torch", "raydl", "raydl-auto"} or len(names) < 2:
+        p.error("--loaders: torch first, then raydl and/or raydl-auto")
+    variants = names[1:]
     start = time.perf_counter()
 
     info = {**C.machine_info(ray_version=importlib.metadata.version("ray")), "trainer_cpu": TRAINER_CPU, "data_cpu": DATA_CPU}
@@ -147,19 +155,20 @@ def main() -> int:
             ds = C.WorkloadDataset(wl)
             if name == "torch":
                 return torch.utils.data.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True)
+            if name == "raydl-auto":  # no placement hints: raydl's own plan decides the node
+                return raydl.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True)
             return raydl.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True,
                                     ray_remote_args={"resources": {"data": 1}, "num_cpus": 1 / W})
 
         # Where everything runs: checked, not assumed.
-        loader = make("raydl")
-        next(iter(loader))
-        recs = loader.worker_records
-        placement = {
-            "raydl_worker_nodes_differ_from_driver": all(r.node_id != driver_node for r in recs),
-            "raydl_worker_affinity": sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()}),
-            "driver_affinity": sorted(os.sched_getaffinity(0)),
-        }
-        loader.shutdown()
+        placement = {"driver_affinity": sorted(os.sched_getaffinity(0))}
+        for name in variants:
+            loader = make(name)
+            next(iter(loader))
+            recs = loader.worker_records
+            placement[f"{name}_worker_nodes_differ_from_driver"] = all(r.node_id != driver_node for r in recs)
+            placement[f"{name}_worker_affinity"] = sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()})
+            loader.shutdown()
         loader = make("torch")
         it = iter(loader)
         next(it)
@@ -167,17 +176,18 @@ def main() -> int:
         del it, loader
         res.write({"section": "placement", **placement})
         C.log(f"placement: {placement}")
-        if not placement["raydl_worker_nodes_differ_from_driver"] or placement["raydl_worker_affinity"] != [DATA_CPU]:
-            notes.append(f"raydl's workers were NOT where intended: {placement}")
+        for name in variants:
+            if not placement[f"{name}_worker_nodes_differ_from_driver"] or placement[f"{name}_worker_affinity"] != [DATA_CPU]:
+                notes.append(f"{name}'s workers were NOT where intended: {placement}")
 
         mon_roots = cluster.pids
         gate = C.QuietGate(args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10), 90, mon_roots)
         queue = list(steps.items())
         while queue:
             ms, step = queue.pop(0)
-            got: dict = {"torch": [], "raydl": []}
+            got: dict = {name: [] for name in names}
             for rep in range(reps):
-                for name in (("torch", "raydl") if rep % 2 == 0 else ("raydl", "torch")):
+                for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotated order
                     gc.collect()
                     loader = make(name)
                     gate.wait()
@@ -194,9 +204,7 @@ def main() -> int:
                     C.log(f"train {ms:g} ms/batch rep {rep} {name:6s} {r['samples_per_s']:7.0f} samples/s "
                           f"(foreign load {mon.foreign_cores:.2f} cores)")
             t = [r["samples_per_s"] for r in got["torch"]]
-            d = [r["samples_per_s"] for r in got["raydl"]]
-            fl = C.median([r["foreign_cores"] for r in got["torch"] + got["raydl"]])
-            paired = [dr / tr for dr, tr in zip(d, t)]  # same repetition: measured back to back
+            fl = C.median([r["foreign_cores"] for name in names for r in got[name]])
             # The best any offload can do: torch's one core does data (D ms/batch, from torch's rate
             # without a step) and step S in turn, 1/(D+S); offloaded, the slower of the two sets
             # the pace, 1/max(D, S). So the ratio is at most (D+S)/max(D, S) <= 2.
@@ -206,27 +214,35 @@ def main() -> int:
                     queue.append((round(data_ms), TrainStep(round(data_ms))))
                     C.log(f"D = {data_ms:.0f} ms of data work per batch: adding a {round(data_ms)} ms step")
             ceiling = f"{(data_ms + ms) / max(data_ms, ms):.2f}×" if data_ms else "—"
-            rows.append([f"{ms:g}", f"{C.median(t):,.0f} ({min(t):,.0f}–{max(t):,.0f})",
-                         f"{C.median(d):,.0f} ({min(d):,.0f}–{max(d):,.0f})",
-                         f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})", ceiling, f"{fl:.2f}"])
-            res.write({"section": "offload_summary", "train_ms": ms, "torch_median": C.median(t), "raydl_median": C.median(d),
-                       "ratio_paired_median": C.median(paired), "ratio_paired_all": paired, "foreign_cores_median": fl})
+            row = [f"{ms:g}", f"{C.median(t):,.0f} ({min(t):,.0f}–{max(t):,.0f})"]
+            for name in variants:
+                d = [r["samples_per_s"] for r in got[name]]
+                paired = [dr / tr for dr, tr in zip(d, t)]  # same repetition: measured close together
+                row += [f"{C.median(d):,.0f} ({min(d):,.0f}–{max(d):,.0f})",
+                        f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})"]
+                res.write({"section": "offload_summary", "loader": name, "train_ms": ms, "torch_median": C.median(t),
+                           "raydl_median": C.median(d), "ratio_paired_median": C.median(paired),
+                           "ratio_paired_all": paired, "foreign_cores_median": fl})
+            rows.append(row + [ceiling, f"{fl:.2f}"])
     finally:
         C.disconnect_and_stop(cluster)
 
     lines = [f"## raydl offload benchmark ({'quick' if args.quick else 'full'} run)", "", C.describe_machine(info), "",
              f"Trainer (this process, torch.set_num_threads(1)) pinned to CPU {TRAINER_CPU}; torch's {W} forked workers "
              f"inherit that CPU. raydl's {W} workers on a second Ray node started under `taskset -c {DATA_CPU}` "
-             f"(ray_remote_args={{'resources': {{'data': 1}}, 'num_cpus': {1 / W:g}}}); the head node (GCS, the driver's "
+             f"(raydl: ray_remote_args={{'resources': {{'data': 1}}, 'num_cpus': {1 / W:g}}}; raydl-auto: no ray_remote_args, "
+             f"raydl's own placement); the head node (GCS, the driver's "
              f"raylet and object store) under `taskset -c {TRAINER_CPU}`. Workload: {wl.description} "
              f"({per_sample * 1e3:.2f} ms/sample measured), {n} samples/epoch; steady state over {epochs} epoch(s) after "
-             f"the first; {reps} alternating repetitions, median (min–max); raydl / torch = median (min–max) of the "
-             f"per-repetition ratios (torch and raydl measured back to back). Train step = a fixed amount of "
+             f"the first; {reps} repetitions in rotated order, median (min–max); raydl / torch = median (min–max) of the "
+             f"per-repetition ratios (loaders measured one after the other in each repetition). Train step = a fixed amount of "
              f"single-threaded matmul work per batch, calibrated to that many ms on an idle core. Placement checked: "
              f"{placement}. Before each measurement the run waited up to {gate.max_wait_s:g} s for a quiet second "
              f"(waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy).", ""]
-    lines.append(C.md_table(["train step ms/batch", "torch samples/s", "raydl samples/s", "raydl / torch (paired)",
-                             "ideal offload ratio", "foreign load (cores)"], rows))
+    header = ["train step ms/batch", "torch samples/s"]
+    for name in variants:
+        header += [f"{name} samples/s", f"{name} / torch (paired)"]
+    lines.append(C.md_table(header + ["ideal offload ratio", "foreign load (cores)"], rows))
     lines += ["", f"Ideal offload ratio = (D + S) / max(D, S), D = {data_ms:.0f} ms of data work per batch on one core "
               "(torch's rate with no step), S = the step: torch's one core does both in turn, an offloaded loader lets "
               "the slower of the two set the pace. It is 1 with no step and at most 2 (S = D)."]

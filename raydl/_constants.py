@@ -31,8 +31,10 @@ PIN_LOOKAHEAD_BATCHES = 2
 # default request always fits (a laptop with 2 cores can run a loader with 8 workers, and a
 # validation loader beside a training loader). Ask for CPUs with ray_remote_args to have
 # Ray reserve them (and an autoscaler add nodes for them).
-# SPREAD: on a cluster, workers go to different nodes instead of piling up on the driver's.
-DEFAULT_WORKER_OPTIONS: dict = {"num_cpus": 0, "scheduling_strategy": "SPREAD"}
+# No scheduling strategy: with no placement hint raydl gives each worker its node itself
+# (NOTE [ raydl placement ] in _placement.py); with resources or labels but no strategy, the
+# workers get "SPREAD" (_ray_utils.worker_actor_options).
+DEFAULT_WORKER_OPTIONS: dict = {"num_cpus": 0}
 
 # How many times a worker id may be replaced after its actor dies (NOTE [ raydl recovery ]).
 DEFAULT_MAX_WORKER_RESTARTS = 3
@@ -56,3 +58,7 @@ STALL_FACTOR = 10.0
 # How often the raylet of a local Ray that raydl starts frees dropped objects (Ray's default is
 # 1000 ms); only for the local Ray raydl starts itself, never for a cluster it joins.
 LOCAL_FREE_OBJECTS_PERIOD_MS = 100
+
+# NOTE [ raydl placement ]: how many times one worker is re-planned, within one wait for the
+# workers to start, because its planned node left before the worker was placed there.
+PLACEMENT_RETRIES = 3

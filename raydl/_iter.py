@@ -86,6 +86,7 @@ from ._startup import wait_for_early_start
 from ._options import RayOptions
 from ._payload import put_payload
 from ._transfer import decode
+from ._placement import worker_placement
 from ._pool import WorkerPool
 from ._schedule import Schedule, Task
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
@@ -190,6 +191,8 @@ class _RayLoaderIter(Iterator[Any]):
             self._base_seed,
             actor_options,
             reuse=options.reuse_workers,
+            # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
+            placement=worker_placement(actor_options, options.remote_args, self._driver_node_id),
         )
         self._epoch = 0
         self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
@@ -427,7 +430,7 @@ class _RayLoaderIter(Iterator[Any]):
             WorkerDiedError: the worker died and cannot be replaced (NOTE [ raydl recovery ]).
         """
         import ray
-        from ray.exceptions import GetTimeoutError, ObjectLostError, RayActorError
+        from ray.exceptions import ActorUnschedulableError, GetTimeoutError, ObjectLostError, RayActorError
 
         deadline = self._deadline()
         while True:
@@ -444,7 +447,7 @@ class _RayLoaderIter(Iterator[Any]):
                     self._raise_timeout(idx, task)
                 if deadline is None:
                     self._check_stall(idx, task)
-            except (RayActorError, ObjectLostError) as e:
+            except (RayActorError, ObjectLostError, ActorUnschedulableError) as e:
                 self._recover(task.worker_id, e)
                 task = self._sched.task_info[idx]
                 if task.held:  # in_order=False picked a later batch of the worker: it waits its turn

@@ -6,8 +6,9 @@ import logging
 import time
 from typing import Any, Mapping, Optional
 
-from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, STATUS_CHECK_INTERVAL_S
+from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT_RETRIES, STATUS_CHECK_INTERVAL_S
 from ._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
+from ._placement import Placement
 from ._ray_utils import describe_placement, resource_request
 from ._warm import WARM_POOL
 from ._worker import Worker
@@ -38,8 +39,11 @@ def _worker_actor_class():
 class WorkerPool:
     """`num_workers` worker actors configured with one payload ObjectRef.
 
+    With a `Placement` (no placement hint from the user), each worker id has a planned node
+    (`nodes`, NOTE [ raydl placement ]) and its actor soft affinity to it.
     Construction takes idle actors from the warm pool (NOTE [ raydl warm pool ]) when
-    `reuse` allows, starts the rest (all in parallel), and submits one `configure()` to each;
+    `reuse` allows (for a placed worker, only one on its planned node), starts the rest (all in
+    parallel), and submits one `configure()` to each;
     `wait_ready()` blocks, bounded, until every worker reports where it runs. `shutdown()` is
     idempotent (NOTE [ raydl shutdown ] in _iter.py); it returns clean workers to the warm pool.
     """
@@ -51,6 +55,7 @@ class WorkerPool:
         base_seed: int,
         actor_options: Mapping[str, Any],
         reuse: bool = True,
+        placement: Optional[Placement] = None,
     ) -> None:
         self.num_workers = num_workers
         self.actor_options = dict(actor_options)
@@ -65,10 +70,14 @@ class WorkerPool:
             self._configured = cls.options(**self.actor_options)
         except (TypeError, ValueError) as e:
             raise ValueError(f"raydl: invalid ray_remote_args {dict(actor_options)!r}: {e}") from None
-        warm = WARM_POOL.take(self._key, num_workers) if self._reuse else []
+        # NOTE [ raydl placement ]: the node raydl wants each worker on (None: Ray decides)
+        self._placement = placement
+        self._per_node: dict[str, Any] = {}  # node id -> the actor class with soft affinity to it
+        self.nodes: list[Optional[str]] = placement.plan(num_workers) if placement is not None else [None] * num_workers
+        warm = self._take_warm()
         # workers whose actor came from the warm pool and has not confirmed it is alive yet
-        self._unconfirmed_warm = set(range(len(warm)))
-        self.actors = warm + [self._configured.remote() for _ in range(num_workers - len(warm))]
+        self._unconfirmed_warm = set(warm)
+        self.actors = [warm[wid] if wid in warm else self._new_actor(wid) for wid in range(num_workers)]
         self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
         # replacements made for each worker id (NOTE [ raydl recovery ] in _iter.py)
@@ -98,11 +107,37 @@ class WorkerPool:
         """Worker `worker_id` died or failed: it must never be reused."""
         self._failed.add(worker_id)
 
+    def _warm_key(self, node_id: Optional[str]) -> str:
+        """Warm-pool key: the actor options, plus the node for workers raydl placed (a warm actor is where the plan wants it)."""
+        return self._key if node_id is None else f"{self._key}@{node_id}"
+
+    def _take_warm(self) -> dict[int, Any]:
+        """Idle started actors for as many workers as the warm pool has, each on its worker's planned node."""
+        if not self._reuse:
+            return {}
+        by_node: dict[Optional[str], list[int]] = {}
+        for wid, node_id in enumerate(self.nodes):
+            by_node.setdefault(node_id, []).append(wid)
+        taken: dict[int, Any] = {}
+        for node_id, wids in by_node.items():
+            taken.update(zip(wids, WARM_POOL.take(self._warm_key(node_id), len(wids))))
+        return taken
+
+    def _new_actor(self, worker_id: int) -> Any:
+        """Start an actor for worker `worker_id`, with soft affinity to its planned node if raydl placed it."""
+        node_id = self.nodes[worker_id]
+        if node_id is None:
+            return self._configured.remote()
+        if node_id not in self._per_node:
+            options = {**self.actor_options, "scheduling_strategy": Placement.strategy(node_id)}
+            self._per_node[node_id] = _worker_actor_class().options(**options)
+        return self._per_node[node_id].remote()
+
     def _configure(self, worker_id: int) -> Any:
         return self.actors[worker_id].configure.remote(self._payload_ref, worker_id, self.num_workers, self._base_seed)
 
     def _start_fresh(self, worker_id: int) -> None:
-        self.actors[worker_id] = self._configured.remote()
+        self.actors[worker_id] = self._new_actor(worker_id)
         self._ready_refs[worker_id] = self._configure(worker_id)
 
     def replace(self, worker_id: int) -> None:
@@ -120,9 +155,21 @@ class WorkerPool:
         self.restarts[worker_id] += 1
         self._abandoned[worker_id] = []
         self._failed.discard(worker_id)
+        self._replan(worker_id)
         # records[worker_id] keeps the old location until the new actor reports its own.
         self._start_fresh(worker_id)
         logger.debug("raydl: replaced worker %d (restart %d)", worker_id, self.restarts[worker_id])
+
+    def _replan(self, worker_id: int) -> None:
+        """Give worker `worker_id` a node by the plan's rule among the nodes alive now (NOTE [ raydl placement ])."""
+        if self._placement is not None:
+            others = [self._node_of(w) for w in range(self.num_workers) if w != worker_id and w not in self._failed]
+            self.nodes[worker_id] = self._placement.node_for_new_worker(others) or self.nodes[worker_id]
+
+    def _node_of(self, worker_id: int) -> Optional[str]:
+        """Where worker `worker_id` runs (its record), or where it was planned before it reported."""
+        record = self.records[worker_id]
+        return record.node_id if record is not None else self.nodes[worker_id]
 
     @property
     def alive(self) -> bool:
@@ -147,9 +194,10 @@ class WorkerPool:
             WorkerStartDied: a worker process died while starting.
         """
         import ray
-        from ray.exceptions import RayActorError, RayTaskError
+        from ray.exceptions import ActorUnschedulableError, RayActorError, RayTaskError
 
         start = time.monotonic()
+        replanned: dict[int, int] = {}  # worker id -> re-plans in this wait
         while not self.is_ready:
             pending = {ref: wid for wid, ref in enumerate(self._ready_refs) if ref is not None}
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=STATUS_CHECK_INTERVAL_S * 5)
@@ -171,6 +219,16 @@ class WorkerPool:
                         continue
                     self._failed.add(wid)
                     raise WorkerStartDied(wid, f"raydl worker {wid} died while starting: {e}") from None
+                except ActorUnschedulableError as e:
+                    # Its planned node left before the actor was placed there (NOTE [ raydl placement ]).
+                    if self._placement is not None and replanned.get(wid, 0) < PLACEMENT_RETRIES:
+                        replanned[wid] = replanned.get(wid, 0) + 1
+                        self._unconfirmed_warm.discard(wid)
+                        self._replan(wid)
+                        self._start_fresh(wid)
+                        continue
+                    self._failed.add(wid)
+                    raise WorkerStartDied(wid, f"raydl worker {wid} could not be placed: {e}") from None
                 self._unconfirmed_warm.discard(wid)
                 self.records[wid] = WorkerRecord(worker_id=wid, **info)
                 self._ready_refs[wid] = None
@@ -201,17 +259,20 @@ class WorkerPool:
         self._alive = False
         import ray
 
-        reusable = []
+        reusable: dict[str, list] = {}
         for wid, actor in enumerate(self.actors):
             if self._is_clean(wid):
                 actor.reset.remote()  # runs after the tasks already sent to it
                 pending = self._abandoned[wid] + ([self._ready_refs[wid]] if self._ready_refs[wid] is not None else [])
-                reusable.append((actor, pending))
+                # Placed workers are kept under the node they really run on (soft affinity may have moved one).
+                key = self._warm_key(self._node_of(wid) if self._placement is not None else None)
+                reusable.setdefault(key, []).append((actor, pending))
                 continue
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # already dead, or Ray is shutting down
                 pass
-        WARM_POOL.give(self._key, reusable)
+        for key, actors in reusable.items():
+            WARM_POOL.give(key, actors)
         self._ready_refs = [None] * self.num_workers
-        logger.debug("raydl: pool ended (%d workers kept warm)", len(reusable))
+        logger.debug("raydl: pool ended (%d workers kept warm)", sum(map(len, reusable.values())))

@@ -124,10 +124,16 @@ def _start_local_ray() -> None:
 
 
 def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:
-    """raydl's default worker options overridden, key by key, by the user's `ray_remote_args`."""
+    """raydl's default worker options overridden, key by key, by the user's `ray_remote_args` (no per-node strategy)."""
+    from ._placement import has_placement_hints
+
     options = dict(DEFAULT_WORKER_OPTIONS)
     if ray_remote_args:
         options.update(ray_remote_args)
+    # Hints but no strategy: Ray spreads resource-reserving actors well. Without hints raydl
+    # places each worker itself (NOTE [ raydl placement ]).
+    if has_placement_hints(options, ray_remote_args) and options.get("scheduling_strategy") is None:
+        options["scheduling_strategy"] = "SPREAD"
     # The driver owns recovery and ordering; a worker must never run two fetches at once.
     options.setdefault("max_concurrency", 1)
     return options

@@ -3,7 +3,8 @@
 NOTE [ raydl warm pool ]
 Starting a Ray actor that imports torch takes seconds; configuring a started one takes
 milliseconds. When a loader's workers end cleanly (no task left on them), they are reset and
-kept here, keyed by their exact actor options, instead of being killed; the next loader with
+kept here, keyed by their exact actor options (and, for workers raydl placed itself, the node
+they run on: NOTE [ raydl placement ]), instead of being killed; the next loader with
 the same options takes them and configures them (new payload, seeds, worker_init_fn), so its
 first batch does not wait for process start-up. Only workers that reserve no Ray resources (raydl's default, num_cpus=0) are kept: an idle
 actor holding CPUs, GPUs or custom resources would starve other Ray work. Bounds:

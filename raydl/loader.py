@@ -61,8 +61,10 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_remote_args (dict, optional): options for each worker actor, passed to
             `ray.remote(...).options()`: num_cpus, num_gpus, memory, resources,
             label_selector, scheduling_strategy, runtime_env, ... They override raydl's
-            defaults key by key. Defaults to ``None`` (`{"num_cpus": 0, "scheduling_strategy":
-            "SPREAD"}`: workers reserve no CPU, like torch's processes, so they always fit).
+            defaults key by key. Defaults to ``None`` (`{"num_cpus": 0}`: workers reserve no
+            CPU, like torch's processes, so they always fit; with no resource beyond that, no
+            label_selector and no scheduling_strategy, raydl gives each worker its node:
+            NOTE [ raydl placement ]).
         ray_startup_timeout_s (float): seconds to wait for every worker to be placed and to
             finish start-up before raising `WorkerPlacementError`. Defaults to ``60.0``.
         ray_shared_dataset_memory (bool): ship the dataset as a Ray object, so NumPy arrays in

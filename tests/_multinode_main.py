@@ -23,6 +23,41 @@ import raydl  # noqa: E402
 from tests import _datasets as D  # noqa: E402
 
 
+def _default_run(num_workers: int, name) -> dict:
+    """One epoch of a loader with no placement hint: where each worker ran (node names), pids, completeness."""
+    loader = raydl.DataLoader(D.RangeDataset(4 * num_workers), batch_size=2, num_workers=num_workers, timeout=60)
+    it = iter(loader)
+    out = [b.flatten().tolist() for b in it]
+    run = {
+        "nodes": [name(r.node_id) for r in it.worker_records],
+        "pids": [r.pid for r in it.worker_records],
+        "complete": out == [[i, i + 1] for i in range(0, 4 * num_workers, 2)],
+    }
+    del it, loader
+    return run
+
+
+def _wait_cpus_free(timeout_s: float = 60) -> bool:
+    """Until the actors of loaders that reserved CPUs are gone: the plan follows free CPUs (NOTE [ raydl placement ])."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if ray.available_resources().get("CPU", 0) == ray.cluster_resources().get("CPU", -1):
+            return True
+        time.sleep(0.2)
+    return False
+
+
+def _wait_alive(n: int, timeout_s: float = 60) -> int:
+    deadline = time.monotonic() + timeout_s
+    alive = -1
+    while time.monotonic() < deadline:
+        alive = len([n_ for n_ in ray.nodes() if n_["Alive"]])
+        if alive == n:
+            break
+        time.sleep(0.5)
+    return alive
+
+
 def main() -> None:
     facts: dict = {}
     cluster = Cluster(
@@ -35,6 +70,8 @@ def main() -> None:
         cluster.wait_for_nodes()
         head_id = ray.get_runtime_context().get_node_id()
         facts["nodes"] = len([n for n in ray.nodes() if n["Alive"]])
+        names = {head_id: "head", data_nodes[0].node_id: "data0", data_nodes[1].node_id: "data1"}
+        name = lambda node_id: names.get(node_id, node_id)  # noqa: E731
 
         # 1. Default placement spreads over nodes, and batches equal torch's.
         gen = lambda: torch.Generator().manual_seed(3)  # noqa: E731
@@ -45,6 +82,9 @@ def main() -> None:
         got = [b.tolist() for b in it]
         facts["default_same_as_torch"] = got == expected
         facts["default_nodes"] = len({r.node_id for r in it.worker_records})
+        # NOTE [ raydl placement ]: 3 equal nodes, the driver's excluded: 2 workers on each data node.
+        facts["placement_first"] = [name(r.node_id) for r in it.worker_records]
+        del it, loader
 
         # 1b. Batches made on other nodes move to the driver's node while the caller is busy
         # (NOTE [ raydl ordering ]): after a pause, every finished batch is already local.
@@ -62,6 +102,28 @@ def main() -> None:
         facts["prefetch_outstanding"] = len(refs)
         facts["prefetch_local_before_next"] = sum(head_id in loc["node_ids"] for loc in locations.values())
         facts["prefetch_rest_complete"] = 1 + len(list(it)) == 6
+        del it, loader
+
+        # 1c. Run after run, after other loaders (hinted ones above, default ones here) came and went:
+        # the same plan, served by the same warm workers; a replaced worker goes back to its node.
+        runs = [_default_run(4, name) for _ in range(3)]
+        facts["placement_runs"] = [r["nodes"] for r in runs]
+        facts["placement_runs_complete"] = all(r["complete"] for r in runs)
+        facts["placement_warm_reused"] = [sorted(zip(r["nodes"], r["pids"])) for r in runs[1:]] == [
+            sorted(zip(runs[0]["nodes"], runs[0]["pids"]))
+        ] * 2
+        loader = raydl.DataLoader(D.SlowDataset(24, {i: 0.05 for i in range(24)}), batch_size=2, num_workers=4, timeout=60)
+        it = iter(loader)
+        out = [next(it).flatten().tolist()]
+        before = [name(r.node_id) for r in it.worker_records]
+        ray.kill(it._pool.actors[1], no_restart=True)
+        out += [b.flatten().tolist() for b in it]
+        facts["placement_replaced"] = {
+            "complete_in_order": out == [[i, i + 1] for i in range(0, 24, 2)],
+            "restarts": list(it._pool.restarts),
+            "before": before,
+            "after": [name(r.node_id) for r in it.worker_records],
+        }
         del it, loader
 
         # 2. "data" nodes only, never the trainer's node; then a data node is removed mid-epoch.
@@ -86,6 +148,20 @@ def main() -> None:
         facts["restarts"] = sum(it._pool.restarts)
         facts["survivor_node_only"] = {r.node_id for r in it.worker_records} == {data_nodes[0].node_id if victim is data_nodes[1] else data_nodes[1].node_id}
         del it, loader
+
+        # 2b. Default placement on what is now a 2-node cluster (the driver's node and the survivor):
+        # every worker on the survivor. Then a 2-CPU node joins: shares follow the CPUs (1:2).
+        names[victim.node_id] = "removed"
+        names[(data_nodes[1] if victim is data_nodes[0] else data_nodes[0]).node_id] = "survivor"
+        facts["alive_after_removal"] = _wait_alive(2)
+        facts["cpus_free_before_two_nodes"] = _wait_cpus_free()
+        facts["placement_two_nodes"] = [_default_run(3, name)["nodes"] for _ in range(2)]
+        big = cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        names[big.node_id] = "big"
+        facts["alive_after_join"] = _wait_alive(3)
+        facts["cpus_free_before_proportional"] = _wait_cpus_free()
+        facts["placement_proportional"] = [_default_run(3, name)["nodes"] for _ in range(2)]
 
         # 3. Clean shutdown: no raydl worker actor left alive on any node once the idle warm
         # workers are released (the dashboard is off here: count through the GCS instead).

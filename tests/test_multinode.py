@@ -30,9 +30,35 @@ def test_cluster_has_three_nodes(facts):
 
 
 def test_default_placement_spreads_and_matches_torch(facts):
-    """By default, workers spread over several nodes and batches are torch's, batch for batch."""
-    assert facts["default_nodes"] >= 2
+    """By default, workers spread over the nodes other than the driver's and batches are torch's, batch for batch."""
+    first = facts["placement_first"]
+    assert sorted(first) == ["data0", "data0", "data1", "data1"] and first[0] != first[1] and first[:2] == first[2:]
     assert facts["default_same_as_torch"]
+
+
+def test_default_placement_holds_run_after_run(facts):
+    """The same plan every time, after other loaders came and went, served by the same warm workers on their nodes."""
+    assert facts["placement_runs"] == [facts["placement_first"]] * 3
+    assert facts["placement_runs_complete"]
+    assert facts["placement_warm_reused"]
+
+
+def test_replaced_worker_goes_back_to_its_share(facts):
+    """A killed worker's replacement goes to the node short of its share: the dead worker's own node."""
+    replaced = facts["placement_replaced"]
+    assert replaced["complete_in_order"]
+    assert replaced["restarts"] == [0, 1, 0, 0]
+    assert replaced["after"] == replaced["before"] == facts["placement_first"]
+
+
+def test_default_placement_on_two_nodes_and_in_proportion_to_cpus(facts):
+    """2 nodes (driver's + one): all workers on the other one; with a 2-CPU node joined, shares follow CPUs 1:2."""
+    assert facts["alive_after_removal"] == 2 and facts["cpus_free_before_two_nodes"]
+    assert facts["placement_two_nodes"] == [["survivor"] * 3] * 2
+    assert facts["alive_after_join"] == 3 and facts["cpus_free_before_proportional"]
+    for nodes in facts["placement_proportional"]:
+        assert sorted(nodes) == ["big", "big", "survivor"]
+    assert facts["placement_proportional"][0] == facts["placement_proportional"][1]
 
 
 def test_resources_keep_workers_on_data_nodes(facts):

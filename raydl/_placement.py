@@ -1,0 +1,165 @@
+"""Where each worker runs when the user gives no placement hint: raydl's own plan, per worker.
+
+NOTE [ raydl placement ]
+Workers reserve no CPU by default (num_cpus=0, like torch's processes), and Ray places such
+actors erratically: its SPREAD strategy put three of them on three nodes, then three more on one
+node once the first three were gone (measured on Ray 2.60), and its default strategy packs them on
+the driver's node, whose CPUs the trainer uses. So, when `ray_remote_args` carries no placement
+hint, raydl decides each worker's node itself:
+  * candidates: the alive nodes (`ray.nodes()`) other than the driver's (its CPUs are busy
+    training); the driver's node only when it is the only one. Weights: their free CPUs where
+    Ray reports them (`ray._private.state.available_resources_per_node`, a DeveloperAPI,
+    checked against Ray 2.60), else their total CPUs; total CPUs too when no candidate has a
+    free CPU (workers reserve none, so they still run there, beside whatever holds the CPUs);
+  * shares: `num_workers` is apportioned in proportion to the weights (largest remainders; ties
+    go to the bigger node, then to the first in a stable order: node address, raylet port,
+    node id), and worker ids are dealt to the nodes round robin in that order (2:1 gives A, B, A);
+  * each worker actor gets `NodeAffinitySchedulingStrategy(node_id, soft=False)` for its node.
+    Not soft=True: on Ray 2.60 a soft affinity is not held for actors that reserve nothing (four
+    num_cpus=0 actors aimed at nodes d0, d1, d0, d1 of a 3-node loopback cluster landed on d1,
+    d0, head, d0; with soft=False, or with num_cpus=0.01, exactly as asked; measured). Hard
+    affinity cannot strand a worker: the plan only names nodes Ray lists as alive, and if one
+    dies before the actor is placed, Ray fails its creation at once (ActorUnschedulableError);
+    the pool then re-plans that worker among the alive nodes and starts it again, without
+    counting a restart (`WorkerPool.wait_ready`, at most PLACEMENT_RETRIES times per worker);
+  * a worker whose planned node left before it started is re-planned the same way;
+  * a replacement of a dead worker (NOTE [ raydl recovery ] in _iter.py), or any worker added to
+    a running pool, goes to the alive node furthest below its share for the pool's new size,
+    given where the other workers are (`node_for_new_worker`).
+Same cluster, same free CPUs: same plan, every time, whatever loaders came and went before.
+A hint wins: resources beyond `num_cpus=0` (num_cpus > 0, num_gpus, memory, resources), a
+`label_selector` or a `scheduling_strategy` in `ray_remote_args` make Ray place the workers as
+asked; raydl adds `scheduling_strategy="SPREAD"` when the user gave resources or labels but no
+strategy (Ray spreads resource-reserving actors well).
+Warm pool (NOTE [ raydl warm pool ] in _warm.py): idle actors placed by this plan are kept under
+their options plus the node they run on, and a new pool takes, for each node of its plan, only
+actors on that node: a warm actor is always where the plan wants it.
+`loader.worker_records` shows where each worker actually runs.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Mapping, Optional, Sequence
+
+__all__ = ["has_placement_hints", "NodeWeight", "apportion", "Placement", "worker_placement"]
+
+logger = logging.getLogger(__name__)
+
+
+def has_placement_hints(options: Mapping[str, Any], user_args: Optional[Mapping[str, Any]]) -> bool:
+    """Whether the user said where workers go: resources beyond num_cpus=0, a label_selector or a strategy.
+
+    `options` are the merged actor options, `user_args` the user's `ray_remote_args`.
+    """
+    from ._ray_utils import resource_request
+
+    user_args = user_args or {}
+    return bool(
+        resource_request(options) or user_args.get("label_selector") or user_args.get("scheduling_strategy") is not None
+    )
+
+
+@dataclass(frozen=True)
+class NodeWeight:
+    """One candidate node: its id, a stable sort key, and its weight (free CPUs, or total CPUs)."""
+
+    node_id: str
+    key: tuple
+    weight: float
+
+
+def _ordered(nodes: Sequence[NodeWeight]) -> list[NodeWeight]:
+    return sorted(nodes, key=lambda n: n.key)
+
+
+def apportion(nodes: Sequence[NodeWeight], n: int) -> list[str]:
+    """Node id of each of `n` workers: shares proportional to the weights, dealt round robin (NOTE [ raydl placement ])."""
+    if n <= 0 or not nodes:
+        return []
+    order = _ordered(nodes)
+    total = sum(max(node.weight, 0.0) for node in order)
+    weights = [max(node.weight, 0.0) for node in order] if total > 0 else [1.0] * len(order)
+    total = sum(weights)
+    quotas = [n * w / total for w in weights]
+    counts = [int(q) for q in quotas]
+    # Largest remainders first; ties to the bigger node, then to the first in the stable order.
+    by_remainder = sorted(range(len(order)), key=lambda i: (-(quotas[i] - counts[i]), -weights[i], i))
+    for i in by_remainder[: n - sum(counts)]:
+        counts[i] += 1
+    plan: list[str] = []
+    left = list(counts)
+    while len(plan) < n:
+        for i, node in enumerate(order):
+            if left[i] > 0:
+                plan.append(node.node_id)
+                left[i] -= 1
+    return plan
+
+
+def _node_key(row: Mapping[str, Any]) -> tuple:
+    return (str(row.get("NodeManagerAddress", "")), int(row.get("NodeManagerPort") or 0), str(row.get("NodeID", "")))
+
+
+def _free_cpus_by_node() -> Optional[dict[str, float]]:
+    """Free CPUs of each alive node as Ray reports them, or None where this Ray does not say."""
+    try:
+        from ray._private.state import available_resources_per_node  # DeveloperAPI, checked against Ray 2.60
+
+        return {node_id: float(res.get("CPU", 0.0)) for node_id, res in available_resources_per_node().items()}
+    except Exception:  # another Ray version, Ray Client: fall back to total CPUs
+        return None
+
+
+class Placement:
+    """raydl's placement plan for one loader's workers (NOTE [ raydl placement ])."""
+
+    def __init__(self, driver_node_id: str) -> None:
+        self.driver_node_id = driver_node_id
+
+    def candidates(self) -> list[NodeWeight]:
+        """The alive nodes workers may go to now, with their weights; the driver's node only if it is the only one."""
+        import ray
+
+        rows = [row for row in ray.nodes() if row.get("Alive")]
+        others = [row for row in rows if row["NodeID"] != self.driver_node_id]
+        rows = others or rows
+        free = _free_cpus_by_node()
+        total = {row["NodeID"]: float((row.get("Resources") or {}).get("CPU", 0.0)) for row in rows}
+        weight = dict(total)
+        if free is not None and any(free.get(node_id, 0.0) > 0 for node_id in total):
+            weight = {node_id: free.get(node_id, cpus) for node_id, cpus in total.items()}
+        return [NodeWeight(row["NodeID"], _node_key(row), weight[row["NodeID"]]) for row in rows]
+
+    def plan(self, num_workers: int) -> list[Optional[str]]:
+        """The node of each worker id; None for every worker when Ray lists no alive node."""
+        nodes = self.candidates()
+        plan: list[Optional[str]] = list(apportion(nodes, num_workers)) or [None] * num_workers
+        logger.debug("raydl: placement plan %s over %s", plan, nodes)
+        return plan
+
+    def node_for_new_worker(self, others: Sequence[Optional[str]]) -> Optional[str]:
+        """The node for one more worker, given the nodes of the pool's other workers: the one most below its share."""
+        nodes = self.candidates()
+        if not nodes:
+            return None
+        wanted = apportion(nodes, len(others) + 1)
+        deficit = {node_id: wanted.count(node_id) - sum(o == node_id for o in others) for node_id in dict.fromkeys(wanted)}
+        best = max(deficit.values())
+        # Ties: the first node in the plan's own order.
+        return next(node_id for node_id in wanted if deficit[node_id] == best)
+
+    @staticmethod
+    def strategy(node_id: str) -> Any:
+        """Node affinity to `node_id` (hard: see NOTE [ raydl placement ] for why not soft)."""
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+
+
+def worker_placement(options: Mapping[str, Any], user_args: Optional[Mapping[str, Any]], driver_node_id: str) -> Optional[Placement]:
+    """raydl's plan for a loader's workers, or None when the user's hints decide (NOTE [ raydl placement ])."""
+    if has_placement_hints(options, user_args):
+        return None
+    return Placement(driver_node_id)
