@@ -192,7 +192,7 @@ class _RayLoaderIter(Iterator[Any]):
             actor_options,
             reuse=options.reuse_workers,
             # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
-            placement=worker_placement(actor_options, options.remote_args, self._driver_node_id),
+            placement=worker_placement(actor_options, self._driver_node_id),
         )
         self._epoch = 0
         self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)

@@ -48,17 +48,15 @@ __all__ = ["has_placement_hints", "NodeWeight", "apportion", "Placement", "worke
 logger = logging.getLogger(__name__)
 
 
-def has_placement_hints(options: Mapping[str, Any], user_args: Optional[Mapping[str, Any]]) -> bool:
-    """Whether the user said where workers go: resources beyond num_cpus=0, a label_selector or a strategy.
+def has_placement_hints(options: Mapping[str, Any]) -> bool:
+    """Whether worker actor options say where workers go: resources beyond num_cpus=0, a label_selector or a strategy.
 
-    `options` are the merged actor options, `user_args` the user's `ray_remote_args`.
+    raydl's defaults carry none of these, so on the merged options this is a question about the
+    user's `ray_remote_args`.
     """
     from ._ray_utils import resource_request
 
-    user_args = user_args or {}
-    return bool(
-        resource_request(options) or user_args.get("label_selector") or user_args.get("scheduling_strategy") is not None
-    )
+    return bool(resource_request(options) or options.get("label_selector") or options.get("scheduling_strategy") is not None)
 
 
 @dataclass(frozen=True)
@@ -158,8 +156,8 @@ class Placement:
         return NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
 
 
-def worker_placement(options: Mapping[str, Any], user_args: Optional[Mapping[str, Any]], driver_node_id: str) -> Optional[Placement]:
-    """raydl's plan for a loader's workers, or None when the user's hints decide (NOTE [ raydl placement ])."""
-    if has_placement_hints(options, user_args):
+def worker_placement(options: Mapping[str, Any], driver_node_id: str) -> Optional[Placement]:
+    """raydl's plan for workers with these actor options, or None when the user's hints decide (NOTE [ raydl placement ])."""
+    if has_placement_hints(options):
         return None
     return Placement(driver_node_id)

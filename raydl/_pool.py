@@ -10,7 +10,7 @@ from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT
 from ._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._placement import Placement
 from ._ray_utils import describe_placement, resource_request
-from ._warm import WARM_POOL
+from ._warm import WARM_POOL, warm_key
 from ._worker import Worker
 
 __all__ = ["WorkerPool"]
@@ -64,7 +64,6 @@ class WorkerPool:
         # Only workers that reserve nothing are kept warm: an idle actor holding CPUs, GPUs or
         # custom resources would starve other Ray work (a Ray Train trainer, another loader).
         self._reuse = reuse and not resource_request(self.actor_options)
-        self._key = repr(sorted(self.actor_options.items(), key=lambda kv: kv[0]))
         cls = _worker_actor_class()
         try:
             self._configured = cls.options(**self.actor_options)
@@ -109,7 +108,7 @@ class WorkerPool:
 
     def _warm_key(self, node_id: Optional[str]) -> str:
         """Warm-pool key: the actor options, plus the node for workers raydl placed (a warm actor is where the plan wants it)."""
-        return self._key if node_id is None else f"{self._key}@{node_id}"
+        return warm_key(self.actor_options, node_id)
 
     def _take_warm(self) -> dict[int, Any]:
         """Idle started actors for as many workers as the warm pool has, each on its worker's planned node."""

@@ -132,7 +132,7 @@ def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:
         options.update(ray_remote_args)
     # Hints but no strategy: Ray spreads resource-reserving actors well. Without hints raydl
     # places each worker itself (NOTE [ raydl placement ]).
-    if has_placement_hints(options, ray_remote_args) and options.get("scheduling_strategy") is None:
+    if has_placement_hints(options) and options.get("scheduling_strategy") is None:
         options["scheduling_strategy"] = "SPREAD"
     # The driver owns recovery and ordering; a worker must never run two fetches at once.
     options.setdefault("max_concurrency", 1)

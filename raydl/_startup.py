@@ -45,9 +45,11 @@ _jobs: "queue.SimpleQueue[Startup]" = queue.SimpleQueue()
 _runner: Optional[threading.Thread] = None
 
 
-def _warm_key(options: Mapping[str, Any]) -> str:
-    """The warm pool's key for a set of actor options (the one WorkerPool uses)."""
-    return repr(sorted(options.items(), key=lambda kv: kv[0]))
+def _warm_key(options: Mapping[str, Any], node_id: Optional[str] = None) -> str:
+    """The warm pool's key for a set of actor options (the one WorkerPool uses), per node when raydl places them."""
+    from ._warm import warm_key
+
+    return warm_key(options, node_id)
 
 
 class Startup:
@@ -71,17 +73,29 @@ class Startup:
             t0 = time.monotonic()
             ensure_ray_initialized(self._address)
             logger.debug("raydl.start: Ray up after %.2f s", time.monotonic() - t0)
-            key = _warm_key(self._options)
-            cls = _worker_actor_class().options(**self._options)
+            import ray
+
+            from ._placement import Placement, worker_placement
+
+            # Where a loader with these options would put its workers (NOTE [ raydl placement ]): the
+            # warm pool hands a placed worker only to a loader whose plan wants it on that node.
+            placement = worker_placement(self._options, ray.get_runtime_context().get_node_id())
+            plan = placement.plan(self.num_workers) if placement is not None else [None] * self.num_workers
+            actors = []
             with _lock:  # count and top up atomically: two calls never both start the missing ones
-                missing = max(0, self.num_workers - WARM_POOL.idle_count(key))
-                actors = [cls.remote() for _ in range(missing)]  # non-blocking
-                # Handed over with nothing pending, so the next loader takes them even while they start.
-                WARM_POOL.give(key, [(a, []) for a in actors])
-            self.started = missing
+                for node_id in dict.fromkeys(plan):
+                    key = _warm_key(self._options, node_id)
+                    missing = max(0, plan.count(node_id) - WARM_POOL.idle_count(key))
+                    options = self._options if node_id is None else {**self._options, "scheduling_strategy": Placement.strategy(node_id)}
+                    cls = _worker_actor_class().options(**options)
+                    new = [cls.remote() for _ in range(missing)]  # non-blocking
+                    # Handed over with nothing pending, so the next loader takes them even while they start.
+                    WARM_POOL.give(key, [(a, []) for a in new])
+                    actors += new
+            self.started = len(actors)
             # Ray's own readiness probe: resolves once the actor's constructor ran (torch imported).
             self._ready_refs = [a.__ray_ready__.remote() for a in actors]
-            logger.debug("raydl.start: %d workers starting (%d asked)", missing, self.num_workers)
+            logger.debug("raydl.start: %d workers starting (%d asked)", self.started, self.num_workers)
         except BaseException as e:  # noqa: BLE001 - re-raised by wait(); a loader then reports its own
             self._error = e
         finally:

@@ -28,13 +28,19 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Mapping, Optional
 
 from ._constants import WARM_DRAIN_TIMEOUT_S, WARM_IDLE_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
 
-__all__ = ["WARM_POOL", "release_idle_workers"]
+__all__ = ["WARM_POOL", "release_idle_workers", "warm_key"]
 
 logger = logging.getLogger(__name__)
+
+
+def warm_key(options: Mapping[str, Any], node_id: Optional[str] = None) -> str:
+    """The key idle actors are kept under: their actor options, plus their node when raydl placed them (NOTE [ raydl placement ])."""
+    key = repr(sorted(options.items(), key=lambda kv: kv[0]))
+    return key if node_id is None else f"{key}@{node_id}"
 
 
 def _idle_timeout_s() -> float:

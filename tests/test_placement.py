@@ -85,7 +85,7 @@ def test_a_new_worker_goes_to_the_node_furthest_below_its_share():
 def test_placement_hints_are_resources_labels_or_a_strategy(args, hinted):
     """raydl places workers itself only when ray_remote_args has no resource beyond num_cpus=0, label or strategy."""
     options = worker_actor_options(args)
-    assert has_placement_hints(options, args) is hinted
+    assert has_placement_hints(options) is hinted
     if not hinted:
         assert "scheduling_strategy" not in options
     elif not (args or {}).get("scheduling_strategy"):

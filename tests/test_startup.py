@@ -60,7 +60,7 @@ batches = list(loader)
 started.wait(60)
 facts["batches"] = [b[:, 0].tolist() for b in batches]
 facts["loader_pids"] = sorted({int(b[0, 1]) for b in batches})
-key = _warm_key(worker_actor_options(None))
+key = _warm_key(worker_actor_options(None), ray.get_runtime_context().get_node_id())  # placed per node
 facts["gcs_host"] = ray.get_runtime_context().gcs_address.rsplit(":", 1)[0]
 facts["node_ip"] = ray.util.get_node_ip_address()
 facts["idle_after_loader"] = WARM_POOL.idle_count(key)
