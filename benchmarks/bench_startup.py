@@ -117,7 +117,7 @@ def run_child(mode: str, num_workers: int, build_s: float) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--num-workers", str(num_workers),
            "--build-s", str(build_s)]
     wall0 = time.perf_counter()
-    proc, load = _foreign_load(0, lambda: subprocess.run(cmd, capture_output=True, text=True, timeout=300))
+    proc, load = _foreign_load(0, lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300))
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

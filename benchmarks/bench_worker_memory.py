@@ -88,7 +88,7 @@ def run_child(loader_kind: str, num_workers: int) -> dict:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", loader_kind, "--workers", str(num_workers)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")

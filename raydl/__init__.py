@@ -13,13 +13,26 @@ iterator classes. One private Ray constant is touched, in `_ray_utils.py` (loopb
 
 from __future__ import annotations
 
-from .arrow import ArrowDataset
+import importlib
+from typing import Any
+
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
-from ._patch import is_patched, patch, patched, unpatch
-from ._startup import Startup, start
-from ._warm import release_idle_workers
-from ._worker import get_worker_info
-from .loader import DataLoader
+
+# Imported on first use (PEP 562): a worker process imports `raydl._worker`, hence this package,
+# and needs none of the driver's modules (the loader, the patch, pyarrow through ArrowDataset);
+# importing them there cost each idle worker ~9 MiB (benchmarks/bench_worker_memory.py).
+_LAZY = {
+    "DataLoader": ".loader",
+    "ArrowDataset": ".arrow",
+    "get_worker_info": "._worker",
+    "release_idle_workers": "._warm",
+    "start": "._startup",
+    "Startup": "._startup",
+    "patch": "._patch",
+    "unpatch": "._patch",
+    "patched": "._patch",
+    "is_patched": "._patch",
+}
 
 __all__ = [
     "DataLoader",
@@ -32,5 +45,19 @@ __all__ = [
     "unpatch",
     "patched",
     "is_patched", "WorkerDiedError", "WorkerPlacementError", "WorkerRecord", "__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'raydl' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # later lookups skip this function
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 __version__ = "0.1.0"

@@ -103,3 +103,18 @@ def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     assert facts["started_by_third"] == 1 and facts["idle_after_third_start"] == 3
     assert facts["loader_pids_still_idle"] == facts["loader_pids"]
     assert facts["worker_nice"] == facts["driver_nice"]  # not Ray's +15: torch's workers run at the trainer's
+
+
+def test_worker_process_imports_none_of_the_driver_modules():
+    """A worker imports raydl._worker only: not the loader, the patch or pyarrow (each idle worker's memory)."""
+    code = (
+        "import sys, raydl._worker; "
+        "print(sorted(m for m in ('raydl.loader', 'raydl._iter', 'raydl._patch', 'raydl.arrow', 'pyarrow') "
+        "if m in sys.modules))"
+    )
+    env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip() == "[]"
+    # and the public names still resolve, lazily
+    assert raydl.DataLoader.__module__ == "raydl.loader" and callable(raydl.start) and "ArrowDataset" in dir(raydl)
