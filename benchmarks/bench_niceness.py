@@ -76,7 +76,7 @@ def child(mode: str, batches: int, step_ms: float, workers: int) -> None:
 C_ITERS = 60  # ~1 ms per sample on this project's 2-core VM (bench_throughput's calibration order of magnitude)
 
 
-def run_child(mode: str, args) -> dict:
+def _run_child_once(mode: str, args) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_worker_niceness")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     if mode == "raydl-nice15":
@@ -91,6 +91,20 @@ def run_child(mode: str, args) -> dict:
     rec = json.loads(lines[-1][len("RESULT "):])
     rec["loadavg_1m"] = round((load0 + os.getloadavg()[0]) / 2, 1)
     return rec
+
+
+def run_child(*args, **kwargs) -> dict:
+    """One measurement; retried twice when the child fails (on a loaded shared machine a local Ray
+    can time out while starting: that is the machine, not the loader; the failures are counted)."""
+    for attempt in range(3):
+        try:
+            rec = _run_child_once(*args, **kwargs)
+            rec["failed_attempts"] = attempt
+            return rec
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True)
+            if attempt == 2:
+                raise
 
 
 def main() -> None:

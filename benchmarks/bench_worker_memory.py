@@ -39,6 +39,13 @@ def _pss(pid: int) -> float:
         return 0.0
 
 
+def _pre_fix_imports(worker_id: int) -> None:
+    """What a worker imported before raydl's names became lazy: the driver's modules and pyarrow."""
+    import raydl._patch  # noqa: F401
+    import raydl.arrow  # noqa: F401
+    import raydl.loader  # noqa: F401
+
+
 def child(loader_kind: str, num_workers: int) -> None:
     import psutil
     import torch
@@ -59,6 +66,8 @@ def child(loader_kind: str, num_workers: int) -> None:
 
         DataLoader = raydl.DataLoader
         kwargs = {"ray_reuse_workers": False}
+        if loader_kind == "raydl-pre-fix-imports":
+            kwargs["worker_init_fn"] = _pre_fix_imports
     loader = DataLoader(Samples(), batch_size=16, num_workers=num_workers, persistent_workers=True, **kwargs)
     for _ in loader:
         pass
@@ -83,7 +92,7 @@ def child(loader_kind: str, num_workers: int) -> None:
         loader.shutdown()
 
 
-def run_child(loader_kind: str, num_workers: int) -> dict:
+def _run_child_once(loader_kind: str, num_workers: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -95,9 +104,24 @@ def run_child(loader_kind: str, num_workers: int) -> dict:
     return json.loads(lines[-1][len("RESULT ") :])
 
 
+def run_child(*args, **kwargs) -> dict:
+    """One measurement; retried twice when the child fails (on a loaded shared machine a local Ray
+    can time out while starting: that is the machine, not the loader; the failures are counted)."""
+    for attempt in range(3):
+        try:
+            rec = _run_child_once(*args, **kwargs)
+            rec["failed_attempts"] = attempt
+            return rec
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True)
+            if attempt == 2:
+                raise
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--child", choices=("torch", "raydl"))
+    ap.add_argument("--child", choices=("torch", "raydl", "raydl-pre-fix-imports"))
+    ap.add_argument("--kinds", default="torch,raydl", help="also: raydl-pre-fix-imports")
     ap.add_argument("--workers", default="1,4,16")
     ap.add_argument("--reps", type=int, default=3)
     args = ap.parse_args()
@@ -108,7 +132,8 @@ def main() -> None:
     runs: dict = {}
     for rep in range(args.reps):
         for n in counts:
-            for kind in (("torch", "raydl") if rep % 2 == 0 else ("raydl", "torch")):
+            kinds = args.kinds.split(",")
+            for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
                 rec = run_child(kind, n)
                 rec["rep"] = rep
                 rec["loadavg_1m"] = round(os.getloadavg()[0], 1)
@@ -120,12 +145,18 @@ def main() -> None:
     print("|---|---|---|---|---|---|---|")
     med = statistics.median
     for n in counts:
+        if ("torch", n) not in runs or ("raydl", n) not in runs:
+            continue
         t, r = runs[("torch", n)], runs[("raydl", n)]
         tw = med(statistics.mean(x["worker_pss_mib"]) for x in t)
         rw = med(statistics.mean(x["worker_pss_mib"]) for x in r)
         print(f"| {n} | {tw:.0f} | {rw:.0f} | {rw / tw:.1f}× | {med(x['driver_pss_mib'] for x in t):.0f} | "
               f"{med(x['driver_pss_mib'] for x in r):.0f} | {med(x['other_processes'] for x in r):.0f}, "
               f"{med(x['other_pss_mib'] for x in r):.0f} |")
+    for (kind, n), recs in sorted(runs.items()):
+        if kind == "raydl-pre-fix-imports":
+            print(f"\n{n} workers importing what raydl's workers imported before the lazy public names: "
+                  f"{med(statistics.mean(x['worker_pss_mib']) for x in recs):.0f} MiB per worker")
 
 
 if __name__ == "__main__":
