@@ -397,3 +397,15 @@ def test_files_missing_on_another_node_come_through_the_object_store(multinode_f
         assert f[f"{name}_same_as_torch"], f
         assert f[f"{name}_worker_nodes"] == [True] and not f[f"{name}_driver_node_used"], f
         assert f[f"{name}_places"] == ["plasma"], f
+
+
+def test_file_of_another_size_is_not_mapped(tmp_path):
+    """A worker maps a file by path only if its size is the driver's; otherwise the shipped copy, or an error naming it."""
+    from raydl._share import files_here
+
+    path = tmp_path / "f.arrow"
+    path.write_bytes(b"x" * 10)
+    assert files_here([str(path)], [10], None, "t")
+    assert not files_here([str(path)], [11], "a shipped copy", "t")
+    with pytest.raises(FileNotFoundError, match=r"f.arrow is not the driver's \(another size"):
+        files_here([str(path)], [11], None, "t")
