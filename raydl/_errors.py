@@ -33,7 +33,14 @@ class WorkerStartDied(WorkerDiedError):
 
 
 class WorkerPlacementError(RuntimeError):
-    """Ray could not place (or start) the worker actors within the startup timeout."""
+    """Ray could not place (or start) the worker actors within the startup timeout.
+
+    `worker_ids`: the workers that were not placed (empty when unknown).
+    """
+
+    def __init__(self, message: str, worker_ids: tuple = ()) -> None:
+        super().__init__(message)
+        self.worker_ids = list(worker_ids)
 
 
 @dataclass(frozen=True)

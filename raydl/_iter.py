@@ -78,8 +78,9 @@ from torch.utils.data import IterableDataset
 
 from . import _constants
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
+from ._elastic import ElasticPool
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
-from ._errors import WorkerDiedError, WorkerStartDied, rebuild_worker_exception, remote_traceback
+from ._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._fetch import StartFailed, StreamEnd
 from ._locality import warn_if_workers_oversubscribe
 from ._startup import wait_for_early_start
@@ -196,6 +197,10 @@ class _RayLoaderIter(Iterator[Any]):
         )
         self._epoch = 0
         self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
+        self._elastic = ElasticPool(  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
+            self._pool, self._sched, self._prefetch_factor, self._try_put_index, self._startup_timeout_s,
+            self._num_workers, options.max_workers, resizable=not self._is_iterable,
+        )
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
         self._reset(loader, first_iter=True)
@@ -210,14 +215,21 @@ class _RayLoaderIter(Iterator[Any]):
 
     @property
     def worker_records(self) -> list:
-        """Where each worker runs (`WorkerRecord`s; None for a worker not yet started)."""
-        return list(self._pool.records)
+        """Where each worker runs (`WorkerRecord`s; None for a worker not yet started); retired workers are left out."""
+        return [r for w, r in enumerate(self._pool.records) if w not in self._pool.released]
+
+    def _set_num_workers(self, num_workers: int) -> None:
+        """Resize the pool now, mid-epoch included (NOTE [ raydl elastic pool ])."""
+        if self._state != _State.SHUT_DOWN:
+            self._elastic.resize(num_workers)
 
     def __next__(self) -> Any:
         if self._state == _State.SHUT_DOWN:
             raise StopIteration
+        t0 = time.perf_counter()
         # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
         data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
+        self._elastic.on_next(time.perf_counter() - t0)  # the autoscaler's measure
         self._num_yielded += 1
         if (
             self._is_iterable
@@ -272,11 +284,14 @@ class _RayLoaderIter(Iterator[Any]):
         self._send_idx = 0  # idx of the next task to be sent to workers
         self._rcvd_idx = 0  # idx of the next task to be handed out in order
         self._sched.reset()
-        for _ in range(self._prefetch_factor * self._num_workers):
+        self._elastic.new_epoch()
+        for _ in range(self._sched.max_tasks):
             self._try_put_index()
 
     def _try_put_index(self) -> None:
         """Draw the next index from the sampler and give it to the next eligible worker (torch's rule)."""
+        if 0 < self._sched.max_tasks <= self._sched.tasks_outstanding:
+            return  # the pool shrank: refills wait until the tasks in flight fit its bound
         try:
             index = next(self._sampler_iter)
         except StopIteration:
@@ -327,6 +342,7 @@ class _RayLoaderIter(Iterator[Any]):
             raise StopIteration
         if not self._pool.is_ready:
             self._wait_workers_ready()
+        self._elastic.step()  # workers that started join, retired ones that are done leave
         while True:
             while self._rcvd_idx < self._send_idx:
                 task = self._sched.task_info.get(self._rcvd_idx)
@@ -456,6 +472,7 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
+        self._elastic.on_batch_made(meta.fetch_s)
 
     def _check_stall(self, idx: int, task: Task) -> None:
         """timeout=0: report (once) a batch outstanding far longer than its peers, instead of a silent hang."""
@@ -486,6 +503,8 @@ class _RayLoaderIter(Iterator[Any]):
                 "a stream cannot be replayed to where it stopped without duplicating or losing samples. "
                 "Restart the epoch, or use a map-style dataset to get automatic recovery."
             ) from None
+        if self._elastic.take_over_lost(worker_id):  # it was retiring: its tasks went to the others
+            return
         if self._pool.restarts[worker_id] >= self._max_worker_restarts:
             suspect = _short(self._sched.task_info[sent[0]].index) if sent else ""
             self._fail()
@@ -513,13 +532,19 @@ class _RayLoaderIter(Iterator[Any]):
         # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
         self._sched.hold_for_replacement(worker_id)
         self._wait_workers_ready()  # a replacement dying while starting recurses here, one restart more
-        if on_worker and self._sched.task_info[on_worker[0]].held:
+        first = self._sched.task_info[on_worker[0]] if on_worker else None
+        if first is not None and first.held and first.worker_id == worker_id:  # not moved to a survivor
             self._sched.send_held(on_worker[0])
 
     def _wait_workers_ready(self) -> None:
         """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""
         try:
-            self._pool.wait_ready(self._startup_timeout_s)
+            try:
+                self._pool.wait_ready(self._startup_timeout_s)
+            except WorkerPlacementError as e:
+                # a replacement with no room anywhere: go on with the survivors (NOTE [ raydl elastic pool ])
+                if self._state != _State.RUNNING or not self._elastic.survive_unplaceable(e):
+                    raise
         except WorkerStartDied as e:
             if self._state != _State.RUNNING:
                 raise

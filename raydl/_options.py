@@ -27,6 +27,7 @@ class RayOptions:
     threads_per_worker: int = 1
     device: Any = None
     seed: str = "worker"
+    max_workers: Optional[int] = None
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -43,6 +44,11 @@ class RayOptions:
             raise ValueError(f"ray_max_worker_restarts should be a non-negative int (0 disables recovery), got {r!r}")
         if self.device is not None and not isinstance(self.device, (str, torch.device)):
             raise TypeError(f"ray_device should be None, a str such as 'cuda:0' or a torch.device, got {self.device!r}")
+        m = self.max_workers
+        if m is not None and (isinstance(m, bool) or not isinstance(m, int) or m < 1):
+            raise ValueError(
+                f"ray_max_workers should be None (no autoscaling) or a positive int, at least num_workers, got {m!r}"
+            )
         n = self.threads_per_worker
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"ray_threads_per_worker should be a positive int (1: no threads), got {n!r}")
@@ -66,4 +72,5 @@ class RayOptions:
             threads_per_worker=getattr(loader, "ray_threads_per_worker", defaults.threads_per_worker),
             device=getattr(loader, "ray_device", defaults.device),
             seed=getattr(loader, "ray_seed", defaults.seed),
+            max_workers=getattr(loader, "ray_max_workers", defaults.max_workers),
         )

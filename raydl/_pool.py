@@ -1,4 +1,4 @@
-"""A fixed set of worker actors for one loader iterator: start in parallel, prove alive, kill once."""
+"""The worker actors of one loader iterator: start in parallel, prove alive, grow and shrink, kill once."""
 
 from __future__ import annotations
 
@@ -46,6 +46,12 @@ class WorkerPool:
     parallel), and submits one `configure()` to each;
     `wait_ready()` blocks, bounded, until every worker reports where it runs. `shutdown()` is
     idempotent (NOTE [ raydl shutdown ] in _iter.py); it returns clean workers to the warm pool.
+
+    Resizing (NOTE [ raydl elastic pool ] in _elastic.py): `add_worker()` starts a worker under
+    a new id (ids are never reused; per-worker lists are indexed by id and only grow), on the
+    node the placement plan picks for one more worker; `poll_joining()` reports it once
+    started, without blocking; `release()` ends one worker early. `wait_ready()` never waits
+    for joining workers.
     """
 
     def __init__(
@@ -77,6 +83,8 @@ class WorkerPool:
         # workers whose actor came from the warm pool and has not confirmed it is alive yet
         self._unconfirmed_warm = set(warm)
         self.actors = [warm[wid] if wid in warm else self._new_actor(wid) for wid in range(num_workers)]
+        # num_workers each worker's WorkerInfo reports: the pool's size when it first started
+        self._info_num_workers = [num_workers] * num_workers
         self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
         # replacements made for each worker id (NOTE [ raydl recovery ] in _iter.py)
@@ -86,6 +94,10 @@ class WorkerPool:
         self._abandoned: list[list[Any]] = [[] for _ in range(num_workers)]
         # workers that died or failed to start: never reused
         self._failed: set[int] = set()
+        # workers started by add_worker and not yet reported started: wid -> when they were started
+        self.joining: dict[int, float] = {}
+        # workers ended before the pool (retired by a resize, or lost with no room for a replacement)
+        self.released: set[int] = set()
         self._alive = True
         logger.debug(
             "raydl: %d workers (%d warm) with options %s", num_workers, len(warm), self.actor_options
@@ -133,7 +145,9 @@ class WorkerPool:
         return self._per_node[node_id].remote()
 
     def _configure(self, worker_id: int) -> Any:
-        return self.actors[worker_id].configure.remote(self._payload_ref, worker_id, self.num_workers, self._base_seed)
+        return self.actors[worker_id].configure.remote(
+            self._payload_ref, worker_id, self._info_num_workers[worker_id], self._base_seed
+        )
 
     def _start_fresh(self, worker_id: int) -> None:
         self.actors[worker_id] = self._new_actor(worker_id)
@@ -162,7 +176,10 @@ class WorkerPool:
     def _replan(self, worker_id: int) -> None:
         """Give worker `worker_id` a node by the plan's rule among the nodes alive now (NOTE [ raydl placement ])."""
         if self._placement is not None:
-            others = [self._node_of(w) for w in range(self.num_workers) if w != worker_id and w not in self._failed]
+            others = [
+                self._node_of(w) for w in range(len(self.actors))
+                if w != worker_id and w not in self._failed and w not in self.released
+            ]
             self.nodes[worker_id] = self._placement.node_for_new_worker(others) or self.nodes[worker_id]
 
     def _node_of(self, worker_id: int) -> Optional[str]:
@@ -176,7 +193,105 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        return all(r is None for r in self._ready_refs)
+        return all(r is None for w, r in enumerate(self._ready_refs) if w not in self.joining)
+
+    # ------------------------------------------------------------------ resizing (NOTE [ raydl elastic pool ])
+
+    def add_worker(self, info_num_workers: int) -> int:
+        """Start one more worker under a new id (a warm actor when one is idle where it goes); returns its id.
+
+        It does not block: `poll_joining()` reports it once it has started.
+        """
+        wid = len(self.actors)
+        self.nodes.append(None)
+        self.records.append(None)
+        self.restarts.append(0)
+        self._abandoned.append([])
+        self._info_num_workers.append(info_num_workers)
+        self._ready_refs.append(None)
+        self._replan(wid)
+        warm = WARM_POOL.take(self._warm_key(self.nodes[wid]), 1) if self._reuse else []
+        if warm:
+            self._unconfirmed_warm.add(wid)
+        self.actors.append(warm[0] if warm else self._new_actor(wid))
+        self._ready_refs[wid] = self._configure(wid)
+        self.joining[wid] = time.monotonic()
+        logger.debug("raydl: worker %d starting (%s)", wid, "warm" if warm else "new actor")
+        return wid
+
+    def poll_joining(self, timeout_s: float) -> tuple[list[int], list[tuple[int, str]]]:
+        """Without blocking: (joining workers now started, [(worker, why)] for those that failed to start).
+
+        A joining worker fails when its process dies while starting, or when it has not started
+        `timeout_s` after `add_worker` (the cluster has no room for it). A failed one is killed.
+
+        Raises:
+            the user's exception type: `worker_init_fn` failed in the new worker (as at the first start).
+        """
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        if not self.joining:
+            return [], []
+        refs = {self._ready_refs[w]: w for w in self.joining}
+        done, _ = ray.wait(list(refs), num_returns=len(refs), timeout=0)
+        joined, failed = [], []
+        for ref in done:
+            wid = refs[ref]
+            try:
+                info = ray.get(ref)
+            except RayTaskError as e:
+                self._drop_joining(wid)
+                where = f"in raydl worker {wid} while starting"
+                raise rebuild_worker_exception(e.cause, where, remote_traceback(e)) from None
+            except RayActorError as e:  # ActorUnschedulableError included: its node left
+                if wid in self._unconfirmed_warm:  # an idle warm actor had died: start a new one
+                    self._unconfirmed_warm.discard(wid)
+                    self._start_fresh(wid)
+                    continue
+                self._drop_joining(wid)
+                failed.append((wid, f"died while starting: {e}"))
+                continue
+            self._unconfirmed_warm.discard(wid)
+            self.records[wid] = WorkerRecord(worker_id=wid, **info)
+            self._ready_refs[wid] = None
+            del self.joining[wid]
+            joined.append(wid)
+        now = time.monotonic()
+        for wid, since_s in list(self.joining.items()):
+            if now - since_s >= timeout_s:
+                _, msg = describe_placement(self.actor_options, 1, 1)
+                self._drop_joining(wid)
+                failed.append((wid, f"not started after {now - since_s:.0f} s: {msg}"))
+        return joined, failed
+
+    def _drop_joining(self, wid: int) -> None:
+        self._failed.add(wid)
+        del self.joining[wid]
+        self.release(wid)
+
+    def release(self, worker_id: int) -> None:
+        """End worker `worker_id` now (it has no task the driver still needs): warm pool if clean, else killed."""
+        import ray
+
+        if worker_id in self.released:
+            return
+        self.released.add(worker_id)
+        self.joining.pop(worker_id, None)
+        actor = self.actors[worker_id]
+        if self._is_clean(worker_id):
+            actor.reset.remote()
+            pending = self._abandoned[worker_id] + [r for r in [self._ready_refs[worker_id]] if r is not None]
+            key = self._warm_key(self._node_of(worker_id) if self._placement is not None else None)
+            WARM_POOL.give(key, [(actor, pending)])
+        else:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already dead
+                pass
+        self._ready_refs[worker_id] = None
+        self._abandoned[worker_id] = []
+        logger.debug("raydl: worker %d released", worker_id)
 
     def describe(self, worker_id: int) -> str:
         """Where worker `worker_id` runs, for error messages (falls back to its id before it is ready)."""
@@ -198,7 +313,7 @@ class WorkerPool:
         start = time.monotonic()
         replanned: dict[int, int] = {}  # worker id -> re-plans in this wait
         while not self.is_ready:
-            pending = {ref: wid for wid, ref in enumerate(self._ready_refs) if ref is not None}
+            pending = {ref: wid for wid, ref in enumerate(self._ready_refs) if ref is not None and wid not in self.joining}
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=STATUS_CHECK_INTERVAL_S * 5)
             for ref in done:
                 wid = pending[ref]
@@ -238,13 +353,15 @@ class WorkerPool:
             # autoscaling cluster that starts without the nodes it needs).
             grace_s = min(INFEASIBLE_GRACE_S, timeout_s) if timeout_s <= DEFAULT_STARTUP_TIMEOUT_S else timeout_s
             if waited_s >= grace_s:
-                n_pending = sum(r is not None for r in self._ready_refs)
-                feasible, msg = describe_placement(self.actor_options, n_pending, self.num_workers)
+                unplaced = [w for w, ref in enumerate(self._ready_refs) if ref is not None and w not in self.joining]
+                feasible, msg = describe_placement(self.actor_options, len(unplaced), self.num_workers)
                 if not feasible or waited_s >= timeout_s:
-                    # never-placed actors must not linger as resource demand (an autoscaler would act on it)
-                    self._failed.update(w for w, ref in enumerate(self._ready_refs) if ref is not None)
-                    self.shutdown()
-                    raise WorkerPlacementError(f"{msg} (waited {waited_s:.0f} s)")
+                    # never-placed actors must not linger as resource demand (an autoscaler would
+                    # act on it); the caller ends the pool, or goes on without them (NOTE [ raydl elastic pool ])
+                    for w in unplaced:
+                        self._failed.add(w)
+                        self.release(w)
+                    raise WorkerPlacementError(f"{msg} (waited {waited_s:.0f} s)", tuple(unplaced))
         logger.debug("raydl: %d workers ready: %s", self.num_workers, self.records)
 
     def _is_clean(self, worker_id: int) -> bool:
@@ -260,6 +377,8 @@ class WorkerPool:
 
         reusable: dict[str, list] = {}
         for wid, actor in enumerate(self.actors):
+            if wid in self.released:
+                continue
             if self._is_clean(wid):
                 actor.reset.remote()  # runs after the tasks already sent to it
                 pending = self._abandoned[wid] + ([self._ready_refs[wid]] if self._ready_refs[wid] is not None else [])
@@ -273,5 +392,6 @@ class WorkerPool:
                 pass
         for key, actors in reusable.items():
             WARM_POOL.give(key, actors)
-        self._ready_refs = [None] * self.num_workers
+        self._ready_refs = [None] * len(self.actors)
+        self.joining = {}
         logger.debug("raydl: pool ended (%d workers kept warm)", sum(map(len, reusable.values())))

@@ -35,7 +35,7 @@ from typing import Any, Mapping, Optional
 
 from ._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
 
-__all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement"]
+__all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement", "fits_available"]
 
 logger = logging.getLogger(__name__)
 
@@ -154,6 +154,13 @@ def resource_request(options: Mapping[str, Any]) -> dict[str, float]:
 
 def _fits(request: Mapping[str, float], resources: Mapping[str, float]) -> bool:
     return all(resources.get(name, 0.0) >= amount for name, amount in request.items())
+
+
+def fits_available(request: Mapping[str, float]) -> bool:
+    """Whether the cluster has `request` free now (`ray.available_resources()`, summed over nodes)."""
+    import ray
+
+    return _fits(request, ray.available_resources())
 
 
 def describe_placement(options: Mapping[str, Any], num_pending: int, num_workers: int) -> tuple[bool, str]:

@@ -3,9 +3,12 @@
 NOTE [ raydl scheduling ]
 A `Schedule` owns the tasks of one epoch from the moment a sampler draw becomes task `idx` until
 its batch is handed out or dropped. It decides, and records:
-  * the worker of each new task: torch's round robin over the worker ids, skipping iterable
-    workers whose stream has ended; with in_order=False also skipping workers that already hold
-    their share (`max_tasks // active workers`) of the tasks in flight;
+  * the worker of each new task: torch's round robin over the worker ids in `active` (0 ..
+    num_workers-1 for a pool that is never resized), skipping iterable workers whose stream has
+    ended; with in_order=False also skipping workers that already hold their share
+    (`max_tasks // active workers`) of the tasks in flight. A resize (NOTE [ raydl elastic
+    pool ] in _elastic.py) adds a joined worker at the end of the cycle, or takes a retiring
+    one out of it while its tasks stay where they are;
   * whether the task is sent now or held: a worker on probation (NOTE [ raydl recovery ] in
     _iter.py) has exactly one task in flight, its oldest; its other tasks are held
     (`Task.ref is None`) and sent one at a time as the one before is handed out, then all at
@@ -19,7 +22,9 @@ Invariants, between calls (tests/test_recovery.py checks them after every `next(
   * `workers_status[w]` is False once iterable worker w reported the end of its stream;
   * `probation[w]`: idxs of the batches lost with worker w's last process and not yet handed
     out; while w is on probation exactly one of its tasks is sent, its oldest; off probation
-    every task has a ref.
+    every task has a ref;
+  * `active` lists distinct worker ids; the per-worker lists are indexed by worker id and
+    cover every id ever used (a retired id keeps its slot, with no task).
 A Schedule talks to no actor: sending is the `submit(worker_id, idx, work)` callable it is given,
 which returns the task's (batch ref, meta ref). It holds that callable weakly when it is a bound
 method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, and
@@ -29,7 +34,6 @@ actor handles of the same garbage, killing workers on their way to the warm pool
 
 from __future__ import annotations
 
-import itertools
 import time
 import weakref
 from dataclasses import dataclass, field
@@ -65,20 +69,26 @@ class Schedule:
     """The tasks in flight of one epoch and the rule that places new ones (NOTE [ raydl scheduling ])."""
 
     def __init__(self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit) -> None:
-        self.num_workers = num_workers
+        self.active = list(range(num_workers))  # the round robin's worker ids, in cycle order
+        self._num_ids = num_workers  # worker ids ever used: the per-worker lists cover them all
         self.max_tasks = max_tasks
         self.in_order = in_order
         self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
         self.reset()
 
+    @property
+    def num_workers(self) -> int:
+        """Workers in the round robin now."""
+        return len(self.active)
+
     def reset(self) -> None:
-        """A new epoch: no task, every worker active, the round robin back at worker 0 (as torch's)."""
+        """A new epoch: no task, every worker active, the round robin back at its first worker (as torch's)."""
         self.task_info: dict[int, Task] = {}
         self.tasks_outstanding = 0
-        self.workers_status = [True] * self.num_workers
-        self.workers_num_tasks = [0] * self.num_workers
+        self.workers_status = [True] * self._num_ids
+        self.workers_num_tasks = [0] * self._num_ids
         self.probation: dict[int, set[int]] = {}
-        self._cycle = itertools.cycle(range(self.num_workers))
+        self._pos = 0  # position in `active` of the next worker of the cycle
 
     def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
         submit = self._submit_ref()
@@ -90,13 +100,57 @@ class Schedule:
 
     def next_worker(self) -> Optional[int]:
         """The worker for the next task by torch's rule, or None when no worker may take one."""
-        for _ in range(self.num_workers):
-            worker_id = next(self._cycle)
+        for _ in range(len(self.active)):
+            worker_id = self.active[self._pos]
+            self._pos = (self._pos + 1) % len(self.active)
             if not self.workers_status[worker_id]:
                 continue
-            if self.in_order or self.workers_num_tasks[worker_id] < self.max_tasks // sum(self.workers_status):
+            if self.in_order or self.workers_num_tasks[worker_id] < self.max_tasks // sum(
+                self.workers_status[w] for w in self.active
+            ):
                 return worker_id
         return None
+
+    # ------------------------------------------------------------------ resizing (NOTE [ raydl elastic pool ])
+
+    def add_worker(self, worker_id: int) -> None:
+        """A new worker joins the round robin at the end of the cycle."""
+        assert worker_id not in self.active
+        self._num_ids = max(self._num_ids, worker_id + 1)
+        grow = self._num_ids - len(self.workers_status)
+        if grow > 0:
+            self.workers_status += [True] * grow
+            self.workers_num_tasks += [0] * grow
+        self.workers_status[worker_id] = True
+        self.active.append(worker_id)
+
+    def remove_worker(self, worker_id: int) -> None:
+        """Worker `worker_id` gets no new task; the tasks it has stay on it (or are moved by `reassign`)."""
+        pos = self.active.index(worker_id)
+        del self.active[pos]
+        if pos < self._pos:
+            self._pos -= 1
+        if self._pos >= len(self.active):
+            self._pos = 0
+
+    def reassign(self, worker_id: int) -> list[int]:
+        """Worker `worker_id` is gone for good: send its tasks, oldest first, to the least loaded active workers.
+
+        Workers on probation are chosen last; a task moved to one is sent at once all the same (held,
+        it could be the oldest batch of the epoch, waited on before the one its new worker makes).
+        Returns the idxs moved.
+        """
+        assert self.active, "no worker left to take the tasks"
+        self.probation.pop(worker_id, None)
+        moved = self.tasks_on(worker_id)
+        for idx in moved:
+            old = self.task_info[idx]
+            target = min(self.active, key=lambda w: (w in self.probation, self.workers_num_tasks[w]))
+            ref, meta_ref = self._submit(target, idx, old.work)
+            self.task_info[idx] = Task(target, ref, meta_ref, old.index, old.work)
+            self.workers_num_tasks[worker_id] -= 1
+            self.workers_num_tasks[target] += 1
+        return moved
 
     def add(self, idx: int, worker_id: int, index: Any, work: Any) -> None:
         """Record task `idx` on `worker_id`; send it unless the worker is on probation."""

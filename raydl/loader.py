@@ -5,10 +5,11 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
+import weakref
 from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
-from torch.utils.data import Dataset, Sampler
+from torch.utils.data import Dataset, IterableDataset, Sampler
 
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._iter import _RayLoaderIter
@@ -24,6 +25,12 @@ logger = logging.getLogger(__name__)
 T_co = TypeVar("T_co", covariant=True)
 
 _mp_context_warned = False
+
+_ITERABLE_RESIZE_ERROR = (
+    "raydl cannot resize the workers of an IterableDataset, so {what}: each replica yields its own "
+    "shard, split by get_worker_info().num_workers, and a replica's position cannot move to another "
+    "worker without losing or repeating samples. Build a new loader with the num_workers you want."
+)
 _mp_context_lock = threading.Lock()
 
 
@@ -98,6 +105,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             same with 1 or 64 workers, after a replacement); num_workers=0 seeds each batch the
             same way in the calling process and restores the caller's generators after it. See
             NOTE [ raydl batch seeding ]. Defaults to ``"worker"``.
+        ray_max_workers (int, optional): autoscale between `num_workers` and this many workers
+            while iterating: a worker is added while the loop waits for data more than 10% of
+            its time (and the cluster has room for one now), and extra workers are retired when
+            batches sit ready long before they are taken; each decision is logged at INFO.
+            Map-style datasets only. Defaults to ``None`` (a fixed pool; see `set_num_workers`).
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -131,6 +143,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_threads_per_worker: int = 1,
         ray_device: Any = None,
         ray_seed: str = "worker",
+        ray_max_workers: Optional[int] = None,
     ) -> None:
         options = RayOptions(
             address=ray_address,
@@ -142,6 +155,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             threads_per_worker=ray_threads_per_worker,
             device=ray_device,
             seed=ray_seed,
+            max_workers=ray_max_workers,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -155,6 +169,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_threads_per_worker = options.threads_per_worker
         self.ray_device = options.device
         self.ray_seed = options.seed
+        self.ray_max_workers = options.max_workers
+        self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
         self.shuffle = shuffle
         super().__init__(
             dataset,
@@ -175,6 +191,16 @@ class DataLoader(_TorchDataLoader[T_co]):
             pin_memory_device=pin_memory_device,
             in_order=in_order,
         )
+        if ray_max_workers is not None:
+            if num_workers == 0:
+                raise ValueError("ray_max_workers needs num_workers >= 1 (num_workers=0 loads in this process)")
+            if ray_max_workers < num_workers:
+                raise ValueError(
+                    f"ray_max_workers ({ray_max_workers}) should be at least num_workers ({num_workers}), "
+                    "the size the autoscaler never goes below"
+                )
+            if isinstance(dataset, IterableDataset):
+                raise ValueError(_ITERABLE_RESIZE_ERROR.format(what="ray_max_workers is not supported"))
 
     def check_worker_number_rationality(self) -> None:
         """torch's warning about more workers than this host's CPUs, given only when every worker runs on this host.
@@ -188,18 +214,61 @@ class DataLoader(_TorchDataLoader[T_co]):
         # Kept for code that calls torch's private factory directly.
         if self.num_workers == 0:
             return SeededInProcessIter(self) if self.ray_seed == "batch" else super()._get_iterator()
-        return _RayLoaderIter(self)
+        return self._new_iterator()
+
+    def _new_iterator(self) -> _RayLoaderIter:
+        it = _RayLoaderIter(self)
+        self._live_iters().add(it)
+        return it
+
+    def _live_iters(self) -> weakref.WeakSet:
+        if "_ray_iters" not in self.__dict__:  # an unpickled copy
+            self._ray_iters = weakref.WeakSet()
+        return self._ray_iters
 
     def __iter__(self):
         if self.num_workers == 0:
             return SeededInProcessIter(self) if self.ray_seed == "batch" else super().__iter__()
         if self.persistent_workers:
             if not (isinstance(self._iterator, _RayLoaderIter) and self._iterator.reusable):
-                self._iterator = _RayLoaderIter(self)
+                self._iterator = self._new_iterator()
             else:
                 self._iterator._reset(self)
             return self._iterator
-        return _RayLoaderIter(self)
+        return self._new_iterator()
+
+    def set_num_workers(self, num_workers: int) -> None:
+        """Resize the worker pool to `num_workers`, now: mid-epoch, in every live iterator, and for later ones.
+
+        New workers join the round robin once started (`next()` never waits for them); removed
+        ones stop getting batches at once and end after the batches they are making have been
+        handed out. Every batch is still handed out exactly once, in sampler order with
+        in_order=True; with `ray_seed="batch"` the batches are identical to a fixed pool's.
+        Persistent workers keep the new size for the next epochs; with `ray_max_workers` the new
+        size is the autoscaler's floor. See README "Resizing and autoscaling".
+
+        Args:
+            num_workers (int): the new size, at least 1 and at most `ray_max_workers` when set.
+
+        Raises:
+            ValueError: a bad size, a loader created with num_workers=0, or an IterableDataset
+                (its replicas are sharded by num_workers: resizing would lose or repeat samples).
+        """
+        n = num_workers
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"set_num_workers expects a positive int, got {n!r}")
+        if self.num_workers == 0:
+            raise ValueError(
+                "set_num_workers needs a loader created with num_workers >= 1: num_workers=0 loads in this "
+                "process, without workers to resize (and without a prefetch_factor)"
+            )
+        if isinstance(self.dataset, IterableDataset):
+            raise ValueError(_ITERABLE_RESIZE_ERROR.format(what="set_num_workers is refused"))
+        if self.ray_max_workers is not None and n > self.ray_max_workers:
+            raise ValueError(f"set_num_workers({n}) exceeds ray_max_workers={self.ray_max_workers}")
+        self.num_workers = n
+        for it in list(self._live_iters()):
+            it._set_num_workers(n)
 
     @property
     def worker_records(self) -> list:
@@ -221,4 +290,5 @@ class DataLoader(_TorchDataLoader[T_co]):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_iterator"] = None  # actors belong to this process's loader, not to a copy
+        state.pop("_ray_iters", None)
         return state

@@ -1,0 +1,336 @@
+"""A worker pool that grows and shrinks mid-epoch: `loader.set_num_workers(n)`, the autoscaler, lost nodes.
+
+NOTE [ raydl elastic pool ]
+The driver owns the sampler order and every task (NOTE [ raydl ordering ] in _iter.py), so which
+worker makes a batch never changes which batch comes out next: the pool may change under an
+epoch. An `ElasticPool` changes it, one worker at a time, between two batches:
+  * growing: `WorkerPool.add_worker` starts an actor under a new worker id (ids are never
+    reused within an iterator, so a retired id's late replies cannot be mistaken for a new
+    worker's). The driver does not wait for it: at the start of each `next()` it polls the
+    workers still joining (`ray.wait(timeout=0)`); one that has started joins the round robin
+    at the end of the cycle, the prefetch bound grows by `prefetch_factor` and that many new
+    tasks are drawn at once. A joining worker that dies while starting, or has not started
+    within `ray_startup_timeout_s` (no room in the cluster), is dropped with a warning: the
+    pool stays as it was. Its `worker_init_fn` raising is raised by `next()`, as at start.
+  * shrinking: workers still joining go first (newest first), then the newest active ones
+    retire: out of the round robin at once, the prefetch bound shrinks by `prefetch_factor`
+    (refills are skipped until the tasks in flight are under it), and the retiring worker
+    finishes the tasks it has, which are handed out in their turn; once it has none it is
+    released (to the warm pool when clean). A retiring worker that dies is not replaced: its
+    tasks go to the active workers.
+  * a worker lost for good: a dead worker whose replacement cannot be placed within
+    `ray_startup_timeout_s` (its node left and no other node has room) is dropped; its tasks
+    go to the survivors (least loaded first, a survivor on probation holds them) and a warning
+    names it and its node. The iterator fails (WorkerDiedError) only when no worker is left.
+Each batch is still handed out exactly once, in sampler order with in_order=True: tasks keep
+their idx whatever worker makes them. With ray_seed="batch" a batch's random draws depend on
+its idx only, so an epoch through any sequence of resizes, deaths and lost nodes is identical
+to an undisturbed one; with torch's seeding ("worker") the same indices come out in the same
+order, while worker-side draws depend on which worker made each batch. A persistent iterator
+keeps its pool's size across epochs.
+`get_worker_info()` in a worker: `id` is unique within the iterator (added workers get the next
+unused ids, so `id >= num_workers` can happen after a resize); `num_workers` is the pool's
+target size when that worker first started (its replacements report the same). Only
+IterableDataset sharding needs `id < num_workers`, and an IterableDataset is never resized.
+
+The autoscaler (`ray_max_workers=N`) measures, for every batch handed out, how long `next()`
+waited for it and how long the worker took to make it (`BatchMeta.fetch_s`), over windows of at
+least AUTOSCALE_WINDOW_BATCHES batches and AUTOSCALE_WINDOW_MIN_S seconds of the loop. At each
+window's end it decides at most one step:
+  * add one worker when the loop waited more than AUTOSCALE_ADD_WAIT_FRACTION of the window,
+    the pool is under N and the cluster has room now: a worker with no resource request
+    always fits; one that reserves resources is added only when `ray.available_resources()`
+    has them free, so no autoscaler is ever asked for a node by surprise;
+  * retire the newest worker (never below `num_workers`) when the loop waited less than
+    AUTOSCALE_RETIRE_WAIT_FRACTION and one worker fewer would still be idle more than
+    1 - AUTOSCALE_RETIRE_BUSY_FRACTION of the time (batches sit ready long before they are taken);
+  * undo an addition that did not pay: when the window after it delivered less than a quarter
+    of the gain it could have (the lesser of one more worker's share, 1/n, and the wait it
+    could remove), the new worker is retired and the pool stops growing for the epoch (the
+    cluster's CPUs, not the worker count, are the limit).
+Hysteresis: the add and retire thresholds are far apart, one decision at a time, and after each
+the measurements restart once the change took effect (the new worker joined) and the batches
+already in flight before it were handed out. Every decision is logged at INFO with its figures.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import warnings
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from ._constants import (
+    AUTOSCALE_ADD_WAIT_FRACTION,
+    AUTOSCALE_RETIRE_BUSY_FRACTION,
+    AUTOSCALE_RETIRE_WAIT_FRACTION,
+    AUTOSCALE_WINDOW_BATCHES,
+    AUTOSCALE_WINDOW_MIN_S,
+)
+from ._errors import WorkerDiedError, WorkerPlacementError
+from ._ray_utils import fits_available, resource_request
+
+__all__ = ["ElasticPool", "AutoscaleDecision"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AutoscaleDecision:
+    """One autoscaler step, with the figures it was taken on (kept in `ElasticPool.decisions`)."""
+
+    action: str  # "add", "retire" or "undo"
+    workers_before: int
+    workers_after: int
+    batches: int  # batches in the window
+    window_s: float
+    wait_fraction: float  # of the window, the loop waiting in next()
+    busy_fraction: float  # of the workers' time, making batches
+    batches_per_s: float
+    batch_number: int  # batches handed out this epoch when it was taken
+
+
+class ElasticPool:
+    """Resizes one iterator's `WorkerPool` and `Schedule` (NOTE [ raydl elastic pool ]).
+
+    `put_index` is the conductor's "draw the next task" (bounded by `Schedule.max_tasks`).
+    """
+
+    def __init__(
+        self,
+        pool: Any,
+        sched: Any,
+        prefetch_factor: int,
+        put_index: Callable[[], None],
+        startup_timeout_s: float,
+        min_workers: int,
+        max_workers: Optional[int],
+        resizable: bool,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self._clock = clock
+        self._pool = pool
+        self._sched = sched
+        self._prefetch_factor = prefetch_factor
+        self._put_index = put_index
+        self._startup_timeout_s = startup_timeout_s
+        self._resizable = resizable
+        self.min_workers = min_workers
+        self._max_option = max_workers  # ray_max_workers (None: no autoscaling)
+        self.max_workers = max_workers if max_workers is not None else min_workers
+        self.retiring: set[int] = set()
+        self.decisions: list[AutoscaleDecision] = []
+        self._autoscale = resizable and self.max_workers > self.min_workers
+        self.new_epoch()
+
+    # ------------------------------------------------------------------ sizes
+
+    @property
+    def size(self) -> int:
+        """Workers in the round robin plus workers joining: the pool's target size."""
+        return len(self._sched.active) + len(self._pool.joining)
+
+    def _set_bound(self) -> None:
+        self._sched.max_tasks = self._prefetch_factor * len(self._sched.active)
+
+    # ------------------------------------------------------------------ resizing
+
+    def resize(self, num_workers: int) -> None:
+        """Make the pool `num_workers` workers: start new ones, or retire the newest (NOTE [ raydl elastic pool ])."""
+        if not self._resizable:
+            raise ValueError(
+                "raydl cannot resize the workers of an IterableDataset: each replica yields its own shard, "
+                "split by get_worker_info().num_workers, and a replica's position cannot move to another "
+                "worker without losing or repeating samples. Build a new loader with the new num_workers."
+            )
+        self.min_workers = num_workers
+        self.max_workers = max(self._max_option or num_workers, num_workers)
+        self._autoscale = self.max_workers > self.min_workers
+        self._pending_eval = None
+        before = self.size
+        while self.size < num_workers:
+            self._add(num_workers)
+        while self.size > num_workers:
+            self._retire_newest()
+        if before != num_workers:
+            logger.info("raydl: pool resized from %d to %d workers", before, num_workers)
+        self._restart_window()
+
+    def _add(self, info_num_workers: int) -> int:
+        wid = self._pool.add_worker(info_num_workers)
+        logger.debug("raydl: worker %d joining", wid)
+        return wid
+
+    def _retire_newest(self) -> int:
+        """Cancel the newest joining worker, else retire the newest active one; returns its id."""
+        if self._pool.joining:
+            wid = max(self._pool.joining)
+            self._pool.release(wid)
+            return wid
+        wid = max(self._sched.active)
+        self._sched.remove_worker(wid)
+        self._set_bound()
+        if self._sched.workers_num_tasks[wid] == 0:
+            self._pool.release(wid)
+        else:
+            self.retiring.add(wid)
+        return wid
+
+    def step(self) -> None:
+        """Before each batch: release retired workers that are done, let started workers join."""
+        for wid in [w for w in self.retiring if self._sched.workers_num_tasks[w] == 0]:
+            self.retiring.discard(wid)
+            self._pool.release(wid)
+        if not self._pool.joining:
+            return
+        joined, failed = self._pool.poll_joining(self._startup_timeout_s)
+        for wid, why in failed:
+            warnings.warn(f"raydl: worker {wid} was not added to the pool ({why})", RuntimeWarning, stacklevel=5)
+            self._cap = min(self._cap, self.size)
+            self._pending_eval = None
+        for wid in joined:
+            self._sched.add_worker(wid)
+            self._set_bound()
+            logger.debug("raydl: worker %d joined (%d in the round robin)", wid, len(self._sched.active))
+            for _ in range(self._prefetch_factor):
+                self._put_index()
+
+    # ------------------------------------------------------------------ deaths
+
+    def take_over_lost(self, worker_id: int) -> bool:
+        """A worker died: when it was retiring, its tasks go to the active workers (True); else recovery replaces it."""
+        if worker_id not in self.retiring:
+            return False
+        self.retiring.discard(worker_id)
+        moved = self._sched.reassign(worker_id)
+        self._pool.release(worker_id)
+        logger.warning("raydl: retiring worker %d died; %d batch(es) resent to the others", worker_id, len(moved))
+        return True
+
+    def survive_unplaceable(self, error: WorkerPlacementError) -> bool:
+        """Replacements that found no room: go on without them (NOTE [ raydl elastic pool ]); False if not survivable.
+
+        Raises:
+            WorkerDiedError: no worker would be left.
+        """
+        wids = list(getattr(error, "worker_ids", []))
+        if not self._resizable or not wids or any(self._pool.restarts[w] == 0 for w in wids):
+            return False  # a first start that cannot be placed is a configuration error: raised as is
+        for wid in wids:
+            where = self._pool.describe(wid)
+            if wid in self._sched.active:
+                self._sched.remove_worker(wid)
+            self.retiring.discard(wid)
+            self._pool.release(wid)
+            self._set_bound()
+            if not self._sched.active:
+                raise WorkerDiedError(
+                    f"{where} died and no node can host a replacement ({error}); no worker is left to "
+                    "finish the epoch. Fix: add nodes or free resources, or ask for less in ray_remote_args."
+                ) from None
+            moved = self._sched.reassign(wid)
+            warnings.warn(
+                f"raydl: {where} died and could not be replaced within ray_startup_timeout_s="
+                f"{self._startup_timeout_s:g} s (no node has room for it); going on with "
+                f"{len(self._sched.active)} worker(s), {len(moved)} batch(es) resent to them.",
+                RuntimeWarning,
+                stacklevel=6,
+            )
+        self._cap = min(self._cap, self.size)
+        return True
+
+    # ------------------------------------------------------------------ autoscaler
+
+    def new_epoch(self) -> None:
+        """Measurements restart with each epoch (its first batches include start-up)."""
+        self._cap = self.max_workers
+        self._pending_eval: Optional[tuple[int, float, float]] = None  # (size before, rate, wait) of an add
+        self._batches = 0
+        self._last_end_s: Optional[float] = None
+        self._restart_window()
+
+    def _restart_window(self) -> None:
+        # skip what was in flight before the change: it was drawn for the old pool
+        self._skip = self._prefetch_factor * max(self.size, 1)
+        self._win_batches = 0
+        self._win_wait_s = 0.0
+        self._win_fetch_s = 0.0
+        self._win_start_s: Optional[float] = None
+
+    def on_batch_made(self, fetch_s: float) -> None:
+        """A batch's worker reported how long making it took."""
+        if self._autoscale:
+            self._win_fetch_s += fetch_s
+
+    def on_next(self, wait_s: float) -> None:
+        """`next()` handed out a batch after waiting `wait_s` seconds for it; maybe take one autoscaling step."""
+        if not self._autoscale:
+            return
+        now = self._clock()
+        self._batches += 1
+        last, self._last_end_s = self._last_end_s, now
+        if self._pool.joining or self.retiring:
+            self._restart_window()  # a change is still taking effect
+            return
+        if self._skip > 0:
+            self._skip -= 1
+            if self._skip == 0:
+                self._win_start_s = now
+                self._win_fetch_s = 0.0
+            return
+        if self._win_start_s is None or last is None:
+            self._win_start_s = now
+            self._win_fetch_s = 0.0
+            return
+        self._win_batches += 1
+        self._win_wait_s += min(wait_s, now - last)
+        window_s = now - self._win_start_s
+        if self._win_batches < max(AUTOSCALE_WINDOW_BATCHES, 2 * self.size) or window_s < AUTOSCALE_WINDOW_MIN_S:
+            return
+        self._decide(window_s)
+
+    def _decide(self, window_s: float) -> None:
+        n = len(self._sched.active)
+        wait = self._win_wait_s / window_s
+        busy = self._win_fetch_s / (n * window_s)
+        rate = self._win_batches / window_s
+        figures = (self._win_batches, window_s, wait, busy, rate)
+        pending, self._pending_eval = self._pending_eval, None
+        if pending is not None:
+            size_before, rate_before, wait_before = pending
+            possible = min(1.0 / size_before, wait_before / max(1.0 - wait_before, 1e-9))
+            if n > self.min_workers and rate < rate_before * (1.0 + 0.25 * possible):
+                self._cap = size_before
+                self._retire_newest()
+                self._log("undo", n, n - 1, figures, f"{rate_before:.1f} batches/s before it: the addition did not pay")
+                return
+        if wait > AUTOSCALE_ADD_WAIT_FRACTION and n < self._cap and self._has_room():
+            self._pending_eval = (n, rate, wait)
+            self._add(n + 1)
+            self._log("add", n, n + 1, figures, f"threshold {AUTOSCALE_ADD_WAIT_FRACTION:.0%}")
+            return
+        if n > self.min_workers and wait < AUTOSCALE_RETIRE_WAIT_FRACTION:
+            busy_fewer = self._win_fetch_s / ((n - 1) * window_s)
+            if busy_fewer < AUTOSCALE_RETIRE_BUSY_FRACTION:
+                self._retire_newest()
+                self._log("retire", n, n - 1, figures, f"one fewer would be busy {busy_fewer:.0%}")
+                return
+        self._restart_window()
+
+    def _has_room(self) -> bool:
+        """Room for one more worker now: it reserves nothing, or what it reserves is free in the cluster."""
+        request = resource_request(self._pool.actor_options)
+        return not request or fits_available(request)
+
+    def _log(self, action: str, before: int, after: int, figures: tuple, why: str) -> None:
+        batches, window_s, wait, busy, rate = figures
+        self.decisions.append(
+            AutoscaleDecision(action, before, after, batches, window_s, wait, busy, rate, self._batches)
+        )
+        logger.info(
+            "raydl autoscale: %s, %d -> %d workers: over the last %d batches (%.2f s) the loop waited %.0f%% "
+            "of its time, workers were busy %.0f%%, %.1f batches/s (%s)",
+            action, before, after, batches, window_s, 100 * wait, 100 * busy, rate, why,
+        )
+        self._restart_window()
