@@ -58,6 +58,7 @@ from __future__ import annotations
 import logging
 import time
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
@@ -94,7 +95,7 @@ class AutoscaleDecision:
 class ElasticPool:
     """Resizes one iterator's `WorkerPool` and `Schedule` (NOTE [ raydl elastic pool ]).
 
-    `put_index` is the conductor's "draw the next task" (bounded by `Schedule.max_tasks`).
+    `put_index` is the conductor's "draw the next task" (bounded by `Schedule.max_tasks`), held weakly.
     """
 
     def __init__(
@@ -113,7 +114,8 @@ class ElasticPool:
         self._pool = pool
         self._sched = sched
         self._prefetch_factor = prefetch_factor
-        self._put_index = put_index
+        # weakly, as Schedule holds submit: a strong bound method would put the iterator in a reference cycle
+        self._put_index_ref = weakref.WeakMethod(put_index) if hasattr(put_index, "__self__") else (lambda: put_index)
         self._startup_timeout_s = startup_timeout_s
         self._resizable = resizable
         self.min_workers = min_workers
@@ -193,8 +195,9 @@ class ElasticPool:
             self._sched.add_worker(wid)
             self._set_bound()
             logger.debug("raydl: worker %d joined (%d in the round robin)", wid, len(self._sched.active))
-            for _ in range(self._prefetch_factor):
-                self._put_index()
+            put_index = self._put_index_ref()
+            for _ in range(self._prefetch_factor if put_index is not None else 0):
+                put_index()
 
     # ------------------------------------------------------------------ deaths
 
