@@ -143,6 +143,8 @@ def _make_replacements_unplaceable(it) -> None:
     options = {**it._pool.actor_options, "resources": {"raydl_test_nowhere": 1}}
     it._pool._configured = _worker_actor_class().options(**options)
     it._pool.actor_options = options  # what the placement diagnosis reads
+    it._pool._placement = None  # no node plan: new actors are started from _configured
+    it._pool.nodes = [None] * len(it._pool.nodes)
 
 
 @pytest.mark.usefixtures("ray_session")
