@@ -48,6 +48,8 @@ death ends the iterator with WorkerDiedError naming the worker, its node and the
 making (on probation the one batch in flight; otherwise the oldest sent, which an actor runs
 first, and the message says a later one may be the cause): a poison batch that kills every
 worker it reaches ends there, after every batch before it, never in an endless loop.
+A replacement that no node can host within ray_startup_timeout_s is given up: the survivors
+make its batches (NOTE [ raydl elastic pool ] in _elastic.py, which also resizes the pool).
 IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
 point where it died, and restarting it would duplicate samples. Their death raises
 WorkerDiedError at once.
