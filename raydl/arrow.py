@@ -20,8 +20,9 @@ large immutable buffers and no per-row Python objects, so it can be shared inste
 With plain pickle (torch's spawn start method, copy.deepcopy) an in-memory table is copied and
 a memory-mapped one is reopened by path. torch's forked workers share every kind for free:
 Arrow buffers hold no reference counts, so reading them writes nothing.
-Reading: `__getitems__` takes a whole batch with one vectorized `Table.take`, converts it to
-Python column by column, then builds rows (and applies `transform` per row); `ds[i]` slices one
+Reading: `__getitems__` takes a whole batch with one vectorized `Table.take` (one per record
+batch the indices fall in, for a table of several chunks: pyarrow's take on a chunked string
+column copies the whole column first), converts it to Python column by column, then builds rows (and applies `transform` per row); `ds[i]` slices one
 row without copying the table. Rows hold Python values (int, float, str, bytes, None, lists),
 except lists of numbers, which become 1-D NumPy arrays (so `default_collate` stacks them).
 """
@@ -97,6 +98,8 @@ class ArrowDataset(Dataset):
         self._mapped: Optional[tuple] = None  # the memory-mapped files this reads, if any
         self._ref: Any = None  # the object-store copy, once a raydl loader made one
         self._ref_owner: Any = None
+        self._batches: Optional[list] = None  # the table's record batches, for multi-chunk takes
+        self._starts: Optional[np.ndarray] = None  # row offset of each of them
         self._table = _project(_read(source, columns, self), columns)
 
     # ------------------------------------------------------------------ reading
@@ -134,9 +137,31 @@ class ArrowDataset(Dataset):
             bad = next(int(i) for i in idx if not -n <= i < n)
             self._check_index(bad)
         idx = np.where(idx < 0, idx + n, idx)
-        rows = _to_rows(self._table.take(pa.array(idx, type=pa.int64())))
+        rows = self._take_rows(idx)
         if self._transform is not None:
             return [self._transform(r) for r in rows]
+        return rows
+
+    def _take_rows(self, idx: np.ndarray) -> list:
+        """Rows at `idx` (in range): one take per record batch the indices fall in.
+
+        `Table.take` on a column of several chunks concatenates them first for variable-width
+        types (strings; pyarrow 26): a copy of the whole column per batch. A file read as many
+        record batches (IPC, Parquet row groups) is such a table, so the indices are split by
+        record batch instead, and each batch takes only its rows.
+        """
+        if all(c.num_chunks <= 1 for c in self._table.columns):
+            return _to_rows(self._table.take(pa.array(idx, type=pa.int64())))
+        if self._batches is None:
+            self._batches = self._table.to_batches()
+            self._starts = np.cumsum([0] + [b.num_rows for b in self._batches[:-1]])
+        which = np.searchsorted(self._starts, idx, side="right") - 1
+        rows: list = [None] * len(idx)
+        for b in np.unique(which):
+            where = np.flatnonzero(which == b)
+            piece = self._batches[b].take(pa.array(idx[where] - self._starts[b], type=pa.int64()))
+            for i, row in zip(where, _to_rows(pa.Table.from_batches([piece]))):
+                rows[i] = row
         return rows
 
     def _check_index(self, index: Any) -> int:
@@ -182,6 +207,7 @@ class ArrowDataset(Dataset):
             self._ref = ray.put(self._table)
             self._ref_owner = owner
             self._table = ray.get(self._ref)  # zero-copy view of the object store: the heap copy goes
+            self._batches = self._starts = None
             pa.default_memory_pool().release_unused()
         return self._ref
 
@@ -192,7 +218,7 @@ class ArrowDataset(Dataset):
 def _bare(columns: Optional[list], transform: Optional[Callable]) -> ArrowDataset:
     ds = ArrowDataset.__new__(ArrowDataset)
     ds._columns, ds._transform = columns, transform
-    ds._hf = ds._mapped = ds._ref = ds._ref_owner = None
+    ds._hf = ds._mapped = ds._ref = ds._ref_owner = ds._batches = ds._starts = None
     return ds
 
 
