@@ -33,7 +33,10 @@ or its node left the cluster) or that the task's result was lost with its node:
   3. every task that was outstanding on the dead worker is sent again, in send order, to the
      replacement, under the same task idx: ordering and the reorder buffer are untouched.
 A worker that dies during a pool's first start, when tasks were already queued behind its start
-(to save a round trip), is recovered the same way.
+(to save a round trip), is recovered the same way. One exception: an actor taken from the warm
+pool that turns out dead at its `configure()` died idle, before this iterator gave it anything
+to make; the pool swaps it for a new actor and the tasks queued on it are sent again to the new
+one (`Schedule.resend`), with no restart counted and no warning.
 Every batch is handed out exactly once, in order; a deterministic dataset gives identical
 batches. Worker-side random draws of a replaced worker restart from its seed.
 Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
@@ -60,18 +63,30 @@ NOTE [ raydl shutdown ]
   2. drop every buffered ObjectRef (Ray frees the objects);
   3. kill the worker actors (`ray.kill(no_restart=True)`).
 It is called when an epoch ends without persistent workers, when an error ends the iterator,
-from `DataLoader.shutdown()` / the loader's context manager, and from `__del__` (an early
-`break`, a dropped iterator). Persistent workers survive the end of an epoch: only step 2
-happens there, and `_reset` starts the next epoch on the same actors. Nothing runs while the
-interpreter is finalizing: Ray tears its actors down with the driver then.
+and from `DataLoader.shutdown()` / the loader's context manager. Persistent workers survive the
+end of an epoch: only step 2 happens there, and `_reset` starts the next epoch on the same
+actors. Nothing runs while the interpreter is finalizing: Ray tears its actors down with the
+driver then.
+A dropped iterator (an early `break`, a loader let go, an exception's traceback that kept it
+alive) is released by finalizers, not by a `__del__`: `weakref.finalize` callbacks that hold the
+`WorkerPool` (`release_when_collected`) and the pin stage, never the iterator. The iterator
+often dies in a reference cycle (a traceback's frame holds it, the frame is held by the
+exception stored in it), and the cyclic collector runs the finalizer of every object in the
+garbage set: were the pool reachable only from the iterator, its actor handles' finalizers
+would run in the same collection, and Ray kills an actor whose handles are all finalized, even
+one `__del__` had just handed to the warm pool (issue 14: the next loader took dead actors).
+Held by a finalizer, the pool and its handles stay reachable: the collection frees only the
+iterator, then the finalizer returns clean actors to the warm pool. Buffered refs go with the
+iterator there, unabandoned, so a worker given back that way is reused only after the `reset`
+queued behind all its tasks has run (NOTE [ raydl warm pool ] in _warm.py).
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 import time
 import warnings
+import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -197,6 +212,8 @@ class _RayLoaderIter(Iterator[Any]):
             # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
             placement=worker_placement(actor_options, self._driver_node_id),
         )
+        # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
+        self._release_pool = self._pool.release_when_collected(self)
         self._epoch = 0
         self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
         self._elastic = ElasticPool(  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
@@ -258,14 +275,6 @@ class _RayLoaderIter(Iterator[Any]):
             self._pin_stage = None
         self._release_workers()
         logger.debug("raydl: iterator shut down")
-
-    def __del__(self) -> None:
-        if sys.is_finalizing():
-            return
-        try:
-            self.shutdown()
-        except Exception:  # Ray may already be gone; __del__ must not raise
-            pass
 
     def __getstate__(self):
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
@@ -395,8 +404,9 @@ class _RayLoaderIter(Iterator[Any]):
         self._abandon(self._sched.retire(worker_id))
 
     def _release_workers(self) -> None:
-        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors."""
+        """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors (or keep them warm)."""
         self._drop_all_tasks()
+        self._release_pool.detach()
         self._pool.shutdown()
 
     def _end_epoch(self) -> None:
@@ -556,6 +566,9 @@ class _RayLoaderIter(Iterator[Any]):
             self._fail()
             raise
         self._ready_at_s = time.monotonic()
+        # A warm actor found dead at its start was swapped for a new one: its queued tasks follow it.
+        for worker_id in self._pool.take_swapped():
+            self._sched.resend(worker_id)
         # Tasks sent before the workers reported where they run: start their transfers now.
         self._prefetch([t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)])
 
@@ -571,6 +584,8 @@ class _RayLoaderIter(Iterator[Any]):
                 return copier(pinned) if copier is not None else pinned
 
             self._pin_stage = PinStage(pin_fn, torch.accelerator.current_device_index())
+            stop = weakref.finalize(self, self._pin_stage.shutdown)  # NOTE [ raydl shutdown ]
+            stop.atexit = False
         stage = self._pin_stage
         while stage.in_flight < PIN_LOOKAHEAD_BATCHES and not self._source_ended:
             try:

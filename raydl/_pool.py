@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import logging
+import sys
 import time
-from typing import Any, Mapping, Optional
+import weakref
+from typing import Any, Callable, Mapping, Optional
 
 from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT_RETRIES, STATUS_CHECK_INTERVAL_S
 from ._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
@@ -44,8 +46,12 @@ class WorkerPool:
     Construction takes idle actors from the warm pool (NOTE [ raydl warm pool ]) when
     `reuse` allows (for a placed worker, only one on its planned node), starts the rest (all in
     parallel), and submits one `configure()` to each;
-    `wait_ready()` blocks, bounded, until every worker reports where it runs. `shutdown()` is
-    idempotent (NOTE [ raydl shutdown ] in _iter.py); it returns clean workers to the warm pool.
+    `wait_ready()` blocks, bounded, until every worker reports where it runs. A warm actor
+    found dead there (it died while idle) is swapped for a new one before it made anything:
+    that is no restart, and the owner resends the tasks it had queued on it (`take_swapped`).
+    `shutdown()` is idempotent (NOTE [ raydl shutdown ] in _iter.py); it returns clean workers
+    to the warm pool. Its owner releases it through `release_when_collected`, never from a
+    `__del__`.
 
     Resizing (NOTE [ raydl elastic pool ] in _elastic.py): `add_worker()` starts a worker under
     a new id (ids are never reused; per-worker lists are indexed by id and only grow), on the
@@ -82,6 +88,10 @@ class WorkerPool:
         warm = self._take_warm()
         # workers whose actor came from the warm pool and has not confirmed it is alive yet
         self._unconfirmed_warm = set(warm)
+        # workers whose dead warm actor was swapped for a new one, until the owner resent their tasks
+        self._swapped: set[int] = set()
+        # how many dead warm actors this pool swapped (none in a healthy process; the tests count them)
+        self.warm_swaps = 0
         self.actors = [warm[wid] if wid in warm else self._new_actor(wid) for wid in range(num_workers)]
         # num_workers each worker's WorkerInfo reports: the pool's size when it first started
         self._info_num_workers = [num_workers] * num_workers
@@ -168,6 +178,8 @@ class WorkerPool:
         self.restarts[worker_id] += 1
         self._abandoned[worker_id] = []
         self._failed.discard(worker_id)
+        self._unconfirmed_warm.discard(worker_id)
+        self._swapped.discard(worker_id)  # the owner holds and resends its tasks (NOTE [ raydl recovery ])
         self._replan(worker_id)
         # records[worker_id] keeps the old location until the new actor reports its own.
         self._start_fresh(worker_id)
@@ -327,8 +339,12 @@ class WorkerPool:
                     raise rebuild_worker_exception(e.cause, where, remote_traceback(e)) from None
                 except RayActorError as e:
                     if wid in self._unconfirmed_warm:
-                        # An idle actor died while it waited in the warm pool: start a new one.
+                        # An idle actor died while it waited in the warm pool: start a new one. Not a
+                        # restart: the dead one made nothing; the tasks queued on it are resent.
                         self._unconfirmed_warm.discard(wid)
+                        self._swapped.add(wid)
+                        self.warm_swaps += 1
+                        logger.debug("raydl: warm worker %d was dead before its start (%s); starting a new one", wid, e)
                         self._start_fresh(wid)
                         continue
                     self._failed.add(wid)
@@ -338,6 +354,7 @@ class WorkerPool:
                     if self._placement is not None and replanned.get(wid, 0) < PLACEMENT_RETRIES:
                         replanned[wid] = replanned.get(wid, 0) + 1
                         self._unconfirmed_warm.discard(wid)
+                        self._swapped.add(wid)  # it ran nothing: the tasks queued on it follow the new actor
                         self._replan(wid)
                         self._start_fresh(wid)
                         continue
@@ -364,12 +381,34 @@ class WorkerPool:
                     raise WorkerPlacementError(f"{msg} (waited {waited_s:.0f} s)", tuple(unplaced))
         logger.debug("raydl: %d workers ready: %s", self.num_workers, self.records)
 
+    def take_swapped(self) -> list[int]:
+        """Workers whose dead warm actor was swapped since the last call: their queued tasks must be sent again."""
+        swapped, self._swapped = sorted(self._swapped), set()
+        return swapped
+
+    def release_when_collected(self, owner: Any) -> Callable[[], None]:
+        """A callable that shuts this pool down once; it also runs when `owner` is garbage collected.
+
+        NOTE [ raydl shutdown ] in _iter.py: the finalizer holds the pool, so the pool and its
+        actor handles stay reachable from it and never join `owner` in a garbage cycle. In such
+        a cycle Python runs every member's finalizer, the handles' included, and Ray then kills
+        their actors, even ones handed to the warm pool a moment before.
+        """
+        release = weakref.finalize(owner, _shutdown_quietly, self)
+        release.atexit = False  # at interpreter exit Ray tears the actors down with the driver
+        return release
+
     def _is_clean(self, worker_id: int) -> bool:
         """Whether the worker may serve another loader once its pending tasks (configure included) drain."""
         return self._reuse and worker_id not in self._failed
 
-    def shutdown(self) -> None:
-        """End this pool (idempotent): clean, started workers go back to the warm pool, the rest are killed."""
+    def shutdown(self, tasks_known: bool = True) -> None:
+        """End this pool (idempotent): clean, started workers go back to the warm pool, the rest are killed.
+
+        Args:
+            tasks_known: False when the owner was collected with tasks it never `abandon`ed:
+                its workers are then reused only once everything queued on them has run.
+        """
         if not self._alive:
             return
         self._alive = False
@@ -380,8 +419,12 @@ class WorkerPool:
             if wid in self.released:
                 continue
             if self._is_clean(wid):
-                actor.reset.remote()  # runs after the tasks already sent to it
+                reset = actor.reset.remote()  # runs after the tasks already sent to it
                 pending = self._abandoned[wid] + ([self._ready_refs[wid]] if self._ready_refs[wid] is not None else [])
+                if not tasks_known:
+                    # reset runs after every task sent before it (one at a time, in order): once it
+                    # has run, none of the tasks whose refs died with the owner is left on the actor
+                    pending.append(reset)
                 # Placed workers are kept under the node they really run on (soft affinity may have moved one).
                 key = self._warm_key(self._node_of(wid) if self._placement is not None else None)
                 reusable.setdefault(key, []).append((actor, pending))
@@ -395,3 +438,13 @@ class WorkerPool:
         self._ready_refs = [None] * len(self.actors)
         self.joining = {}
         logger.debug("raydl: pool ended (%d workers kept warm)", sum(map(len, reusable.values())))
+
+
+def _shutdown_quietly(pool: WorkerPool) -> None:
+    """A pool's finalizer: shut it down; never raise (Ray may already be gone)."""
+    if sys.is_finalizing():
+        return
+    try:
+        pool.shutdown(tasks_known=False)
+    except Exception:
+        pass

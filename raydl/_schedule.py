@@ -9,7 +9,8 @@ its batch is handed out or dropped. It decides, and records:
     (`max_tasks // active workers`) of the tasks in flight. A resize (NOTE [ raydl elastic
     pool ] in _elastic.py) adds a joined worker at the end of the cycle, or takes a retiring
     one out of it while its tasks stay where they are;
-  * whether the task is sent now or held: a worker on probation (NOTE [ raydl recovery ] in
+  * whether the task is sent now or held (or sent again: `resend`, when a dead warm actor was
+    swapped for a new one at start-up, which is no death of the worker); a worker on probation (NOTE [ raydl recovery ] in
     _iter.py) has exactly one task in flight, its oldest; its other tasks are held
     (`Task.ref is None`) and sent one at a time as the one before is handed out, then all at
     once when the batches lost with its last process have been re-made;
@@ -162,6 +163,18 @@ class Schedule:
 
     def send_held(self, idx: int) -> None:
         """Send task `idx`, held until now for its worker's probation."""
+        self._send(idx)
+
+    def resend(self, worker_id: int) -> None:
+        """Worker `worker_id`'s actor was swapped before it made anything: send its sent tasks again, oldest first.
+
+        The old refs are dropped (their actor is dead); the worker keeps its tasks, idxs and place.
+        """
+        for idx in self.tasks_on(worker_id):
+            if not self.task_info[idx].held:
+                self._send(idx)
+
+    def _send(self, idx: int) -> None:
         task = self.task_info[idx]
         ref, meta_ref = self._submit(task.worker_id, idx, task.work)
         self.task_info[idx] = Task(task.worker_id, ref, meta_ref, task.index, task.work)

@@ -16,6 +16,14 @@ actor holding CPUs, GPUs or custom resources would starve other Ray work. Bounds
     leaves prefetched ones) has finished: configure() must not queue behind a stuck sample.
     One still busy WARM_DRAIN_TIMEOUT_S after it was given back is killed;
   * a worker that failed, or one from another Ray session, is never reused.
+Workers come back here from a finalizer too (an iterator garbage collected): the pool that gives
+them is held by a `weakref.finalize`, so its actor handles stay reachable and are never
+finalized with the iterator (NOTE [ raydl shutdown ] in _iter.py); a handle Python has
+finalized no longer keeps its actor alive, and Ray kills it. Since a collection can start at
+any allocation, also inside this pool's own critical sections, the lock is re-entrant and every
+scan runs over a copy: a `give` from a finalizer in the middle of a `take` must not deadlock.
+A warm actor that still turns out dead when a loader configures it is replaced by a new one,
+and the tasks the loader queued on it follow (NOTE [ raydl recovery ]); that is no restart.
 `ray_reuse_workers=False` on a loader opts out: its workers are always new processes and are
 killed when it ends.
 """
@@ -87,7 +95,7 @@ class WarmPool:
     """Idle worker actors by option key; see NOTE [ raydl warm pool ]."""
 
     def __init__(self) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # re-entrant: `give` may run from a finalizer inside a critical section
         self._idle: dict[str, list[_Idle]] = {}
         self._session: str | None = None
         self._reaper: threading.Thread | None = None
@@ -151,12 +159,12 @@ class WarmPool:
             reaper.join(timeout=5.0)
         return len(entries)
 
-    def idle_count(self, key: str | None = None) -> int:
-        """Idle actors kept, for one option key or (None) for all."""
+    def idle_count(self, key: str | None = None, ready: bool = False) -> int:
+        """Idle actors kept, for one option key or (None) for all; with `ready`, only those a loader could
+        take now (their last tasks finished)."""
         with self._lock:
-            if key is not None:
-                return len(self._idle.get(key, []))
-            return sum(len(v) for v in self._idle.values())
+            idles = [self._idle.get(key, [])] if key is not None else list(self._idle.values())
+            return sum(1 for idle in idles for e in list(idle) if not ready or e.drained())
 
     def _ensure_reaper(self) -> None:
         # Called with the lock held.
@@ -175,11 +183,13 @@ class WarmPool:
             with self._lock:
                 for key in list(self._idle):
                     keep, gone = [], []
-                    for e in self._idle[key]:
+                    for e in list(self._idle[key]):
                         age_s = now - e.since_s
                         stuck = age_s >= WARM_DRAIN_TIMEOUT_S and not e.drained()
                         (gone if age_s >= timeout_s or stuck else keep).append(e)
                     expired += gone
+                    # filtered again, not replaced by `keep`: a re-entrant `give` may have added one
+                    keep = [e for e in self._idle[key] if not any(e is g for g in gone)]
                     if keep:
                         self._idle[key] = keep
                     else:

@@ -307,3 +307,34 @@ class SleepyDataset(RangeDataset):
     def __getitem__(self, i):
         time.sleep(self.sleep_s)
         return torch.tensor([i, threading.get_ident() % 100000])
+
+
+class TaggedShards(IterableDataset):
+    """Worker w's replica yields (w, k) for k < n, sleeping `delay_s` first on the (w, k) pairs in `slow`.
+
+    In the driver (no worker info) it yields worker 0's stream.
+    """
+
+    def __init__(self, n: int, slow=(), delay_s: float = 0.05) -> None:
+        self.n, self.slow, self.delay_s = n, {tuple(s) for s in slow}, delay_s
+
+    def __iter__(self):
+        info = get_worker_info()
+        w = 0 if info is None else info.id
+        for k in range(self.n):
+            if (w, k) in self.slow:
+                time.sleep(self.delay_s)
+            yield (w, k)
+
+
+class WorkerTaggedDataset(RangeDataset):
+    """Item i is (id of the worker that made it, i); the indices in `delays_s` sleep first."""
+
+    def __init__(self, n: int, delays_s: dict) -> None:
+        super().__init__(n)
+        self.delays_s = dict(delays_s)
+
+    def __getitem__(self, i):
+        time.sleep(self.delays_s.get(i, 0.0))
+        info = get_worker_info()
+        return (-1 if info is None else info.id, i)
