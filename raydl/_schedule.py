@@ -28,9 +28,9 @@ Invariants, between calls (tests/test_recovery.py checks them after every `next(
     cover every id ever used (a retired id keeps its slot, with no task).
 A Schedule talks to no actor: sending is the `submit(worker_id, idx, work)` callable it is given,
 which returns the task's (batch ref, meta ref). It holds that callable weakly when it is a bound
-method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, and
-an iterator collected by the cyclic garbage collector runs its shutdown while Ray finalizes the
-actor handles of the same garbage, killing workers on their way to the warm pool.
+method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, so
+every dropped iterator would wait for the cyclic garbage collector to free it and its buffered
+batches (what a collection of such garbage did to the warm pool: NOTE [ raydl shutdown ] in _iter.py).
 """
 
 from __future__ import annotations
