@@ -87,7 +87,10 @@ class _Idle:
         if self.pending:
             import ray
 
-            _, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0, fetch_local=False)
+            try:
+                _, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0, fetch_local=False)
+            except Exception:  # Ray shut down under the reaper: its tasks (and actors) are gone with it
+                self.pending = []
         return not self.pending
 
 
