@@ -105,3 +105,14 @@ def test_batch_seeding_survives_a_replaced_worker_and_differs_per_epoch():
     # Same base seed (persistent workers keep the iterator), but the epoch is part of each batch's seed.
     assert all(a[1] != b[1] for a, b in zip(second, reference))
     loader.shutdown()
+
+
+@pytest.mark.usefixtures("unpatched")
+def test_patched_torch_loader_in_process_uses_batch_seeding():
+    """raydl.patched(ray_seed='batch'): a torch DataLoader with num_workers=0 gives raydl's batch-seeded batches."""
+    reference, _ = _run(0)
+    with raydl.patched(ray_seed="batch"):
+        loader = torch.utils.data.DataLoader(
+            D.RandomAugmentDataset(N), batch_size=BATCH, shuffle=True, generator=torch.Generator().manual_seed(5)
+        )
+        assert _draws(loader) == reference
