@@ -66,10 +66,13 @@ PLACEMENT_RETRIES = 3
 # Autoscaler (NOTE [ raydl elastic pool ] in _elastic.py): a decision is taken over a window of at
 # least this many batches (and twice the pool's size) and this many seconds of the loop.
 AUTOSCALE_WINDOW_BATCHES = 16
-AUTOSCALE_WINDOW_MIN_S = 0.5
+AUTOSCALE_WINDOW_MIN_S = 1.0
 # Add a worker while the loop waits for data more than this fraction of its time.
 AUTOSCALE_ADD_WAIT_FRACTION = 0.10
 # Retire one while the loop waits less than this fraction and one worker fewer would be busy
 # less than AUTOSCALE_RETIRE_BUSY_FRACTION of the time (far from the add threshold: hysteresis).
 AUTOSCALE_RETIRE_WAIT_FRACTION = 0.02
 AUTOSCALE_RETIRE_BUSY_FRACTION = 0.6
+# An addition is undone when this many windows in a row after it show less than a quarter of
+# its possible gain.
+AUTOSCALE_UNDO_WINDOWS = 2

@@ -44,10 +44,11 @@ window's end it decides at most one step:
   * retire the newest worker (never below `num_workers`) when the loop waited less than
     AUTOSCALE_RETIRE_WAIT_FRACTION and one worker fewer would still be idle more than
     1 - AUTOSCALE_RETIRE_BUSY_FRACTION of the time (batches sit ready long before they are taken);
-  * undo an addition that did not pay: when the window after it delivered less than a quarter
-    of the gain it could have (the lesser of one more worker's share, 1/n, and the wait it
-    could remove), the new worker is retired and the pool stops growing for the epoch (the
-    cluster's CPUs, not the worker count, are the limit).
+  * undo an addition that did not pay: when AUTOSCALE_UNDO_WINDOWS windows in a row after it
+    delivered less than a quarter of the gain it could have (the lesser of one more worker's
+    share, 1/n, and the wait it could remove), the new worker is retired and the pool stops
+    growing for the epoch (the cluster's CPUs, not the worker count, are the limit). One window
+    is not enough on a shared machine: a neighbour's burst can eat a window's gain.
 Hysteresis: the add and retire thresholds are far apart, one decision at a time, and after each
 the measurements restart once the change took effect (the new worker joined) and the batches
 already in flight before it were handed out. Every decision is logged at INFO with its figures.
@@ -66,6 +67,7 @@ from ._constants import (
     AUTOSCALE_ADD_WAIT_FRACTION,
     AUTOSCALE_RETIRE_BUSY_FRACTION,
     AUTOSCALE_RETIRE_WAIT_FRACTION,
+    AUTOSCALE_UNDO_WINDOWS,
     AUTOSCALE_WINDOW_BATCHES,
     AUTOSCALE_WINDOW_MIN_S,
 )
@@ -248,7 +250,8 @@ class ElasticPool:
     def new_epoch(self) -> None:
         """Measurements restart with each epoch (its first batches include start-up)."""
         self._cap = self.max_workers
-        self._pending_eval: Optional[tuple[int, float, float]] = None  # (size before, rate, wait) of an add
+        # an addition being judged: (size before, batches/s and wait fraction before it, windows that failed it)
+        self._pending_eval: Optional[tuple[int, float, float, int]] = None
         self._batches = 0
         self._last_end_s: Optional[float] = None
         self._restart_window()
@@ -301,15 +304,19 @@ class ElasticPool:
         figures = (self._win_batches, window_s, wait, busy, rate)
         pending, self._pending_eval = self._pending_eval, None
         if pending is not None:
-            size_before, rate_before, wait_before = pending
+            size_before, rate_before, wait_before, strikes = pending
             possible = min(1.0 / size_before, wait_before / max(1.0 - wait_before, 1e-9))
             if n > self.min_workers and rate < rate_before * (1.0 + 0.25 * possible):
+                if strikes + 1 < AUTOSCALE_UNDO_WINDOWS:  # one noisy window does not decide
+                    self._pending_eval = (size_before, rate_before, wait_before, strikes + 1)
+                    self._restart_window()
+                    return
                 self._cap = size_before
                 self._retire_newest()
                 self._log("undo", n, n - 1, figures, f"{rate_before:.1f} batches/s before it: the addition did not pay")
                 return
         if wait > AUTOSCALE_ADD_WAIT_FRACTION and n < self._cap and self._has_room():
-            self._pending_eval = (n, rate, wait)
+            self._pending_eval = (n, rate, wait, 0)
             self._add(n + 1)
             self._log("add", n, n + 1, figures, f"threshold {AUTOSCALE_ADD_WAIT_FRACTION:.0%}")
             return

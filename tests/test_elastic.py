@@ -323,3 +323,14 @@ def test_rule_undoes_an_addition_that_did_not_pay():
     actions = [d.action for d in sim.elastic.decisions]
     assert actions == ["add", "undo"], actions
     assert len(sim.sched.active) == 1
+
+
+def test_rule_one_noisy_window_does_not_undo_an_addition():
+    """A neighbour's burst slows the first window after an addition: it is judged again, not undone."""
+    sim = _Sim(1, 2, step_s=0.001, make_s=0.020)
+    while not sim.elastic.decisions:
+        sim.run(1)
+    sim.run(60, gain=1)  # the window after the addition: no gain (noise)
+    assert sim.elastic._pending_eval is not None and sim.elastic._pending_eval[3] == 1
+    sim.run(400)
+    assert [d.action for d in sim.elastic.decisions] == ["add"] and len(sim.sched.active) == 2
