@@ -32,6 +32,9 @@ _LAZY = {
     "unpatch": "._patch",
     "patched": "._patch",
     "is_patched": "._patch",
+    "LoaderStats": "._stats",
+    "WorkerStats": "._stats",
+    "StatsTotals": "._stats",
 }
 
 __all__ = [
@@ -44,7 +47,8 @@ __all__ = [
     "patch",
     "unpatch",
     "patched",
-    "is_patched", "WorkerDiedError", "WorkerPlacementError", "WorkerRecord", "__version__"]
+    "is_patched", "WorkerDiedError", "WorkerPlacementError", "WorkerRecord", "LoaderStats", "WorkerStats",
+    "StatsTotals", "__version__"]
 
 
 def __getattr__(name: str) -> Any:

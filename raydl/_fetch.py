@@ -84,6 +84,7 @@ class IterableFetcher:
         self.collate_fn = collate_fn
         self.drop_last = drop_last
         self.ended = False
+        self.last_count = 0  # samples in the last batch returned (for stats)
 
     def fetch(self, batch_len: int | None) -> Any:
         """Return the next batch; raise StopIteration once the replica is exhausted."""
@@ -100,6 +101,8 @@ class IterableFetcher:
                     break
             if not data or (self.drop_last and len(data) < batch_len):
                 raise StopIteration
+            self.last_count = len(data)
         else:
             data = next(self.dataset_iter)
+            self.last_count = 1
         return self.collate_fn(data)

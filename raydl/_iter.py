@@ -107,6 +107,7 @@ from ._transfer import decode
 from ._placement import worker_placement
 from ._pool import WorkerPool
 from ._schedule import Schedule, Task
+from ._stats import make_recorder
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
 from ._worker import BatchMeta, WorkerPayload
 
@@ -200,6 +201,7 @@ class _RayLoaderIter(Iterator[Any]):
             worker_init_fn=loader.worker_init_fn,
             threads_per_worker=options.threads_per_worker,
             seed_per_batch=options.seed == "batch",
+            stats_name=(options.name or type(loader.dataset).__name__) if options.stats else None,
         )
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
@@ -222,6 +224,8 @@ class _RayLoaderIter(Iterator[Any]):
         )
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
+        # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
+        self.stats_recorder = make_recorder(payload.stats_name, self, options.threads_per_worker)
         self._reset(loader, first_iter=True)
 
     # ------------------------------------------------------------------ public surface
@@ -247,7 +251,8 @@ class _RayLoaderIter(Iterator[Any]):
             raise StopIteration
         t0 = time.perf_counter()
         # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
-        data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
+        with self.stats_recorder.next_call():  # the time spent here is the loop's data stall
+            data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
         self._elastic.on_next(time.perf_counter() - t0)  # the autoscaler's measure
         self._num_yielded += 1
         if (
@@ -291,6 +296,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._state = _State.RUNNING
             self._source_ended = False
         self._num_yielded = 0
+        self.stats_recorder.begin_epoch()
         self._stall_reported: set[int] = set()  # task idxs already reported as stalled
         self._send_idx = 0  # idx of the next task to be sent to workers
         self._rcvd_idx = 0  # idx of the next task to be handed out in order
@@ -485,6 +491,7 @@ class _RayLoaderIter(Iterator[Any]):
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
         self._elastic.on_batch_made(meta.fetch_s)
+        self.stats_recorder.batch_made(meta)
 
     def _check_stall(self, idx: int, task: Task) -> None:
         """timeout=0: report (once) a batch outstanding far longer than its peers, instead of a silent hang."""
@@ -583,7 +590,7 @@ class _RayLoaderIter(Iterator[Any]):
                 pinned = pin_memory(decode(data, pin=True), device)
                 return copier(pinned) if copier is not None else pinned
 
-            self._pin_stage = PinStage(pin_fn, torch.accelerator.current_device_index())
+            self._pin_stage = PinStage(self.stats_recorder.timed_pin(pin_fn), torch.accelerator.current_device_index())
             stop = weakref.finalize(self, self._pin_stage.shutdown)  # NOTE [ raydl shutdown ]
             stop.atexit = False
         stage = self._pin_stage

@@ -28,6 +28,8 @@ class RayOptions:
     device: Any = None
     seed: str = "worker"
     max_workers: Optional[int] = None
+    stats: bool = True
+    name: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -57,6 +59,10 @@ class RayOptions:
                 f"ray_seed should be 'worker' (torch's seeding: each worker seeded once, the default) or 'batch' "
                 f"(each batch seeded from its position in the epoch, whatever worker makes it), got {self.seed!r}"
             )
+        if not isinstance(self.stats, bool):
+            raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
+            raise ValueError(f"ray_name should be a non-empty str naming the loader in stats and Ray metrics, got {self.name!r}")
 
     @classmethod
     def from_loader(cls, loader: Any) -> RayOptions:
@@ -73,4 +79,6 @@ class RayOptions:
             device=getattr(loader, "ray_device", defaults.device),
             seed=getattr(loader, "ray_seed", defaults.seed),
             max_workers=getattr(loader, "ray_max_workers", defaults.max_workers),
+            stats=getattr(loader, "ray_stats", defaults.stats),
+            name=getattr(loader, "ray_name", defaults.name),
         )

@@ -35,8 +35,9 @@ from torch.utils.data import default_collate
 
 from ._errors import annotate_traceback
 from ._share import open_payload
-from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd
+from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
 from ._seeding import seed_batch
+from ._stats import batch_nbytes, observe_batch_time
 from ._transfer import encode
 
 __all__ = ["WorkerPayload", "BatchMeta", "Worker", "numpy_seed_state", "get_worker_info"]
@@ -54,6 +55,7 @@ class WorkerPayload:
     worker_init_fn: Optional[Callable[[int], None]]
     threads_per_worker: int = 1
     seed_per_batch: bool = False  # ray_seed="batch" (NOTE [ raydl batch seeding ])
+    stats_name: Optional[str] = None  # the loader's name for Ray metrics; None: ray_stats=False
 
 
 @dataclass(frozen=True)
@@ -68,6 +70,10 @@ class BatchMeta:
     idx: int  # the task's idx in its epoch (the driver's send order)
     started_s: float  # time.time() in the worker when the fetch began
     fetch_s: float  # seconds spent making the batch (fetch, collate, encode)
+    # NOTE [ raydl stats ] in _stats.py; left at 0 with ray_stats=False. samples == 0: a signal, not a batch.
+    samples: int = 0
+    nbytes: int = 0  # bytes of the batch's array data, as encoded
+    cpu_s: float = 0.0  # CPU seconds of this process while making it (far below fetch_s: waiting on I/O)
 
 
 def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
@@ -181,11 +187,25 @@ class Worker:
         `epoch` changes only with persistent workers; an iterable worker then restarts its
         stream, as torch's worker does when it is told to resume.
         """
-        started_s, t0 = time.time(), time.perf_counter()
+        started_s, t0, c0 = time.time(), time.perf_counter(), time.process_time()
         if self._payload is not None and self._payload.seed_per_batch:
             seed_batch(self._base_seed, epoch, idx)
         batch = self._fetch(epoch, index)
-        return batch, BatchMeta(self._worker_id, idx, started_s, time.perf_counter() - t0)
+        fetch_s = time.perf_counter() - t0
+        name = self._payload.stats_name if self._payload is not None else None
+        if name is None or isinstance(batch, _WorkerSignal):
+            return batch, BatchMeta(self._worker_id, idx, started_s, fetch_s)
+        observe_batch_time(name, self._worker_id, fetch_s)
+        return batch, BatchMeta(
+            self._worker_id, idx, started_s, fetch_s, self._samples(index), batch_nbytes(batch), time.process_time() - c0
+        )
+
+    def _samples(self, index: Any) -> int:
+        """Samples in the batch just made (for stats)."""
+        fetcher = self._fetcher
+        if isinstance(fetcher, IterableFetcher):
+            return fetcher.last_count
+        return len(index) if fetcher is not None and fetcher.auto_collation else 1
 
     def _fetch(self, epoch: int, index: Any) -> Any:
         if self._init_error is not None:

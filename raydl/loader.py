@@ -17,6 +17,7 @@ from ._locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
 from ._ray_utils import worker_actor_options
 from ._seeding import SeededInProcessIter
+from ._stats import LoaderStats
 
 __all__ = ["DataLoader"]
 
@@ -110,6 +111,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             its time (and the cluster has room for one now), and extra workers are retired when
             batches sit ready long before they are taken; each decision is logged at INFO.
             Map-style datasets only. Defaults to ``None`` (a fixed pool; see `set_num_workers`).
+        ray_stats (bool): record per-worker figures and the loop's data stall (`loader.stats()`,
+            `stats.timeline()`), export them as Ray metrics, and log a hint when an epoch waited
+            on data more than 20% of its time (NOTE [ raydl stats ]). Defaults to ``True``.
+        ray_name (str, optional): the loader's name in stats, hints and the `loader` tag of
+            Ray metrics. Defaults to ``None``: the dataset's class name.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
     """
@@ -144,6 +150,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_device: Any = None,
         ray_seed: str = "worker",
         ray_max_workers: Optional[int] = None,
+        ray_stats: bool = True,
+        ray_name: Optional[str] = None,
     ) -> None:
         options = RayOptions(
             address=ray_address,
@@ -156,6 +164,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             device=ray_device,
             seed=ray_seed,
             max_workers=ray_max_workers,
+            stats=ray_stats,
+            name=ray_name,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -171,6 +181,9 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_seed = options.seed
         self.ray_max_workers = options.max_workers
         self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
+        self.ray_stats = options.stats
+        self.ray_name = options.name
+        self._stats_recorder: Any = None  # the last iterator's (NOTE [ raydl stats ]); never the iterator itself
         self.shuffle = shuffle
         super().__init__(
             dataset,
@@ -219,6 +232,7 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _new_iterator(self) -> _RayLoaderIter:
         it = _RayLoaderIter(self)
         self._live_iters().add(it)
+        self._stats_recorder = it.stats_recorder  # NOTE [ raydl stats ]: the recorder, never the iterator
         return it
 
     def _live_iters(self) -> weakref.WeakSet:
@@ -270,6 +284,24 @@ class DataLoader(_TorchDataLoader[T_co]):
         for it in list(self._live_iters()):
             it._set_num_workers(n)
 
+    def stats(self) -> Optional[LoaderStats]:
+        """Figures of the current (or last) epoch: data stall, per-worker times, bytes, restarts.
+
+        Returns a `raydl.LoaderStats` (`print(loader.stats())` shows a table;
+        `loader.stats().timeline("epoch.json")` writes a Chrome trace and a PNG), or None before
+        the first iteration. See NOTE [ raydl stats ] in _stats.py.
+
+        Raises:
+            RuntimeError: num_workers=0 (torch's in-process loading, nothing to measure here), or
+                ray_stats=False.
+        """
+        if self.num_workers == 0:
+            raise RuntimeError("raydl stats cover Ray workers: this loader has num_workers=0 (torch's in-process loading)")
+        if not self.ray_stats:
+            raise RuntimeError("stats are off for this loader (ray_stats=False); pass ray_stats=True to record them")
+        recorder = self._stats_recorder
+        return recorder.snapshot() if recorder is not None else None
+
     @property
     def worker_records(self) -> list:
         """Where the persistent workers run (worker id, pid, node); empty before the first iteration."""
@@ -291,4 +323,5 @@ class DataLoader(_TorchDataLoader[T_co]):
         state = self.__dict__.copy()
         state["_iterator"] = None  # actors belong to this process's loader, not to a copy
         state.pop("_ray_iters", None)
+        state["_stats_recorder"] = None
         return state

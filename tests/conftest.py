@@ -6,6 +6,9 @@ import os
 
 # Before Ray is imported: a local Ray then binds 127.0.0.1 only (see raydl/_ray_utils.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+# Ray exports metrics every 10 s by default; tests/test_stats.py reads raydl's back from Ray's
+# Prometheus endpoint, with a bounded wait.
+os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 
 import pytest  # noqa: E402
 

@@ -1,0 +1,127 @@
+#!/usr/bin/env python3
+"""The cost of raydl's stats (`ray_stats=True` vs `False`), and the README's timeline picture.
+
+    python benchmarks/bench_stats.py                 # 8 alternating repetitions per workload (~10 min on 2 cores)
+    python benchmarks/bench_stats.py --quick         # smoke run (~2 min)
+    python benchmarks/bench_stats.py --picture docs/stats_timeline.png   # only the picture
+
+Throughput is measured exactly as bench_throughput.py measures it (a new persistent loader per
+repetition, 1 + --epochs epochs, samples/s over the epochs after the first), on its overhead-floor
+workload (16-float samples, batch 64: the driver's per-batch machinery is all there is, so any
+per-batch cost of stats shows here first) and its CPU-bound one (~1 ms/sample). The two variants
+alternate, in rotated order; the ratio is paired per repetition (stats on / stats off).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
+import bench_throughput as T  # noqa: E402
+
+import raydl  # noqa: E402
+
+VARIANTS = ("raydl", "raydl-nostats")
+
+
+def measure(args: argparse.Namespace, res: C.Results) -> tuple[list, dict]:
+    b = T.Bench(args)
+    b.retry_s = 0.0
+    b.gate = C.QuietGate(args.quiet_wait_s, 90.0)
+    q = 0.3 if args.quick else 1.0
+    iters = C.calibrate_cpu_iters()
+    workloads = [
+        C.Workload("trivial", "overhead floor: 16-float sample, batch 64", int(64 * 160 * q) // 64 * 64, 64, "trivial"),
+        C.Workload("cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", max(384, int(2048 * q) // 64 * 64), 64,
+                   "cpu", iters),
+    ]
+    C.register_by_value()
+    T.consume(b.make("raydl", workloads[0], n=64 * 8), time.perf_counter())  # start Ray and warm workers: not measured
+    out: dict = {}
+    for wl in workloads:
+        C.log(f"{wl.name}: {wl.n} samples/epoch, {args.reps} reps of {VARIANTS}")
+        for rep in range(args.reps):
+            order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
+            for v in order:
+                rec = T.measure_throughput(b, res, wl, v, rep)
+                out.setdefault((wl.name, v), []).append(rec)
+                C.log(f"  rep {rep} {v:14s} {rec['samples_per_s']:9.0f} samples/s  foreign load {rec['foreign_cores']:.2f}")
+    return workloads, out
+
+
+def report(info: dict, args: argparse.Namespace, workloads: list, out: dict) -> str:
+    lines = ["## raydl stats overhead (`benchmarks/bench_stats.py`)", "", C.describe_machine(info), ""]
+    rows = []
+    for wl in workloads:
+        on = {r["rep"]: r["samples_per_s"] for r in out[(wl.name, "raydl")]}
+        off = {r["rep"]: r["samples_per_s"] for r in out[(wl.name, "raydl-nostats")]}
+        ratios = [on[k] / off[k] for k in on if k in off]
+        foreign = [r["foreign_cores"] for v in VARIANTS for r in out[(wl.name, v)]]
+        rows.append([
+            wl.description, T.fmt_rate(list(off.values())), T.fmt_rate(list(on.values())),
+            f"{C.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})", f"{C.median(foreign):.2f}",
+        ])
+    lines.append(C.md_table(["workload", "ray_stats=False samples/s", "ray_stats=True samples/s",
+                             "on / off (paired median, min–max)", "foreign load (cores)"], rows))
+    lines.append("")
+    lines.append(f"{args.num_workers} workers; {args.reps} repetitions alternating the two variants; each a new "
+                 f"persistent loader run for 1 + {args.epochs} epochs, samples/s over the epochs after the first.")
+    return "\n".join(lines)
+
+
+def picture(path: str) -> None:
+    """An epoch worth looking at: 3 workers on an I/O-like dataset, one of them on a slow 'disk', a fast loop."""
+    wl = C.Workload("io", "I/O-like", 16 * 18, 16, "io")
+    C.register_by_value()
+    loader = raydl.DataLoader(C.WorkloadDataset(wl), batch_size=16, num_workers=3, persistent_workers=True,
+                              ray_name="picture")
+    with loader:
+        for _ in loader:  # epoch 0: start-up
+            pass
+        for _ in loader:
+            time.sleep(0.015)  # the training step
+        stats = loader.stats()
+        print(stats)
+        json_path = path[:-4] + ".json" if path.endswith(".png") else path + ".json"
+        written = stats.timeline(json_path)
+        os.remove(json_path)  # the trace is not committed; the PNG is
+        print("wrote", written[1:])
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--num-workers", type=int, default=2)
+    p.add_argument("--reps", type=int, default=None, help="repetitions per variant (default 8; quick 2)")
+    p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 3; quick 1)")
+    p.add_argument("--quiet-wait-s", type=float, default=5.0)
+    p.add_argument("--picture", default="", help="only write the timeline picture to this .png path")
+    args = p.parse_args()
+    if args.picture:
+        picture(args.picture)
+        return 0
+    args.reps = args.reps or (2 if args.quick else 8)
+    args.epochs = args.epochs or (1 if args.quick else 3)
+    args.max_retries, args.retry_budget_s = 1, 120.0
+    info = {**C.machine_info(ray_version=importlib.metadata.version("ray")), "num_workers": args.num_workers}
+    res = C.Results("stats", args.quick)
+    res.write({"section": "machine", **info, "argv": sys.argv[1:]})
+    try:
+        workloads, out = measure(args, res)
+    finally:
+        raydl.release_idle_workers()
+    text = report(info, args, workloads, out)
+    print(text)
+    md = res.write_text(".md", text + "\n")
+    res.close()
+    print(f"\nresults: {res.jsonl_path}\n         {md}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

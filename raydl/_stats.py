@@ -1,0 +1,684 @@
+"""What a loader's epoch looked like: per-worker figures, the loop's data stall, Ray metrics, a timeline.
+
+NOTE [ raydl stats ]
+The driver already sees every batch: when it was asked for, what its worker reported about
+making it (`BatchMeta`: wall-clock start, seconds spent, CPU seconds, samples, bytes), and when
+the training loop asked for it. A `StatsRecorder`, one per iterator, writes that down:
+  * the stall: the time the loop spends inside `next()` (waiting for a batch, decoding it, and
+    with pin_memory / ray_device waiting for the pin thread), per call, as a span;
+  * per worker: a batch span (its own wall clock, from `BatchMeta`), seconds per batch, CPU
+    seconds, bytes and samples; restarts, node and pid come from the worker pool;
+  * with pinning, the pin thread's spans (pin, and the device copy with ray_device).
+Per call that is two clock reads and a few list appends in the driver, and a `process_time()`
+and a walk over the batch's top-level containers in the worker; benchmarks/README.md has the
+measured cost (`ray_stats=False` turns it all off).
+An epoch runs from `iter()` (the iterator's `_reset`) to the `next()` that raises StopIteration
+(for an epoch still running, or left by `break`: to the last batch handed out). At its end:
+  * the hint: if the loop waited more than HINT_WAIT_SHARE of the epoch after its first batch
+    (the first batch's wait includes the workers' start-up, which no setting of the loader
+    shortens), one INFO line on the `raydl.stats` logger says so, with what would help
+    (`_hint`'s docstring). The logger's level is
+    set to INFO here, and without any logging handler configured the line goes to stderr (Python
+    would drop an INFO record); `logging.getLogger("raydl.stats").setLevel(logging.WARNING)`
+    silences it;
+  * figures are exported through `ray.util.metrics` (also every METRICS_FLUSH_S during an
+    epoch): counters tagged with the loader's name (`ray_name`) and worker id, so the Ray
+    dashboard and Prometheus show them beside Ray's own. The per-batch time histogram is
+    observed by the workers themselves (`observe_batch_time`): a Ray histogram costs ~7 us
+    per observation, which the driver would pay in its critical path.
+`snapshot()` copies the figures into a plain `LoaderStats` (what `DataLoader.stats()` returns),
+with the spans for `LoaderStats.timeline()`. Totals cover every epoch of one iterator, i.e. of
+one set of persistent workers. The recorder holds the iterator by weakref only: a loader that
+keeps the last epoch's stats never keeps its workers alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import time
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+__all__ = ["LoaderStats", "WorkerStats", "StatsTotals", "StatsRecorder", "make_recorder", "batch_nbytes",
+           "observe_batch_time"]
+
+logger = logging.getLogger("raydl.stats")
+# The hint is INFO: give this logger that level (a user's own setLevel overrides it).
+if logger.level == logging.NOTSET:
+    logger.setLevel(logging.INFO)
+
+# An epoch whose loop waited longer than this share of its wall time gets a hint.
+HINT_WAIT_SHARE = 0.2
+# A worker "stands out" when its median batch time exceeds the others' by this factor.
+HINT_SLOW_WORKER_FACTOR = 1.5
+# Workers whose CPU seconds are below this share of their batch time mostly wait (I/O, sleeps).
+HINT_IO_CPU_SHARE = 0.5
+# How often (seconds) counters are pushed to Ray's metrics during an epoch (and at its end).
+METRICS_FLUSH_S = 2.0
+# Spans kept per track and epoch for the timeline; figures are exact beyond it.
+MAX_SPANS = 200_000
+
+_BATCH_TIME_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
+_SHARE_BUCKETS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 0.9]
+
+
+# --------------------------------------------------------------------------- worker side
+
+
+def batch_nbytes(data: Any) -> int:
+    """Bytes of the array data in an encoded batch (tensors, NumPy arrays, bytes, str), for stats."""
+    from ._transfer import _TensorView
+
+    kind = type(data)
+    if kind is _TensorView:
+        return int(data.array.nbytes)
+    if kind is dict:
+        return sum(batch_nbytes(v) for v in data.values())
+    if kind is list or isinstance(data, tuple):
+        return sum(batch_nbytes(v) for v in data)
+    if isinstance(data, (bytes, bytearray, str)):
+        return len(data)
+    nbytes = getattr(data, "nbytes", None)  # NumPy arrays, and torch tensors (torch >= 2.1)
+    return nbytes if isinstance(nbytes, int) else 0
+
+
+_batch_time_hist = None
+
+
+def observe_batch_time(name: str, worker_id: int, fetch_s: float) -> None:
+    """In a worker: one observation of the `raydl_batch_seconds` histogram (see NOTE [ raydl stats ])."""
+    global _batch_time_hist
+    if _batch_time_hist is None:
+        from ray.util.metrics import Histogram
+
+        _batch_time_hist = Histogram(
+            "raydl_batch_seconds",
+            description="Seconds a raydl worker spent making one batch (fetch, collate, encode).",
+            boundaries=_BATCH_TIME_BUCKETS_S,
+            tag_keys=("loader", "worker"),
+        )
+    _batch_time_hist.observe(fetch_s, tags={"loader": name, "worker": str(worker_id)})
+
+
+# --------------------------------------------------------------------------- public snapshot
+
+
+@dataclass(frozen=True)
+class WorkerStats:
+    """One worker's figures for the epoch (times in seconds, sizes in bytes).
+
+    `median_s` / `p95_s`: seconds per batch as the worker measured it (fetch, collate, encode);
+    `busy_s`: their sum; `cpu_s`: CPU seconds of the worker process meanwhile (much lower than
+    `busy_s` means the worker mostly waits: I/O, sleeps); `restarts`: replacements of this worker
+    id since its iterator started (NOTE [ raydl recovery ]); `total_*`: over every epoch of the
+    same persistent workers.
+    """
+
+    worker_id: int
+    node_ip: str
+    node_id: str
+    pid: int
+    batches: int
+    samples: int
+    median_s: float
+    p95_s: float
+    busy_s: float
+    cpu_s: float
+    bytes: int
+    restarts: int
+    total_batches: int
+    total_bytes: int
+    total_busy_s: float
+
+
+@dataclass(frozen=True)
+class StatsTotals:
+    """Figures summed over every epoch of one iterator (one set of persistent workers)."""
+
+    epochs: int  # epochs started
+    batches: int
+    samples: int
+    wall_s: float
+    wait_s: float
+
+    @property
+    def wait_share(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class LoaderStats:
+    """A raydl loader's figures for its current (or last) epoch; returned by `DataLoader.stats()`.
+
+    Attributes (seconds and bytes):
+        name: the loader's name (`ray_name`; by default the dataset's class name).
+        epoch: the epoch's number, counted from 0 over one set of (persistent) workers.
+        finished: whether the epoch ran to its end (StopIteration).
+        batches, samples: handed out to the training loop.
+        wall_s: from `iter()` to the epoch's end (or to the last batch handed out).
+        wait_s: time the loop spent inside `next()`: the data stall. `wait_share` = wait_s / wall_s.
+        first_batch_s: from `iter()` to the first batch (worker start-up included; warm workers,
+            persistent workers' later epochs: one batch's making). `steady_wait_share`: the wait
+            share after the first batch, the figure the hint uses.
+        workers: one `WorkerStats` per worker.
+        batches_in_flight: batches asked of workers and not yet handed out (now; 0 once the
+            iterator is gone).
+        store_bytes_held: object-store bytes of the batches already made and waiting to be
+            handed out (now). Batches handed out without pinning keep their object-store memory
+            while the loop holds their tensors (NOTE [ raydl zero-copy ]); those are not counted.
+        total: `StatsTotals` over every epoch of these workers.
+    `str(stats)` is a compact table; `stats.timeline(path)` writes a Chrome trace (and a PNG).
+    """
+
+    name: str
+    epoch: int
+    finished: bool
+    batches: int
+    samples: int
+    wall_s: float
+    wait_s: float
+    workers: tuple[WorkerStats, ...]
+    batches_in_flight: int
+    store_bytes_held: int
+    total: StatsTotals
+    first_batch_s: float = 0.0
+    _first_wait_s: float = field(default=0.0, repr=False)
+    _spans: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def wait_share(self) -> float:
+        return self.wait_s / self.wall_s if self.wall_s > 0 else 0.0
+
+    @property
+    def steady_wait_share(self) -> float:
+        """The wait share after the first batch: without the workers' start-up and the first batch's making."""
+        wall_s = self.wall_s - self.first_batch_s
+        if self.batches < 2 or wall_s <= 0:
+            return 0.0
+        return max(0.0, self.wait_s - self._first_wait_s) / wall_s
+
+    def __str__(self) -> str:
+        state = "finished" if self.finished else "running"
+        lines = [
+            f"raydl loader {self.name!r}, epoch {self.epoch} ({state}): {self.batches} batches, {self.samples} samples "
+            f"in {self.wall_s:.2f} s; the loop waited for data {self.wait_s:.2f} s ({self.wait_share:.1%}; "
+            f"{self.steady_wait_share:.1%} after the first batch, which came after {self.first_batch_s:.2f} s)",
+            f"in flight: {self.batches_in_flight} batches, {_fmt_bytes(self.store_bytes_held)} waiting in the object store",
+        ]
+        header = ["worker", "node", "pid", "batches", "median ms", "p95 ms", "busy s", "cpu %", "bytes", "restarts"]
+        rows = [
+            [
+                str(w.worker_id), w.node_ip or "?", str(w.pid or "?"), str(w.batches),
+                f"{w.median_s * 1e3:.1f}", f"{w.p95_s * 1e3:.1f}", f"{w.busy_s:.2f}",
+                f"{100 * w.cpu_s / w.busy_s:.0f}" if w.busy_s > 0 else "-", _fmt_bytes(w.bytes), str(w.restarts),
+            ]
+            for w in self.workers
+        ]
+        widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+        for r in [header, *rows]:
+            lines.append("  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths))))
+        t = self.total
+        lines.append(
+            f"total over {t.epochs} epoch(s): {t.batches} batches, {t.samples} samples in {t.wall_s:.2f} s; "
+            f"waited {t.wait_s:.2f} s ({t.wait_share:.1%})"
+        )
+        return "\n".join(lines)
+
+    def timeline(self, path: str) -> list[str]:
+        """Write the epoch as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
+
+        One track per worker (its batch spans, on its own clock), one for the loop's waits inside
+        `next()`, one for pinning / device copies. With matplotlib installed, also a Gantt chart
+        of the same next to it (`path` with `.png` in place of `.json`, or `.png` appended).
+
+        Returns:
+            the paths written.
+        """
+        from ._timeline import write_png, write_trace
+
+        written = [write_trace(self, path)]
+        png = write_png(self, path[:-5] + ".png" if path.endswith(".json") else path + ".png")
+        if png is not None:
+            written.append(png)
+        return written
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{n} B"
+
+
+def _percentile(sorted_xs: list[float], q: float) -> float:
+    """Nearest-rank percentile of an already sorted list (0 for an empty one)."""
+    if not sorted_xs:
+        return 0.0
+    k = max(0, min(len(sorted_xs) - 1, math.ceil(q / 100 * len(sorted_xs)) - 1))
+    return sorted_xs[k]
+
+
+# --------------------------------------------------------------------------- recording
+
+
+class _WorkerAcc:
+    """One worker's running figures: this epoch's, and totals."""
+
+    __slots__ = ("times", "batches", "samples", "busy_s", "cpu_s", "bytes",
+                 "total_batches", "total_bytes", "total_busy_s", "total_cpu_s", "flushed")
+
+    def __init__(self) -> None:
+        self.total_batches = 0
+        self.total_bytes = 0
+        self.total_busy_s = 0.0
+        self.total_cpu_s = 0.0
+        self.flushed = [0, 0, 0.0, 0.0, 0]  # batches, bytes, busy_s, cpu_s, restarts already exported
+        self.new_epoch()
+
+    def new_epoch(self) -> None:
+        self.times: list[float] = []
+        self.batches = 0
+        self.samples = 0
+        self.busy_s = 0.0
+        self.cpu_s = 0.0
+        self.bytes = 0
+
+
+class _NextCall:
+    """Context manager around one `next()`: its span is the loop's wait (NOTE [ raydl stats ])."""
+
+    __slots__ = ("_rec", "_t0")
+
+    def __init__(self, rec: StatsRecorder) -> None:
+        self._rec = rec
+
+    def __enter__(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def __exit__(self, kind: Any, value: Any, tb: Any) -> None:
+        self._rec._next_done(self._t0, time.perf_counter(), kind)
+
+
+class StatsRecorder:
+    """Records one iterator's epochs (NOTE [ raydl stats ]); the iterator calls its hooks."""
+
+    enabled = True
+
+    def __init__(self, name: str, iterator: Any, threads_per_worker: int = 1) -> None:
+        import ray
+
+        self.name = name
+        self._iter_ref = weakref.ref(iterator)
+        self._threads_per_worker = threads_per_worker
+        self._ray = ray
+        # perf_counter -> wall clock (time.time()), to put the driver's spans on the workers' clock
+        self._wall_offset = time.time() - time.perf_counter()
+        self._workers: dict[int, _WorkerAcc] = {}
+        self._records: list = []
+        self._restarts: list = []
+        self._next_call = _NextCall(self)
+        self._epoch = -1  # the iterator's `_reset` starts epoch 0
+        self._finished = True
+        self._pin_spans: list = []
+        self._total = [0, 0, 0.0, 0.0]  # batches, samples, wall_s, wait_s of finished epochs
+        self._flushed = [0, 0.0, 0]  # samples, wait_s, epochs already exported
+        self._epochs_finished = 0
+        self._next_flush = 0.0
+        self._metrics: Optional[dict] = None
+
+    # ------------------------------------------------------------------ hooks (hot path)
+
+    def next_call(self) -> _NextCall:
+        """Wrap the body of `__next__` in this: its time is the loop's wait."""
+        return self._next_call
+
+    def batch_made(self, meta: Any) -> None:
+        """A batch's `BatchMeta` is in the driver (`_on_batch_made`); signals carry samples == 0."""
+        if meta.samples == 0:
+            return
+        w = self._workers.get(meta.worker_id)
+        if w is None:
+            w = self._workers[meta.worker_id] = _WorkerAcc()
+        w.times.append(meta.fetch_s)
+        w.batches += 1
+        w.samples += meta.samples
+        w.busy_s += meta.fetch_s
+        w.cpu_s += meta.cpu_s
+        w.bytes += meta.nbytes
+        self._pending_samples.append(meta.samples)
+        if len(self._batch_spans) < MAX_SPANS:
+            self._batch_spans.append((meta.worker_id, meta.idx, meta.started_s, meta.fetch_s))
+        now = time.perf_counter()
+        if now >= self._next_flush:
+            self._flush_metrics(now)
+
+    def timed_pin(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """`fn` (the pin thread's pin / device copy), recording each call's span."""
+        rec = self
+
+        def timed(data: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(data)
+            finally:
+                spans = rec._pin_spans  # this epoch's list (begin_epoch starts a new one)
+                if len(spans) < MAX_SPANS:
+                    spans.append((t0, time.perf_counter()))
+
+        return timed
+
+    def _next_done(self, t0: float, t1: float, kind: Any) -> None:
+        if self._finished:
+            return
+        self._wait_s += t1 - t0
+        if len(self._waits) < MAX_SPANS:
+            self._waits.append((t0, t1))
+        if kind is None:
+            if self._batches == 0:
+                self._first_batch = (t1 - self._start_s, t1 - t0)
+            self._batches += 1
+            self._samples += self._pending_samples.popleft() if self._pending_samples else 0
+            self._last_s = t1
+        elif kind is StopIteration:
+            self._last_s = t1
+            self.end_epoch()
+
+    # ------------------------------------------------------------------ epochs
+
+    def begin_epoch(self) -> None:
+        """An epoch starts (the iterator's `_reset`)."""
+        if self._epoch >= 0 and not self._finished:
+            self._add_to_totals()  # an epoch left by `break` still counts
+        self._epoch += 1
+        self._finished = False
+        self._start_s = self._last_s = time.perf_counter()
+        self._batches = 0
+        self._samples = 0
+        self._wait_s = 0.0
+        self._first_batch = (0.0, 0.0)  # (seconds from iter() to the first batch, the wait of that next())
+        self._pending_samples: deque = deque()
+        self._waits: list = []
+        self._batch_spans: list = []
+        self._pin_spans = []
+        for w in self._workers.values():
+            w.new_epoch()
+
+    def end_epoch(self) -> None:
+        """The epoch ended (StopIteration): totals, the hint, metrics."""
+        if self._finished:
+            return
+        self._finished = True
+        self._epochs_finished += 1
+        self._add_to_totals()
+        self._refresh_pool()
+        stats = self.snapshot()
+        try:
+            _hint(stats, self._threads_per_worker, self._ray)
+        except Exception as e:  # a hint must never break an epoch (e.g. Ray going away)
+            logger.debug("raydl: no hint: %s", e)
+        self._flush_metrics(time.perf_counter(), share=stats.wait_share)
+
+    def _add_to_totals(self) -> None:
+        self._total[0] += self._batches
+        self._total[1] += self._samples
+        self._total[2] += self._last_s - self._start_s
+        self._total[3] += self._wait_s
+        for w in self._workers.values():
+            w.total_batches += w.batches
+            w.total_bytes += w.bytes
+            w.total_busy_s += w.busy_s
+            w.total_cpu_s += w.cpu_s
+
+    def _refresh_pool(self) -> None:
+        """Copy where workers run and their restarts, while the iterator lives."""
+        it = self._iter_ref()
+        if it is not None:
+            pool = it._pool
+            self._records = list(pool.records)
+            self._restarts = list(pool.restarts)
+
+    # ------------------------------------------------------------------ reading
+
+    def snapshot(self) -> LoaderStats:
+        """The figures now, as a plain `LoaderStats`."""
+        self._refresh_pool()
+        in_flight, held = self._live_figures()
+        wall_s = self._last_s - self._start_s
+        totals = self._total
+        total = StatsTotals(
+            epochs=self._epoch + 1,
+            batches=totals[0] + (0 if self._finished else self._batches),
+            samples=totals[1] + (0 if self._finished else self._samples),
+            wall_s=totals[2] + (0.0 if self._finished else wall_s),
+            wait_s=totals[3] + (0.0 if self._finished else self._wait_s),
+        )
+        ids = sorted(set(self._workers) | {i for i, r in enumerate(self._records) if r is not None})
+        workers = []
+        for wid in ids:
+            w = self._workers.get(wid) or _WorkerAcc()
+            rec = self._records[wid] if wid < len(self._records) else None
+            times = sorted(w.times)
+            workers.append(WorkerStats(
+                worker_id=wid,
+                node_ip=getattr(rec, "node_ip", ""),
+                node_id=getattr(rec, "node_id", ""),
+                pid=getattr(rec, "pid", 0),
+                batches=w.batches,
+                samples=w.samples,
+                median_s=_percentile(times, 50),
+                p95_s=_percentile(times, 95),
+                busy_s=w.busy_s,
+                cpu_s=w.cpu_s,
+                bytes=w.bytes,
+                restarts=self._restarts[wid] if wid < len(self._restarts) else 0,
+                total_batches=w.total_batches + (0 if self._finished else w.batches),
+                total_bytes=w.total_bytes + (0 if self._finished else w.bytes),
+                total_busy_s=w.total_busy_s + (0.0 if self._finished else w.busy_s),
+            ))
+        spans = {
+            "start_wall_s": self._start_s + self._wall_offset,
+            "end_wall_s": self._last_s + self._wall_offset,
+            "batches": list(self._batch_spans),
+            "waits": [(a + self._wall_offset, b + self._wall_offset) for a, b in self._waits],
+            "pins": [(a + self._wall_offset, b + self._wall_offset) for a, b in self._pin_spans],
+            "truncated": any(len(x) >= MAX_SPANS for x in (self._batch_spans, self._waits, self._pin_spans)),
+        }
+        return LoaderStats(
+            name=self.name, epoch=self._epoch, finished=self._finished, batches=self._batches,
+            samples=self._samples, wall_s=wall_s, wait_s=self._wait_s, workers=tuple(workers),
+            batches_in_flight=in_flight, store_bytes_held=held, total=total, first_batch_s=self._first_batch[0],
+            _first_wait_s=self._first_batch[1], _spans=spans,
+        )
+
+    def _live_figures(self) -> tuple[int, int]:
+        """(batches in flight, object-store bytes of those already made), read from the live iterator."""
+        it = self._iter_ref()
+        if it is None:
+            return 0, 0
+        sched = getattr(it, "_sched", None)
+        if sched is None:
+            return 0, 0
+        tasks = [t for t in sched.task_info.values() if t.ref is not None]
+        if not tasks:
+            return len(sched.task_info), 0
+        ray = self._ray
+        try:
+            ready, _ = ray.wait([t.meta_ref for t in tasks], num_returns=len(tasks), timeout=0, fetch_local=False)
+            metas = ray.get(ready, timeout=5) if ready else []
+        except Exception:  # a dead worker's task: its figures are unknown, not an error here
+            metas = []
+        return len(sched.task_info), sum(getattr(m, "nbytes", 0) for m in metas)
+
+    # ------------------------------------------------------------------ Ray metrics
+
+    def _flush_metrics(self, now: float, share: Optional[float] = None) -> None:
+        """Push what changed since the last flush to `ray.util.metrics` (NOTE [ raydl stats ])."""
+        self._next_flush = now + METRICS_FLUSH_S
+        try:
+            m = self._metrics or self._make_metrics()
+            loader = {"loader": self.name}
+            live = not self._finished  # a finished epoch is already in the totals
+            for wid, w in self._workers.items():
+                tags = {"loader": self.name, "worker": str(wid)}
+                f = w.flushed
+                restarts = self._restarts[wid] if wid < len(self._restarts) else 0
+                cumulative = (
+                    w.total_batches + (w.batches if live else 0),
+                    w.total_bytes + (w.bytes if live else 0),
+                    w.total_busy_s + (w.busy_s if live else 0.0),
+                    w.total_cpu_s + (w.cpu_s if live else 0.0),
+                    restarts,
+                )
+                for i, key in enumerate(("batches", "bytes", "busy", "cpu", "restarts")):
+                    if cumulative[i] > f[i]:
+                        m[key].inc(cumulative[i] - f[i], tags=tags)
+                        f[i] = cumulative[i]
+            samples = self._total[1] + (0 if self._finished else self._samples)
+            wait_s = self._total[3] + (0.0 if self._finished else self._wait_s)
+            if samples > self._flushed[0]:
+                m["samples"].inc(samples - self._flushed[0], tags=loader)
+                self._flushed[0] = samples
+            if wait_s > self._flushed[1]:
+                m["wait"].inc(wait_s - self._flushed[1], tags=loader)
+                self._flushed[1] = wait_s
+            if self._epochs_finished > self._flushed[2]:
+                m["epochs"].inc(self._epochs_finished - self._flushed[2], tags=loader)
+                self._flushed[2] = self._epochs_finished
+            it = self._iter_ref()
+            sched = getattr(it, "_sched", None) if it is not None else None
+            m["in_flight"].set(len(sched.task_info) if sched is not None else 0, tags=loader)
+            if share is not None:
+                m["share"].observe(share, tags=loader)
+        except Exception as e:  # metrics are best effort: a Ray without its metrics agent still loads data
+            logger.debug("raydl: metrics not exported: %s", e)
+
+    def _make_metrics(self) -> dict:
+        self._metrics = _driver_metrics()
+        return self._metrics
+
+
+_DRIVER_METRICS: Optional[dict] = None
+
+
+def _driver_metrics() -> dict:
+    """The driver's Ray metrics, created once per process (Ray registers a metric by name)."""
+    global _DRIVER_METRICS
+    if _DRIVER_METRICS is None:
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        lw = ("loader", "worker")
+        _DRIVER_METRICS = {
+            "batches": Counter("raydl_batches", description="Batches made by a raydl worker.", tag_keys=lw),
+            "bytes": Counter("raydl_batch_bytes", description="Bytes of the batches a raydl worker made.", tag_keys=lw),
+            "busy": Counter("raydl_worker_busy_seconds", description="Seconds a raydl worker spent making batches.",
+                            tag_keys=lw),
+            "cpu": Counter("raydl_worker_cpu_seconds", description="CPU seconds of a raydl worker while making batches.",
+                           tag_keys=lw),
+            "restarts": Counter("raydl_worker_restarts", description="Replacements of a dead raydl worker.", tag_keys=lw),
+            "samples": Counter("raydl_samples", description="Samples a raydl loader handed to the training loop.",
+                               tag_keys=("loader",)),
+            "wait": Counter("raydl_wait_seconds",
+                            description="Seconds the training loop waited inside next() on a raydl loader (data stall).",
+                            tag_keys=("loader",)),
+            "epochs": Counter("raydl_epochs", description="Epochs a raydl loader finished.", tag_keys=("loader",)),
+            "in_flight": Gauge("raydl_batches_in_flight", description="Batches asked of raydl workers, not yet handed out.",
+                               tag_keys=("loader",)),
+            "share": Histogram("raydl_epoch_wait_share", description="Share of an epoch the loop waited for data.",
+                               boundaries=_SHARE_BUCKETS, tag_keys=("loader",)),
+        }
+    return _DRIVER_METRICS
+
+
+class _Off:
+    """The recorder of a loader with ray_stats=False: every hook does nothing."""
+
+    enabled = False
+
+    def __init__(self) -> None:
+        import contextlib
+
+        self._null = contextlib.nullcontext()
+
+    def next_call(self) -> Any:
+        return self._null
+
+    def batch_made(self, meta: Any) -> None:
+        pass
+
+    def timed_pin(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        return fn
+
+    def begin_epoch(self) -> None:
+        pass
+
+    def snapshot(self) -> None:
+        return None
+
+
+def make_recorder(name: Optional[str], iterator: Any, threads_per_worker: int) -> StatsRecorder | _Off:
+    """The iterator's recorder: a `StatsRecorder` named `name`, or a no-op one for None (ray_stats=False)."""
+    return StatsRecorder(name, iterator, threads_per_worker) if name is not None else _Off()
+
+
+# --------------------------------------------------------------------------- the hint
+
+
+def _hint(stats: LoaderStats, threads_per_worker: int, ray: Any) -> None:
+    """One INFO line when the loop waited > HINT_WAIT_SHARE of the epoch, with what would help.
+
+    What helps depends on where the workers' time goes: workers whose CPU time is a small share
+    of their batch time wait on I/O (more threads per worker overlap those waits); busy workers
+    need more workers, which only helps if the cluster has CPUs they do not use already. A
+    worker much slower than the others is named: more workers will not fix a slow node.
+    """
+    share = stats.steady_wait_share  # start-up is not a data stall that more workers or threads would fix
+    if share <= HINT_WAIT_SHARE or not stats.workers:
+        return
+    if not logger.isEnabledFor(logging.INFO):
+        return
+    parts = [
+        f"raydl loader {stats.name!r}: the training loop waited for data {share:.0%} of epoch {stats.epoch} "
+        f"after its first batch ({stats.wait_s:.1f} s of {stats.wall_s:.1f} s in all)"
+    ]
+    busy = sum(w.busy_s for w in stats.workers)
+    cpu = sum(w.cpu_s for w in stats.workers)
+    n = len(stats.workers)
+    if busy > 0 and cpu < HINT_IO_CPU_SHARE * busy:
+        parts.append(
+            f"workers use the CPU {cpu / busy:.0%} of their batch time (they wait on I/O): "
+            + ("ray_threads_per_worker=8 fetches a batch's samples on 8 threads" if threads_per_worker == 1 else
+               f"more threads per worker (ray_threads_per_worker={threads_per_worker} now) or more workers")
+        )
+    else:
+        total = ray.cluster_resources().get("CPU", 0.0)
+        free = ray.available_resources().get("CPU", 0.0)
+        if total > n + 1:
+            parts.append(
+                f"more workers would help: the cluster has {total:g} CPUs ({free:g} unreserved) for {n} workers "
+                "and this process"
+            )
+        else:
+            parts.append(
+                f"the {n} workers are CPU-bound and the cluster's {total:g} CPUs are taken: add nodes (raydl "
+                "workers go anywhere in the cluster) or make samples cheaper"
+            )
+    medians = sorted(((w.median_s, w) for w in stats.workers if w.batches), key=lambda x: x[0])
+    if len(medians) >= 2:
+        slow_s, slow = medians[-1]
+        others = [m for m, _ in medians[:-1]]
+        typical = others[len(others) // 2]
+        if typical > 0 and slow_s > HINT_SLOW_WORKER_FACTOR * typical:
+            parts.append(
+                f"worker {slow.worker_id} (pid {slow.pid}, node {slow.node_ip}) is the slowest: "
+                f"{slow_s * 1e3:.0f} ms per batch vs {typical * 1e3:.0f} ms for the others"
+            )
+    message = "; ".join(parts) + ". (Silence: logging.getLogger('raydl.stats').setLevel(logging.WARNING).)"
+    if logger.hasHandlers():
+        logger.info(message)
+    else:  # no logging configured: Python would drop an INFO record
+        print(message, file=sys.stderr)
+
