@@ -43,6 +43,30 @@ def _build_model(seconds: float) -> None:
             layers.clear()
 
 
+_KINDS = (("gcs_server", "gcs"), ("raylet", "raylet"), ("dashboard.py", "api server"), ("DashboardAgent", "agents"),
+          ("RuntimeEnvAgent", "agents"), ("log_monitor", "monitors"), ("monitor.py", "monitors"),
+          ("ray::Worker", "workers"), ("ray::IDLE", "idle Ray workers"))
+
+
+def _cpu_by_process_kind() -> dict:
+    """CPU seconds used so far by this process and each kind of process under it (load-independent work)."""
+    import psutil
+
+    me = psutil.Process()
+    t = me.cpu_times()
+    out = {"driver": round(t.user + t.system, 2)}
+    for p in me.children(recursive=True):
+        try:
+            label = " ".join(p.cmdline()) or p.name()
+            ct = p.cpu_times()
+        except psutil.Error:
+            continue
+        forked = label == " ".join(me.cmdline())  # torch's workers are forks of this process
+        kind = "workers" if forked else next((k for needle, k in _KINDS if needle in label), "other")
+        out[kind] = round(out.get(kind, 0.0) + ct.user + ct.system, 2)
+    return out
+
+
 def child(mode: str, num_workers: int, build_s: float) -> None:
     import logging
 
@@ -94,6 +118,7 @@ def child(mode: str, num_workers: int, build_s: float) -> None:
     mark("iter")
     next(it)
     mark("first_batch")
+    marks["cpu_s"] = _cpu_by_process_kind()
     print("RESULT " + json.dumps({"mode": mode, "num_workers": num_workers, "build_s": build_s, **marks}), flush=True)
     del it, loader
 
@@ -164,8 +189,8 @@ def main() -> None:
     med = lambda recs, k: statistics.median(r[k] for r in recs if k in r) if any(k in r for r in recs) else None  # noqa: E731
     print(f"\nCold first batch, {args.num_workers} workers, model build {args.build_s:g} s, median of {args.reps} "
           f"(s from before `import torch`; machine busy cores = all processes' CPU use during the run, 2 cores)\n")
-    print("| loader | first batch | import torch | import loader | Ray up | workers ready | after model built | busy cores |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| loader | first batch | import torch | import loader | Ray up | workers ready | after model built | busy cores | CPU s (all processes) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
     for mode in modes:
         recs = runs[mode]
@@ -174,7 +199,16 @@ def main() -> None:
             after_build = statistics.median(r["first_batch"] - r["model_built"] for r in recs)
         print(f"| {mode} | {fmt(med(recs, 'first_batch'))} | {fmt(med(recs, 'import_torch'))} | "
               f"{fmt(med(recs, 'import_loader'))} | {fmt(med(recs, 'ray_up'))} | {fmt(med(recs, 'workers_ready'))} | "
-              f"{fmt(after_build)} | {fmt(med(recs, 'machine_busy_cores'))} |")
+              f"{fmt(after_build)} | {fmt(med(recs, 'machine_busy_cores'))} | "
+              f"{fmt(statistics.median(sum(r['cpu_s'].values()) for r in recs) if all('cpu_s' in r for r in recs) else None)} |")
+    kinds = sorted({k for m in modes for r in runs[m] for k in r.get("cpu_s", {})})
+    if kinds:
+        print("\nCPU seconds by process up to the first batch (median), the work itself whatever the load:\n")
+        print("| loader | " + " | ".join(kinds) + " |")
+        print("|---|" + "---|" * len(kinds))
+        for mode in modes:
+            cells = [fmt(statistics.median(r["cpu_s"].get(k, 0.0) for r in runs[mode])) for k in kinds]
+            print(f"| {mode} | " + " | ".join(cells) + " |")
 
 
 if __name__ == "__main__":

@@ -65,7 +65,7 @@ def child(loader_kind: str, num_workers: int) -> None:
         import raydl
 
         DataLoader = raydl.DataLoader
-        kwargs = {"ray_reuse_workers": False}
+        kwargs = {"ray_reuse_workers": False, "ray_startup_timeout_s": 900.0}  # 16 starts on a busy 2-core host are slow
         if loader_kind == "raydl-pre-fix-imports":
             kwargs["worker_init_fn"] = _pre_fix_imports
     loader = DataLoader(Samples(), batch_size=16, num_workers=num_workers, persistent_workers=True, **kwargs)

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import warnings
 
-import pytest
 import torch
 
 import raydl
