@@ -20,7 +20,7 @@ from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
 
 # Imported on first use (PEP 562): a worker process imports `raydl._worker`, hence this package,
 # and needs none of the driver's modules (the loader, the patch, pyarrow through ArrowDataset);
-# importing them there cost each idle worker ~9 MiB (benchmarks/bench_worker_memory.py).
+# importing them there took `import raydl._worker` from 1 to 6 MiB USS (benchmarks/README.md).
 _LAZY = {
     "DataLoader": ".loader",
     "ArrowDataset": ".arrow",
