@@ -38,7 +38,10 @@ pool that turns out dead at its `configure()` died idle, before this iterator ga
 to make; the pool swaps it for a new actor and the tasks queued on it are sent again to the new
 one (`Schedule.resend`), with no restart counted and no warning.
 Every batch is handed out exactly once, in order; a deterministic dataset gives identical
-batches. Worker-side random draws of a replaced worker restart from its seed.
+batches. A replacement also takes back its predecessor's state as of the last batch the driver
+read from it (NOTE [ raydl checkpoint ] in _checkpoint.py): its random, torch and NumPy
+generators and its dataset's own state, so its re-made batches are the ones the dead worker would
+have made, random augmentation included.
 Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
 next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
 worker meanwhile are held (`Task.ref is None`) and all sent once the lost batches are done
@@ -94,6 +97,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from . import _constants
+from ._checkpoint import Tracker, track_rng_enabled
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._elastic import ElasticPool
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
@@ -144,7 +148,8 @@ class _RayLoaderIter(Iterator[Any]):
     See NOTE [ raydl ordering ], NOTE [ raydl recovery ], NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
     """
 
-    def __init__(self, loader: DataLoader) -> None:
+    def __init__(self, loader: DataLoader, state: Optional[dict] = None) -> None:
+        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in _checkpoint.py)."""
         options = RayOptions.from_loader(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
@@ -182,9 +187,15 @@ class _RayLoaderIter(Iterator[Any]):
             self._copier = DeviceCopier(target)
 
         # torch draws the base seed after creating the sampler iterator and before the first
-        # index: the generator is consumed in the same order here.
-        self._sampler_iter = iter(self._index_sampler)
+        # index: the generator is consumed in the same order here. A resumed iterator then takes
+        # its sampler position, base seed and epoch from the state.
+        self._ckpt = Tracker(loader, self._index_sampler, state)
+        self._sampler_iter = self._ckpt.sampler_iter(first_iter=True)
         self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        self._sampler_iter, self._base_seed = self._ckpt.resume_main(
+            self._sampler_iter, self._base_seed, self._IterableDataset_len_called
+        )
+        self._epoch = self._ckpt.epoch
 
         ensure_ray_initialized(options.address)
         wait_for_early_start()  # a raydl.start() in progress hands its workers over first (NOTE [ raydl early start ])
@@ -213,10 +224,12 @@ class _RayLoaderIter(Iterator[Any]):
             reuse=options.reuse_workers,
             # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
             placement=worker_placement(actor_options, self._driver_node_id),
+            worker_states=self._ckpt.worker_states,
+            track_rng=track_rng_enabled(),
+            epoch=self._epoch,
         )
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
-        self._epoch = 0
         self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
         self._elastic = ElasticPool(  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
             self._pool, self._sched, self._prefetch_factor, self._try_put_index, self._startup_timeout_s,
@@ -236,6 +249,10 @@ class _RayLoaderIter(Iterator[Any]):
     def __len__(self) -> int:
         return len(self._index_sampler)  # type: ignore[arg-type]
 
+    def state_dict(self) -> dict:
+        """This iterator's state as of the last batch handed out (NOTE [ raydl checkpoint ]); never waits on workers."""
+        return self._ckpt.state_dict()
+
     @property
     def worker_records(self) -> list:
         """Where each worker runs (`WorkerRecord`s; None for a worker not yet started); retired workers are left out."""
@@ -252,9 +269,14 @@ class _RayLoaderIter(Iterator[Any]):
         t0 = time.perf_counter()
         # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
         with self.stats_recorder.next_call():  # the time spent here is the loop's data stall
-            data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
+            try:
+                data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
+            except StopIteration:
+                self._ckpt.on_end()
+                raise
         self._elastic.on_next(time.perf_counter() - t0)  # the autoscaler's measure
         self._num_yielded += 1
+        self._ckpt.on_handed_out()
         if (
             self._is_iterable
             and self._IterableDataset_len_called is not None
@@ -289,18 +311,21 @@ class _RayLoaderIter(Iterator[Any]):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch."""
         if not first_iter:
-            self._sampler_iter = iter(self._index_sampler)
+            self._sampler_iter = self._ckpt.sampler_iter(first_iter=False)
             self._IterableDataset_len_called = loader._IterableDataset_len_called
             self._drop_all_tasks()
             self._epoch += 1
+            self._pool.epoch = self._epoch
             self._state = _State.RUNNING
             self._source_ended = False
-        self._num_yielded = 0
         self.stats_recorder.begin_epoch()
+        # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
+        start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
+        self._num_yielded = self._ckpt.num_yielded
         self._stall_reported: set[int] = set()  # task idxs already reported as stalled
-        self._send_idx = 0  # idx of the next task to be sent to workers
-        self._rcvd_idx = 0  # idx of the next task to be handed out in order
-        self._sched.reset()
+        self._send_idx = start  # idx of the next task to be sent to workers
+        self._rcvd_idx = start  # idx of the next task to be handed out in order
+        self._sched.reset(first_worker)
         self._elastic.new_epoch()
         for _ in range(self._sched.max_tasks):
             self._try_put_index()
@@ -309,10 +334,15 @@ class _RayLoaderIter(Iterator[Any]):
         """Draw the next index from the sampler and give it to the next eligible worker (torch's rule)."""
         if 0 < self._sched.max_tasks <= self._sched.tasks_outstanding:
             return  # the pool shrank: refills wait until the tasks in flight fit its bound
-        try:
-            index = next(self._sampler_iter)
-        except StopIteration:
-            return
+        while True:
+            try:
+                index = next(self._sampler_iter)
+            except StopIteration:
+                return
+            self._ckpt.on_draw(self._send_idx, self._sampler_iter)
+            if not self._ckpt.skip(self._send_idx):
+                break
+            self._send_idx += 1  # handed out before the state was taken (in_order=False): not made again
         worker_id = self._sched.next_worker()
         if worker_id is None:
             return
@@ -380,6 +410,7 @@ class _RayLoaderIter(Iterator[Any]):
             except _Held:
                 continue
             except RayTaskError as e:
+                self._ckpt.on_batch_failed(idx)
                 self._consume(idx)
                 # As torch does: refill before raising, so a caller that catches the error can go on.
                 self._try_put_index()
@@ -490,6 +521,7 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
+        self._ckpt.on_batch_made(idx, task.worker_id, meta)
         self._elastic.on_batch_made(meta.fetch_s)
         self.stats_recorder.batch_made(meta)
 
@@ -547,7 +579,7 @@ class _RayLoaderIter(Iterator[Any]):
         logger.warning(
             "raydl: %s died (%s); starting a replacement and resending %d batch(es)", where, cause, len(on_worker)
         )
-        self._pool.replace(worker_id)
+        self._pool.replace(worker_id, self._ckpt.restart_state(worker_id))
         # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
         self._sched.hold_for_replacement(worker_id)
         self._wait_workers_ready()  # a replacement dying while starting recurses here, one restart more

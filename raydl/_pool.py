@@ -68,8 +68,15 @@ class WorkerPool:
         actor_options: Mapping[str, Any],
         reuse: bool = True,
         placement: Optional[Placement] = None,
+        worker_states: Optional[list] = None,
+        track_rng: bool = True,
+        epoch: int = 0,
     ) -> None:
         self.num_workers = num_workers
+        # the snapshot each worker starts from (NOTE [ raydl checkpoint ]); None: a fresh start
+        self._worker_states: list[Optional[dict]] = list(worker_states) if worker_states else [None] * num_workers
+        self._track_rng = track_rng
+        self.epoch = epoch  # the iterator's epoch, which a (re)started worker joins
         self.actor_options = dict(actor_options)
         self._payload_ref = payload_ref
         self._base_seed = base_seed
@@ -156,19 +163,22 @@ class WorkerPool:
 
     def _configure(self, worker_id: int) -> Any:
         return self.actors[worker_id].configure.remote(
-            self._payload_ref, worker_id, self._info_num_workers[worker_id], self._base_seed
+            self._payload_ref, worker_id, self._info_num_workers[worker_id], self._base_seed,
+            self._worker_states[worker_id], self._track_rng, self.epoch,
         )
 
     def _start_fresh(self, worker_id: int) -> None:
         self.actors[worker_id] = self._new_actor(worker_id)
         self._ready_refs[worker_id] = self._configure(worker_id)
 
-    def replace(self, worker_id: int) -> None:
+    def replace(self, worker_id: int, state: Optional[dict] = None) -> None:
         """Kill worker `worker_id` (if still there) and start a new actor with the same id, seed and payload.
 
-        The new actor seeds itself and runs worker_init_fn exactly as the first one did; the
-        caller waits for it with `wait_ready`.
+        The new actor seeds itself and runs worker_init_fn exactly as the first one did, then
+        takes back `state` (the dead worker's snapshot as of its last batch read, NOTE [ raydl
+        checkpoint ]) when given; the caller waits for it with `wait_ready`.
         """
+        self._worker_states[worker_id] = state
         import ray
 
         try:
@@ -220,6 +230,7 @@ class WorkerPool:
         self.restarts.append(0)
         self._abandoned.append([])
         self._info_num_workers.append(info_num_workers)
+        self._worker_states.append(None)
         self._ready_refs.append(None)
         self._replan(wid)
         warm = WARM_POOL.take(self._warm_key(self.nodes[wid]), 1) if self._reuse else []

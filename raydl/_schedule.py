@@ -82,14 +82,15 @@ class Schedule:
         """Workers in the round robin now."""
         return len(self.active)
 
-    def reset(self) -> None:
-        """A new epoch: no task, every worker active, the round robin back at its first worker (as torch's)."""
+    def reset(self, first_worker: int = 0) -> None:
+        """A new epoch: no task, every worker active, the round robin at `first_worker` (its first worker, as
+        torch's; a resumed epoch goes on after the worker of the last batch handed out, NOTE [ raydl checkpoint ])."""
         self.task_info: dict[int, Task] = {}
         self.tasks_outstanding = 0
         self.workers_status = [True] * self._num_ids
         self.workers_num_tasks = [0] * self._num_ids
         self.probation: dict[int, set[int]] = {}
-        self._pos = 0  # position in `active` of the next worker of the cycle
+        self._pos = self.active.index(first_worker) if first_worker in self.active else 0  # position in `active` of the next worker of the cycle
 
     def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
         submit = self._submit_ref()

@@ -39,6 +39,16 @@ from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _Worker
 from ._seeding import seed_batch
 from ._stats import batch_nbytes, observe_batch_time
 from ._transfer import encode
+from ._worker_state import (
+    DATASET_ITER_STATE,
+    DATASET_STATE,
+    FETCHER_STATE,
+    RNG,
+    RngTracker,
+    is_stateful,
+    make_worker_snapshot,
+    restore_rng,
+)
 
 __all__ = ["WorkerPayload", "BatchMeta", "Worker", "numpy_seed_state", "get_worker_info"]
 
@@ -74,6 +84,11 @@ class BatchMeta:
     samples: int = 0
     nbytes: int = 0  # bytes of the batch's array data, as encoded
     cpu_s: float = 0.0  # CPU seconds of this process while making it (far below fetch_s: waiting on I/O)
+    # NOTE [ raydl checkpoint ] (_checkpoint.py): the worker's state after this task, so the
+    # driver holds every worker's state as of the last batch it handed out without asking.
+    state: Optional[dict] = None  # torchdata's worker snapshot; None: a map-style dataset without state
+    rng: Optional[dict] = None  # the random/torch/NumPy states; None: unchanged since this worker's last meta
+    signal: bool = False  # the task returned a signal (end of an iterable stream), not a batch
 
 
 def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
@@ -131,17 +146,35 @@ class Worker:
         self._init_error: Optional[BaseException] = None
         self._epoch = 0
         self._base_seed = 0
+        self._rng = RngTracker()
+        self._track_rng = True
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this.
         return f"raydl.Worker(id={self._worker_id})"
 
-    def configure(self, payload: WorkerPayload | bytes, worker_id: int, num_workers: int, base_seed: int) -> dict:
+    def configure(
+        self,
+        payload: WorkerPayload | bytes,
+        worker_id: int,
+        num_workers: int,
+        base_seed: int,
+        worker_state: Optional[dict] = None,
+        track_rng: bool = True,
+        epoch: int = 0,
+    ) -> dict:
         """Become worker `worker_id` of a loader, as torch's worker process starts; returns where it runs.
+
+        `worker_state`: a snapshot from a loader state (NOTE [ raydl checkpoint ]): after seeding
+        and worker_init_fn, the dataset's state, then its iterator's, then the generators' are
+        restored from it, in torchdata's order. `track_rng`: report the generators' state with
+        each batch (off only to measure what tracking costs). `epoch`: the iterator's epoch
+        the worker joins (a resumed or replaced persistent worker).
 
         Raises the error of unpickling the payload, of `worker_init_fn` or of `iter(dataset)`.
         """
         self.reset()
+        self._epoch = epoch
         self._worker_id = worker_id
         self._base_seed = base_seed
         try:
@@ -157,12 +190,33 @@ class Worker:
             )
             if payload.worker_init_fn is not None:
                 payload.worker_init_fn(worker_id)
-            self._fetcher = self._make_fetcher()
+            self._track_rng = track_rng
+            if worker_state is None:
+                self._fetcher = self._make_fetcher()
+            else:
+                self._restore(worker_state)
         except Exception as e:
             annotate_traceback(e)
             self._init_error = e
             raise
         return _describe_process()
+
+    def _restore(self, state: dict) -> None:
+        """Take back a worker snapshot (torchdata's order: dataset, then its iterator; then the generators)."""
+        p = self._payload
+        assert p is not None
+        if state.get(DATASET_STATE) is not None and is_stateful(p.dataset):
+            p.dataset.load_state_dict(state[DATASET_STATE])
+        self._fetcher = self._make_fetcher()
+        fetcher_state = state.get(FETCHER_STATE)
+        if p.is_iterable and fetcher_state is not None:
+            it_state = fetcher_state.get(DATASET_ITER_STATE)
+            if it_state is not None and is_stateful(self._fetcher.dataset_iter):
+                self._fetcher.dataset_iter.load_state_dict(it_state)
+            # As torchdata: an ended stream is asked once more, and says so again.
+            self._fetcher.ended = False
+        if state.get(RNG) is not None:
+            restore_rng(state[RNG])
 
     def reset(self) -> None:
         """Forget the current loader (dataset, fetcher, worker info) so the process can serve another."""
@@ -170,6 +224,7 @@ class Worker:
         self._fetcher = None
         self._init_error = None
         self._epoch = 0
+        self._rng.reset()
         _torch_worker._worker_info = None
 
     def _make_fetcher(self) -> MapFetcher | IterableFetcher:
@@ -192,12 +247,19 @@ class Worker:
             seed_batch(self._base_seed, epoch, idx)
         batch = self._fetch(epoch, index)
         fetch_s = time.perf_counter() - t0
-        name = self._payload.stats_name if self._payload is not None else None
-        if name is None or isinstance(batch, _WorkerSignal):
-            return batch, BatchMeta(self._worker_id, idx, started_s, fetch_s)
+        p = self._payload
+        state = rng = None
+        if p is not None and self._fetcher is not None:  # NOTE [ raydl checkpoint ]
+            state = make_worker_snapshot(self._worker_id, self._fetcher, p.dataset, p.is_iterable)
+            rng = self._rng.changed() if self._track_rng else None
+        signal = isinstance(batch, _WorkerSignal)
+        name = p.stats_name if p is not None else None
+        if name is None or signal:
+            return batch, BatchMeta(self._worker_id, idx, started_s, fetch_s, state=state, rng=rng, signal=signal)
         observe_batch_time(name, self._worker_id, fetch_s)
         return batch, BatchMeta(
-            self._worker_id, idx, started_s, fetch_s, self._samples(index), batch_nbytes(batch), time.process_time() - c0
+            self._worker_id, idx, started_s, fetch_s, self._samples(index), batch_nbytes(batch), time.process_time() - c0,
+            state=state, rng=rng, signal=signal,
         )
 
     def _samples(self, index: Any) -> int:
@@ -215,6 +277,7 @@ class Worker:
         try:
             if epoch != self._epoch:
                 self._epoch = epoch
+                self._rng.reset()
                 if self._payload.is_iterable:
                     self._fetcher = self._make_fetcher()
             assert self._fetcher is not None

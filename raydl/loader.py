@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 import warnings
@@ -10,13 +11,15 @@ from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
+from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
+from ._checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, validate
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
+from ._inprocess import _InProcessIter
 from ._iter import _RayLoaderIter
 from ._locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
 from ._ray_utils import worker_actor_options
-from ._seeding import SeededInProcessIter
 from ._stats import LoaderStats
 
 __all__ = ["DataLoader"]
@@ -118,6 +121,10 @@ class DataLoader(_TorchDataLoader[T_co]):
             Ray metrics. Defaults to ``None``: the dataset's class name.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration.
+
+    Mid-epoch resume: `state_dict()` / `load_state_dict()` behave as torchdata's
+    `StatefulDataLoader`'s, with its state layout (either loader loads the other's state), and
+    continue bit-exactly, worker-side random draws included (see README, "Resume mid-epoch").
     """
 
     def __init__(
@@ -185,6 +192,9 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_name = options.name
         self._stats_recorder: Any = None  # the last iterator's (NOTE [ raydl stats ]); never the iterator itself
         self.shuffle = shuffle
+        self._next_iter_state: Optional[Mapping] = None  # from load_state_dict, for the next iter()
+        self._state_source: Any = None  # what state_dict() reads: the last iterator's (or its tracker)
+        self._prepared_iter: Any = None  # made by state_dict() before any iteration; the next iter() returns it
         super().__init__(
             dataset,
             batch_size=batch_size,
@@ -226,13 +236,19 @@ class DataLoader(_TorchDataLoader[T_co]):
     def _get_iterator(self):
         # Kept for code that calls torch's private factory directly.
         if self.num_workers == 0:
-            return SeededInProcessIter(self) if self.ray_seed == "batch" else super()._get_iterator()
+            state, self._next_iter_state = self._next_iter_state, None
+            if isinstance(self.dataset, (IterDataPipe, MapDataPipe)) and self.ray_seed != "batch":
+                return super()._get_iterator()  # torch's own path (sharding, shared seed)
+            it = _InProcessIter(self, state)
+            self._state_source = it
+            return it
         return self._new_iterator()
 
-    def _new_iterator(self) -> _RayLoaderIter:
-        it = _RayLoaderIter(self)
+    def _new_iterator(self, state: Optional[Mapping] = None) -> _RayLoaderIter:
+        it = _RayLoaderIter(self, state)
         self._live_iters().add(it)
         self._stats_recorder = it.stats_recorder  # NOTE [ raydl stats ]: the recorder, never the iterator
+        self._state_source = it._ckpt
         return it
 
     def _live_iters(self) -> weakref.WeakSet:
@@ -241,15 +257,78 @@ class DataLoader(_TorchDataLoader[T_co]):
         return self._ray_iters
 
     def __iter__(self):
+        if self._prepared_iter is not None:
+            it, self._prepared_iter = self._prepared_iter, None
+            return it
+        state = self._next_iter_state
         if self.num_workers == 0:
-            return SeededInProcessIter(self) if self.ray_seed == "batch" else super().__iter__()
+            it = super().__iter__()  # _get_iterator resumes from the loaded state (replaying an iterable without state)
+            if state is not None and state.get(FINISHED):  # as torchdata: on into the next epoch
+                it = super().__iter__()
+            return it
+        self._next_iter_state = None
         if self.persistent_workers:
-            if not (isinstance(self._iterator, _RayLoaderIter) and self._iterator.reusable):
-                self._iterator = self._new_iterator()
-            else:
+            if state is None and isinstance(self._iterator, _RayLoaderIter) and self._iterator.reusable:
                 self._iterator._reset(self)
-            return self._iterator
-        return self._new_iterator()
+                self._state_source = self._iterator._ckpt
+            else:
+                if isinstance(self._iterator, _RayLoaderIter):  # a loaded state starts its own workers
+                    self._iterator.shutdown()
+                self._iterator = self._new_iterator(state)
+            it = self._iterator
+        else:
+            it = self._new_iterator(state)
+        if state is not None:
+            it = self._resume(it, state)
+        return it
+
+    def _resume(self, it: _RayLoaderIter, state: Mapping) -> _RayLoaderIter:
+        """After a loaded state: replay what cannot be positioned, and go on into the next epoch if it had ended."""
+        for _ in range(it._ckpt.replay + int(state.get(STEPS_SINCE_SNAPSHOT) or 0)):
+            try:
+                next(it)
+            except StopIteration:
+                break
+        if state.get(FINISHED):  # as torchdata: a state taken after StopIteration resumes into the next epoch
+            if self.persistent_workers:
+                it._reset(self)
+            else:
+                it.shutdown()
+                it = self._new_iterator()
+        return it
+
+    def state_dict(self) -> dict:
+        """The state of the iterator most recently created, as of the last batch it handed out.
+
+        Same semantics and layout as torchdata's `StatefulDataLoader.state_dict()`: plain data
+        (survives `torch.save` / `torch.load(weights_only=True)`; JSON wherever torchdata's is),
+        never changed by later iteration; called before any iteration it describes the iterator
+        the next `iter()` returns; right after `load_state_dict()` it returns the loaded state.
+        It never waits on workers: the driver already holds their state (NOTE [ raydl checkpoint ]).
+        """
+        if self._next_iter_state is not None:
+            return copy.deepcopy(dict(self._next_iter_state))
+        if self._state_source is None:
+            self._prepared_iter = iter(self)
+        return self._state_source.state_dict()
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Resume from `state_dict` (raydl's or StatefulDataLoader's) at the next `iter()`.
+
+        The next iteration hands out exactly the batches the saved run had not handed out yet,
+        with worker-side random draws continuing as they would have. `{}` is ignored, as torchdata does.
+
+        Raises:
+            ValueError: `state_dict` is not a loader state, or was saved by a loader with another
+                num_workers, dataset length, batch size or sampler type (the message names it).
+        """
+        if isinstance(state_dict, Mapping) and len(state_dict) == 0:
+            return
+        validate(state_dict, self)
+        if isinstance(self._prepared_iter, _RayLoaderIter) and self._prepared_iter is not self._iterator:
+            self._prepared_iter.shutdown()
+        self._prepared_iter = None
+        self._next_iter_state = state_dict
 
     def set_num_workers(self, num_workers: int) -> None:
         """Resize the worker pool to `num_workers`, now: mid-epoch, in every live iterator, and for later ones.
@@ -322,6 +401,8 @@ class DataLoader(_TorchDataLoader[T_co]):
     def __getstate__(self) -> dict:
         state = self.__dict__.copy()
         state["_iterator"] = None  # actors belong to this process's loader, not to a copy
+        state["_state_source"] = None
+        state["_prepared_iter"] = None
         state.pop("_ray_iters", None)
         state["_stats_recorder"] = None
         return state

@@ -114,3 +114,11 @@ def test_train_image_classifier_times_both_loaders_with_identical_training(ray_s
         assert [epoch for epoch, _ in runs[name]] == ["0", "1"], out[-3000:]
     assert runs["torch"] == runs["raydl"]  # same batches, same worker-side augmentation, same training
     assert re.search(r"^raydl DataLoader: 2 Ray workers on \['127\.0\.0\.1'\]$", out, re.M)
+
+
+def test_resume_example_restarted_job_matches_the_uninterrupted_one(ray_session):
+    """resume_example.py: checkpoint with torch.save every step, stop, restart from it: same batches, same weights."""
+    out = _run([os.path.join(EXAMPLES, "resume_example.py"), "--samples", "48", "--stop-after", "3"],
+               _session_ray_env(ray_session))
+    assert "resumed run matches the uninterrupted one, augmentation included: True" in out, out[-3000:]
+    assert "same final weights: True" in out, out[-3000:]

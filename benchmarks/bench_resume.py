@@ -1,0 +1,210 @@
+#!/usr/bin/env python3
+"""What mid-epoch resume costs: state_dict() in the driver, steady-state throughput, first batch after a load.
+
+    python benchmarks/bench_resume.py            # full run
+    python benchmarks/bench_resume.py --quick    # smoke run
+
+Measures (NOTE [ raydl checkpoint ] in raydl/_checkpoint.py):
+  (a) `DataLoader.state_dict()` in the driver, mid-epoch, map-style, with 2 and 32 workers,
+      for a dataset whose workers' RNG never moves and for one that draws from torch's RNG in
+      every sample (every worker snapshot then carries ~13 KB of generator states);
+  (b) the driver's per-batch bookkeeping (the Tracker's hooks), timed alone;
+  (c) steady-state throughput (samples/s, epochs after the first) with worker RNG tracking on
+      and off (RAYDL_TRACK_WORKER_RNG=0), on the CPU-bound and overhead-floor workloads of
+      bench_throughput, the variants alternating over repetitions; medians and paired ratios;
+  (d) first batch after `load_state_dict()` + `iter()` mid-epoch, next to what it consists of:
+      the sampler fast-forward (drawing the indices of the batches already handed out) and a
+      fresh loader's first batch (worker start, warm pool).
+Outputs: a Markdown report on stdout and JSON lines in benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import torch  # noqa: E402
+from torch.utils.data import Dataset  # noqa: E402
+
+import raydl  # noqa: E402
+from benchmarks import _common as C  # noqa: E402
+from raydl._checkpoint import Tracker  # noqa: E402
+from raydl._worker import BatchMeta  # noqa: E402
+
+
+class NoisyWorkload(C.WorkloadDataset):
+    """The workload's sample plus a draw from torch's global RNG (random augmentation)."""
+
+    def __getitem__(self, i: int):
+        x, label = super().__getitem__(i)
+        return x + torch.rand(()), label
+
+
+def _loader(ds: Dataset, workers: int, batch_size: int, **kw) -> raydl.DataLoader:
+    return raydl.DataLoader(ds, batch_size=batch_size, num_workers=workers, shuffle=True, timeout=300,
+                            generator=torch.Generator().manual_seed(0), **kw)
+
+
+def bench_state_dict(res: C.Results, quick: bool) -> list:
+    rows = []
+    for workers in (2, 32):
+        for noisy in (False, True):
+            wl = C.Workload("trivial", "", 64 * 200, 64, "trivial")
+            ds = NoisyWorkload(wl) if noisy else C.WorkloadDataset(wl)
+            with _loader(ds, workers, 64, persistent_workers=True) as loader:
+                it = iter(loader)
+                for _ in range(3 * workers):  # every worker has handed out batches
+                    next(it)
+                ts = []
+                for _ in range(50 if quick else 300):
+                    t0 = time.perf_counter()
+                    loader.state_dict()
+                    ts.append(time.perf_counter() - t0)
+                size = len(repr(loader.state_dict()))
+            rec = {"bench": "state_dict", "workers": workers, "worker_rng": noisy, "median_us": C.median(ts) * 1e6,
+                   "p99_us": C.percentile(ts, 99) * 1e6, "state_chars": size}
+            res.write(rec)
+            rows.append([workers, "draws from torch's RNG" if noisy else "no RNG draws",
+                         f"{rec['median_us']:.0f}", f"{rec['p99_us']:.0f}", f"{size / 1e3:.0f} k"])
+            C.log(f"state_dict {rec}")
+    return rows
+
+
+class _FakeLoader:
+    """What Tracker reads from a loader, for timing its hooks alone."""
+
+    def __init__(self, n: int, workers: int) -> None:
+        self.dataset = C.WorkloadDataset(C.Workload("trivial", "", n, 64, "trivial"))
+        self.num_workers, self.batch_size, self.drop_last = workers, 64, False
+        self.sampler = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(0))
+        self.batch_sampler = torch.utils.data.BatchSampler(self.sampler, 64, False)
+
+
+def bench_bookkeeping(res: C.Results) -> float:
+    fake = _FakeLoader(64 * 2000, 2)
+    tracker = Tracker(fake, fake.batch_sampler, None)
+    it = tracker.sampler_iter(first_iter=True)
+    tracker.resume_main(it, 0, None)
+    tracker.start_epoch(it, first_iter=True)
+    metas = [BatchMeta(w, 0, 0.0, 0.0) for w in range(2)]
+    draws = []
+    t0 = time.perf_counter()
+    for idx in range(2000):
+        t1 = time.perf_counter()
+        next(it)
+        draws.append(time.perf_counter() - t1)
+        tracker.on_draw(idx, it)
+        tracker.on_batch_made(idx, idx % 2, metas[idx % 2])
+        tracker.on_handed_out()
+    total = (time.perf_counter() - t0) / 2000 - C.median(draws)
+    res.write({"bench": "bookkeeping", "per_batch_us": total * 1e6})
+    C.log(f"bookkeeping {total * 1e6:.1f} us/batch")
+    return total * 1e6
+
+
+def _epoch_rate(loader, n: int) -> float:
+    t0 = time.perf_counter()
+    for _ in loader:
+        pass
+    return n / (time.perf_counter() - t0)
+
+
+def bench_throughput(res: C.Results, quick: bool) -> list:
+    iters = C.calibrate_cpu_iters()
+    workloads = [
+        C.Workload("cpu", "CPU-bound ~1 ms/sample, batch 64", 64 * (8 if quick else 24), 64, "cpu", iters),
+        C.Workload("trivial", "overhead floor: 16 floats, batch 64", 64 * (40 if quick else 160), 64, "trivial"),
+    ]
+    reps = 2 if quick else 5
+    rows = []
+    for wl in workloads:
+        rates: dict[str, list[float]] = {"on": [], "off": []}
+        loaders = {}
+        for variant in ("on", "off"):
+            os.environ["RAYDL_TRACK_WORKER_RNG"] = "1" if variant == "on" else "0"
+            loaders[variant] = _loader(NoisyWorkload(wl), 2, wl.batch_size, persistent_workers=True)
+            list(loaders[variant])  # first epoch: start-up, excluded
+        os.environ.pop("RAYDL_TRACK_WORKER_RNG", None)
+        for r in range(reps):
+            order = ("on", "off") if r % 2 == 0 else ("off", "on")
+            for variant in order:
+                with C.LoadMonitor() as mon:
+                    rate = _epoch_rate(loaders[variant], wl.n)
+                rates[variant].append(rate)
+                res.write({"bench": "throughput", "workload": wl.name, "tracking": variant, "rep": r,
+                           "samples_per_s": rate, "foreign_cores": mon.foreign_cores})
+        for loader in loaders.values():
+            loader.shutdown()
+        ratios = [a / b for a, b in zip(rates["on"], rates["off"])]
+        rows.append([wl.description, f"{C.median(rates['on']):.0f}", f"{C.median(rates['off']):.0f}",
+                     f"{C.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}"])
+        C.log(f"throughput {wl.name}: {rows[-1]}")
+    return rows
+
+
+def bench_first_batch(res: C.Results, quick: bool) -> list:
+    n, bs, k = 64 * 400, 64, 300
+    wl = C.Workload("trivial", "", n, bs, "trivial")
+    rows = []
+    for rep in range(2 if quick else 5):
+        with _loader(C.WorkloadDataset(wl), 2, bs) as loader:
+            it = iter(loader)
+            for _ in range(k):
+                next(it)
+            state = loader.state_dict()
+        sampler = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(0))
+        t0 = time.perf_counter()
+        bit = iter(torch.utils.data.BatchSampler(sampler, bs, False))
+        for _ in range(k):
+            next(bit)
+        ff_s = time.perf_counter() - t0
+        with _loader(C.WorkloadDataset(wl), 2, bs) as loader:
+            t0 = time.perf_counter()
+            next(iter(loader))
+            fresh_s = time.perf_counter() - t0
+        with _loader(C.WorkloadDataset(wl), 2, bs) as loader:
+            loader.load_state_dict(state)
+            t0 = time.perf_counter()
+            next(iter(loader))
+            resumed_s = time.perf_counter() - t0
+        res.write({"bench": "first_batch", "rep": rep, "k": k, "fast_forward_s": ff_s, "fresh_first_batch_s": fresh_s,
+                   "resumed_first_batch_s": resumed_s})
+        rows.append((ff_s, fresh_s, resumed_s))
+    ff, fresh, resumed = (C.median([r[i] for r in rows]) for i in range(3))
+    return [[f"{k} of {n // bs}", f"{ff * 1e3:.1f}", f"{fresh * 1e3:.1f}", f"{(ff + fresh) * 1e3:.1f}", f"{resumed * 1e3:.1f}"]]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true")
+    args = parser.parse_args()
+    res = C.Results("resume", args.quick)
+    import ray
+
+    ray.init(address="local", include_dashboard=False)
+    info = C.machine_info(ray.__version__)
+    out = [f"# bench_resume ({'quick' if args.quick else 'full'})", "", C.describe_machine(info), ""]
+    out += ["## (a) state_dict() in the driver, mid-epoch", "",
+            C.md_table(["workers", "dataset", "median µs", "p99 µs", "state size (repr)"], bench_state_dict(res, args.quick)), ""]
+    out += ["## (b) driver bookkeeping per batch (Tracker hooks alone)", "", f"{bench_bookkeeping(res):.1f} µs per batch", ""]
+    out += ["## (c) steady-state throughput, worker RNG tracking on vs off (2 workers, persistent)", "",
+            C.md_table(["workload", "on (samples/s)", "off (samples/s)", "on/off median", "on/off range"],
+                       bench_throughput(res, args.quick)), ""]
+    out += ["## (d) first batch after load_state_dict() + iter(), 2 workers", "",
+            C.md_table(["state at batch", "sampler fast-forward ms", "fresh loader first batch ms", "sum ms",
+                        "resumed first batch ms"], bench_first_batch(res, args.quick)), ""]
+    text = "\n".join(out)
+    print(text)
+    res.write_text(".md", text)
+    res.close()
+    ray.shutdown()
+
+
+if __name__ == "__main__":
+    main()

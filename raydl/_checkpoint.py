@@ -1,0 +1,508 @@
+"""Loader state for mid-epoch resume, in torchdata's StatefulDataLoader layout.
+
+NOTE [ raydl checkpoint ]
+`DataLoader.state_dict()` describes the iterator most recently created (or the one a
+`load_state_dict` prepared) as of the last batch handed to the caller; `load_state_dict()`
+applies to the next `iter()`. The layout is StatefulDataLoader's (torchdata 0.11), so either
+loader loads the other's state for the same dataset, sampler and num_workers:
+
+  num_workers > 0:
+    {"_snapshot": {"_snapshot_step": batches handed out this epoch,
+                   "_last_yielded_worker_id": worker of the last one (num_workers - 1 before any),
+                   "_main_snapshot": {"_num_workers", "_sampler_iter_state", "_index_sampler_state",
+                                      "_sampler_iter_yielded", "_IterableDataset_len_called",
+                                      "_shared_seed", "_base_seed"},
+                   "_worker_snapshots": {"worker_<i>": {"worker_id", "fetcher_state",
+                                                        "dataset_state", "_raydl_rng"} or None}},
+     "_steps_since_snapshot": 0, "_iterator_finished": bool, "_raydl": {...}}
+  num_workers = 0:
+    {"_index_sampler_state", "_sampler_iter_state", "_sampler_iter_yielded", "_num_yielded",
+     "_IterableDataset_len_called", "_shared_seed", "fetcher_state", "dataset_state",
+     "_iterator_finished", "_raydl": {...}}
+
+`_raydl` (ignored by torchdata) holds what validates a state against a loader (dataset kind and
+length, batch size, sampler types, num_workers), the epoch-start state of a torch
+`RandomSampler`'s generator, and the batches handed out ahead of the first missing one
+(in_order=False). A worker snapshot is None when the worker starts fresh from its seed.
+
+Where each part comes from, with no call to any worker:
+  * sampler: the driver draws every index. The sampler position is the first batch not yet
+    handed out (`_sampler_iter_yielded`); a sampler or its iterator with `state_dict()` (torchdata's
+    samplers; raydl iterates torch's `BatchSampler` with `BatchIter`, which has torchdata's
+    batch-iterator state) has its state recorded at each draw, and the state at that position is
+    saved. Otherwise resume fast-forwards: it draws and discards the indices of the batches
+    already handed out, fetching nothing. A torch `RandomSampler` with a `generator` also gets
+    that generator's state just before the epoch's first draw from it saved, and restored after
+    the resumed iterator's base seed draw, so a resume in any epoch draws that epoch's
+    permutation (torchdata only restores its own samplers).
+  * workers: each `fetch` returns the worker's state after the task in its `BatchMeta` (the
+    dataset's and the iterable iterator's `state_dict()`, and the random/torch/NumPy states,
+    sent only when they changed: see _worker_state.py). The driver keeps, per worker, the state as
+    of the last batch *handed to the caller* (`committed`, what `state_dict()` reports; batches
+    read ahead by the pin thread are not yet handed out) and as of the last batch read
+    (`latest`, what a replacement after a death starts from, so its re-made batches are the
+    ones the dead worker would have made).
+  * cursors: after a resume task idxs continue at the batch's position in the epoch, the base
+    seed is the saved one, and the round robin goes on after `_last_yielded_worker_id`, so batch
+    k goes to the worker that made it in the uninterrupted run.
+Batches in flight when a state is taken are made again after resume: over the interrupted and
+the resumed run every batch is handed out exactly once. With in_order=False the batches handed
+out ahead of the first missing one are listed and skipped at resume (torchdata gives no guarantee
+there); which worker makes which batch is left to timing there, so worker-side random draws are
+only guaranteed identical with in_order=True. An IterableDataset whose iterator and dataset have
+no `state_dict()` is replayed: the resumed loader makes and drops the batches already handed out,
+as torchdata does.
+"""
+
+from __future__ import annotations
+
+import base64
+import itertools
+import os
+from collections import deque
+from collections.abc import Mapping
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+
+from ._worker_state import (
+    DATASET_ITER_STATE,
+    DATASET_STATE,
+    FETCHER_ENDED,
+    FETCHER_STATE,
+    RNG,
+    WORKER_ID,
+    is_stateful,
+)
+
+__all__ = ["BatchIter", "Tracker", "new_sampler_iter", "restore_sampler", "validate", "loader_facts", "worker_key"]
+
+# torchdata's keys (torchdata/stateful_dataloader/stateful_dataloader.py)
+SNAPSHOT = "_snapshot"
+MAIN_SNAPSHOT = "_main_snapshot"
+WORKER_SNAPSHOTS = "_worker_snapshots"
+SNAPSHOT_STEP = "_snapshot_step"
+STEPS_SINCE_SNAPSHOT = "_steps_since_snapshot"
+LAST_YIELDED_WORKER_ID = "_last_yielded_worker_id"
+BASE_SEED = "_base_seed"
+NUM_WORKERS = "_num_workers"
+INDEX_SAMPLER_STATE = "_index_sampler_state"
+SAMPLER_ITER_STATE = "_sampler_iter_state"
+SAMPLER_ITER_YIELDED = "_sampler_iter_yielded"
+LEN_CALLED = "_IterableDataset_len_called"
+SHARED_SEED = "_shared_seed"
+FINISHED = "_iterator_finished"
+NUM_YIELDED = "_num_yielded"
+# raydl's own section (ignored by torchdata)
+RAYDL = "_raydl"
+STATE_VERSION = 1
+
+
+def worker_key(worker_id: int) -> str:
+    return f"worker_{worker_id}"
+
+
+# ---------------------------------------------------------------------------------------- samplers
+
+
+class BatchIter(Iterator[list]):
+    """Iterates a torch `BatchSampler` exactly as torch does (same batches, first draw at the first
+    `next`), with the state of torchdata's batch-sampler iterator: `samples_yielded`, and the
+    sampler's and its iterator's own states when they have `state_dict()`."""
+
+    def __init__(self, batch_sampler: BatchSampler) -> None:
+        self.sampler = batch_sampler.sampler
+        self.batch_size = batch_sampler.batch_size
+        self.drop_last = batch_sampler.drop_last
+        self.samples_yielded = 0
+        self._it: Optional[Iterator] = None
+        self._done = False
+
+    def __iter__(self) -> BatchIter:
+        return self
+
+    def __next__(self) -> list:
+        if self._done:
+            raise StopIteration
+        if self._it is None:
+            self._it = iter(self.sampler)
+        batch = [*itertools.islice(self._it, self.batch_size)]
+        self.samples_yielded += len(batch)
+        if not batch or (self.drop_last and len(batch) < self.batch_size):
+            self._done = True
+            raise StopIteration
+        return batch
+
+    def state_dict(self) -> dict:
+        if self._it is None:
+            # The sampler's iterator is made now rather than at the first `next`, so a stateful one
+            # (torchdata's RandomSampler: the epoch's generator state) is in the state. Both happen
+            # after the loader's base seed draw, with nothing drawn in between: the batches are the same.
+            self._it = iter(self.sampler)
+        sd: dict = {"samples_yielded": self.samples_yielded}
+        if is_stateful(self.sampler):
+            sd["sampler_state"] = self.sampler.state_dict()
+        if self._it is not None and is_stateful(self._it):
+            sd["sampler_iter_state"] = self._it.state_dict()
+        return sd
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        self.samples_yielded = int(sd["samples_yielded"])
+        if sd.get("sampler_state") is not None and is_stateful(self.sampler):
+            self.sampler.load_state_dict(sd["sampler_state"])
+        self._it = iter(self.sampler)
+        self._done = False
+        if sd.get("sampler_iter_state") is not None and is_stateful(self._it):
+            self._it.load_state_dict(sd["sampler_iter_state"])
+        elif not is_stateful(self.sampler) and not is_stateful(self._it):
+            for _ in range(self.samples_yielded):  # fast-forward, as torchdata's batch iterator does
+                next(self._it)
+
+
+def new_sampler_iter(index_sampler: Any) -> Iterator:
+    """The epoch's iterator over the (batch) sampler: `BatchIter` for torch's own BatchSampler."""
+    if type(index_sampler) is BatchSampler:
+        return BatchIter(index_sampler)
+    return iter(index_sampler)
+
+
+def sampler_state(index_sampler: Any, it: Any) -> tuple:
+    """(sampler iterator state, index sampler state) now; (None, None) for samplers without state."""
+    return (it.state_dict() if is_stateful(it) else None,
+            index_sampler.state_dict() if is_stateful(index_sampler) else None)
+
+
+def restore_sampler(index_sampler: Any, it: Iterator, main: Mapping, is_iterable: bool) -> Iterator:
+    """The sampler iterator positioned at the state's `_sampler_iter_yielded` batches."""
+    if is_iterable:  # the index sampler only counts: the workers' streams hold the position
+        return it
+    idx_state, it_state = main.get(INDEX_SAMPLER_STATE), main.get(SAMPLER_ITER_STATE)
+    if idx_state is not None and is_stateful(index_sampler):
+        index_sampler.load_state_dict(idx_state)
+        it = new_sampler_iter(index_sampler)
+        if it_state is not None and is_stateful(it):
+            it.load_state_dict(it_state)
+        return it
+    if it_state is not None and is_stateful(it):
+        it.load_state_dict(it_state)
+        return it
+    yielded = int(main.get(SAMPLER_ITER_YIELDED) or 0)
+    for n in range(yielded):
+        try:
+            next(it)
+        except StopIteration:
+            raise ValueError(
+                f"the loader state is {yielded} batches into its epoch, but this loader's sampler has only {n}: "
+                "the dataset or the batch size changed since the state was saved"
+            ) from None
+    return it
+
+
+def torch_random_generator(index_sampler: Any) -> Optional[torch.Generator]:
+    """The generator of a torch RandomSampler (itself or under torch's BatchSampler), if it has one."""
+    s = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
+    g = getattr(s, "generator", None) if type(s) is RandomSampler else None
+    return g if isinstance(g, torch.Generator) else None
+
+
+def encode_generator(g: torch.Generator) -> str:
+    return base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")
+
+
+def track_rng_enabled() -> bool:
+    """Workers report their generators' state with each batch unless RAYDL_TRACK_WORKER_RNG=0 (benchmarks only)."""
+    return os.environ.get("RAYDL_TRACK_WORKER_RNG", "1") != "0"
+
+
+def decode_generator(g: torch.Generator, text: str) -> None:
+    g.set_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
+
+
+# -------------------------------------------------------------------------------------- validation
+
+
+def _type_name(obj: Any) -> Optional[str]:
+    return None if obj is None else f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def loader_facts(loader: Any) -> dict:
+    """What a state records about its loader, to refuse one that does not fit (`_raydl` section)."""
+    try:
+        length = len(loader.dataset)  # type: ignore[arg-type]
+    except TypeError:
+        length = None
+    return {
+        "version": STATE_VERSION,
+        "dataset": "iterable" if isinstance(loader.dataset, IterableDataset) else "map",
+        "dataset_len": length,
+        "batch_size": loader.batch_size,
+        "drop_last": loader.drop_last,
+        "sampler": _type_name(loader.sampler),
+        "batch_sampler": _type_name(loader.batch_sampler),
+        "num_workers": loader.num_workers,
+    }
+
+
+def _not_a_state(state: Any, why: str) -> ValueError:
+    what = f"a dict with keys {sorted(map(str, state))[:8]}" if isinstance(state, Mapping) else f"a {type(state).__name__}"
+    return ValueError(
+        f"DataLoader.load_state_dict: got {what}, which is not a loader state ({why}). Pass what "
+        "DataLoader.state_dict() (raydl's or torchdata's StatefulDataLoader's) returned."
+    )
+
+
+def validate(state: Any, loader: Any) -> None:
+    """Raise a ValueError naming the mismatch if `state` cannot resume this loader exactly."""
+    if not isinstance(state, Mapping):
+        raise _not_a_state(state, "not a dict")
+    nw = loader.num_workers
+    if SNAPSHOT in state:
+        snap = state[SNAPSHOT]
+        if not isinstance(snap, Mapping) or not isinstance(snap.get(MAIN_SNAPSHOT), Mapping) or SNAPSHOT_STEP not in snap:
+            raise _not_a_state(state, f"its {SNAPSHOT!r} lacks {MAIN_SNAPSHOT!r} or {SNAPSHOT_STEP!r}")
+        state_nw = snap[MAIN_SNAPSHOT].get(NUM_WORKERS)
+        workers = snap.get(WORKER_SNAPSHOTS) or {}
+        if not isinstance(workers, Mapping) or set(workers) - {worker_key(i) for i in range(len(workers))}:
+            raise _not_a_state(state, f"its worker snapshots are not keyed worker_0..worker_<n-1>: {list(workers)[:8]}")
+    elif NUM_YIELDED in state and SAMPLER_ITER_YIELDED in state:
+        state_nw = 0
+    else:
+        raise _not_a_state(state, f"it has neither {SNAPSHOT!r} (num_workers > 0) nor {NUM_YIELDED!r} (num_workers=0)")
+    if state_nw != nw:
+        raise ValueError(
+            f"DataLoader.load_state_dict: num_workers mismatch: the state was saved with num_workers={state_nw}, "
+            f"this loader has num_workers={nw}. Build the loader with num_workers={state_nw} to resume exactly."
+        )
+    facts = state.get(RAYDL)
+    if isinstance(facts, Mapping):
+        mine = loader_facts(loader)
+        names = {"dataset": "dataset kind", "dataset_len": "dataset length", "batch_size": "batch size",
+                 "drop_last": "drop_last", "sampler": "sampler type", "batch_sampler": "batch sampler type"}
+        for key, name in names.items():
+            if key in facts and facts[key] != mine[key]:
+                raise ValueError(
+                    f"DataLoader.load_state_dict: {name} mismatch: the state was saved with {facts[key]!r}, this "
+                    f"loader has {mine[key]!r}. Resume with the same dataset, batch size and sampler."
+                )
+
+
+# ----------------------------------------------------------------------------------------- tracker
+
+
+class Tracker:
+    """The driver's record of one `_RayLoaderIter`'s position (NOTE [ raydl checkpoint ]).
+
+    Fed by the iterator's hooks (draw, batch read, batch handed out, end); `state_dict()` only
+    assembles what it holds: no call to any worker, O(num_workers).
+    """
+
+    def __init__(self, loader: Any, index_sampler: Any, loaded: Optional[Mapping]) -> None:
+        self.num_workers = loader.num_workers
+        self.is_iterable = isinstance(loader.dataset, IterableDataset)
+        self._stateless_map = not self.is_iterable and not is_stateful(loader.dataset)
+        self._index_sampler = index_sampler
+        self._facts = loader_facts(loader)
+        self._generator = torch_random_generator(index_sampler)
+        self._loaded = loaded
+        snaps = (loaded[SNAPSHOT].get(WORKER_SNAPSHOTS) or {}) if loaded is not None else {}
+        self._loaded_workers = [snaps.get(worker_key(w)) for w in range(self.num_workers)]
+        # A stream without state_dict() cannot be positioned: its loader replays the batches instead.
+        self.replay = 0
+        if loaded is not None and self.is_iterable and self._needs_replay():
+            self.replay = int(loaded[SNAPSHOT][SNAPSHOT_STEP])
+        resumed = loaded is not None and not self.replay
+        self.latest: list[Optional[dict]] = [
+            self._loaded_workers[w] if resumed else self._initial(w) for w in range(self.num_workers)
+        ]
+        self.committed = list(self.latest)
+        self.worker_states: Optional[list] = list(self.latest) if resumed else None  # what the pool starts from
+        self.base_seed = 0
+        # the iterator's epoch (persistent workers count them; ray_seed="batch" seeds from it)
+        self.epoch = int((loaded.get(RAYDL) or {}).get("epoch", 0)) if loaded is not None and not self.replay else 0
+        self.len_called: Optional[int] = None
+        self._gen_state: Optional[str] = None
+        self._pending: deque = deque()
+        self._sampler_at: dict[int, tuple] = {}  # task idx -> sampler state after its draw
+        self._record_sampler = False
+        self._reset_position()
+
+    def _needs_replay(self) -> bool:
+        for snap in self._loaded_workers:
+            if snap is None:
+                continue
+            fetcher = snap.get(FETCHER_STATE) or {}
+            return snap.get(DATASET_STATE) is None and fetcher.get(DATASET_ITER_STATE) is None
+        return False
+
+    def _initial(self, worker_id: int) -> Optional[dict]:
+        """A fresh worker's snapshot when the driver knows it without asking; None (start from the seed) otherwise."""
+        if self._stateless_map:
+            return {WORKER_ID: worker_id, FETCHER_STATE: None, DATASET_STATE: None}
+        return None
+
+    def _reset_position(self) -> None:
+        self.num_yielded = 0
+        self.last_worker = self.num_workers - 1
+        self.finished = False
+        self._frontier = 0  # first batch (task idx) not handed out
+        self._done_ahead: set[int] = set()  # handed out beyond the frontier (in_order=False)
+
+    # ---------------------------------------------------------------- epoch start
+
+    def sampler_iter(self, first_iter: bool) -> Iterator:
+        """A new epoch's sampler iterator (torch's iterators draw nothing before their first `next`)."""
+        if not first_iter:  # persistent workers: no base seed draw, the permutation comes next
+            self._record_generator()
+        return new_sampler_iter(self._index_sampler)
+
+    def _record_generator(self) -> None:
+        """A torch RandomSampler's generator as it is just before the epoch's first draw from it."""
+        self._gen_state = encode_generator(self._generator) if self._generator is not None else None
+
+    def resume_main(self, it: Iterator, base_seed: int, len_called: Optional[int]) -> tuple[Iterator, int]:
+        """First epoch, after the base seed draw: position the sampler and take the base seed from a loaded state."""
+        self.base_seed, self.len_called = base_seed, len_called
+        if self._loaded is not None:
+            text = (self._loaded.get(RAYDL) or {}).get("generator_state")
+            if text is not None and self._generator is not None:
+                decode_generator(self._generator, text)
+        self._record_generator()
+        if self._loaded is not None:
+            main = self._loaded[SNAPSHOT][MAIN_SNAPSHOT]
+            self.base_seed = int(main[BASE_SEED])
+            if not self.replay:
+                it = restore_sampler(self._index_sampler, it, main, self.is_iterable)
+        return it, self.base_seed
+
+    def start_epoch(self, it: Iterator, first_iter: bool, epoch: int) -> tuple[int, int]:
+        """Cursors for a new epoch: (idx of its first task, first worker of the round robin)."""
+        self.epoch = epoch
+        self._pending.clear()
+        self._sampler_at = {}
+        self._reset_position()
+        if not first_iter:
+            if self.is_iterable:  # persistent workers restart their streams each epoch
+                self.committed = [self._fresh_stream(s) for s in self.latest]
+            else:
+                self.committed = list(self.latest)
+        start, first_worker = 0, 0
+        if first_iter and self._loaded is not None and not self.replay:
+            snap = self._loaded[SNAPSHOT]
+            start = int(snap[MAIN_SNAPSHOT].get(SAMPLER_ITER_YIELDED) or 0) if not self.is_iterable else int(snap[SNAPSHOT_STEP])
+            self.num_yielded = int(snap[SNAPSHOT_STEP])
+            self.last_worker = int(snap[LAST_YIELDED_WORKER_ID])
+            first_worker = (self.last_worker + 1) % self.num_workers
+            self._frontier = start
+            if not self.is_iterable:
+                self._done_ahead = set((self._loaded.get(RAYDL) or {}).get("done_ahead") or [])
+        # An iterable's sampler only counts (its workers' streams hold the position): nothing to record.
+        self._record_sampler = not self.is_iterable and (is_stateful(it) or is_stateful(self._index_sampler))
+        if not self.is_iterable:
+            self._sampler_at[self._frontier - 1] = sampler_state(self._index_sampler, it)
+        return start, first_worker
+
+    @staticmethod
+    def _fresh_stream(snap: Optional[dict]) -> Optional[dict]:
+        if snap is None:
+            return None
+        return {**snap, FETCHER_STATE: {DATASET_ITER_STATE: None, FETCHER_ENDED: False}}
+
+    # ---------------------------------------------------------------- per task
+
+    def skip(self, idx: int) -> bool:
+        """Whether task `idx` was handed out before the state was taken (in_order=False): draw it, send nothing."""
+        return idx in self._done_ahead
+
+    def on_draw(self, idx: int, it: Iterator) -> None:
+        """Task `idx`'s indices were drawn: record the sampler's state after them (samplers with state only)."""
+        if self._record_sampler:
+            self._sampler_at[idx] = sampler_state(self._index_sampler, it)
+
+    def _ensure(self, worker_id: int) -> None:
+        """A worker id the pool added (a resize, NOTE [ raydl elastic pool ]): start its records."""
+        while len(self.latest) <= worker_id:
+            self.latest.append(self._initial(len(self.latest)))
+            self.committed.append(self.latest[-1])
+
+    def on_batch_made(self, idx: int, worker_id: int, meta: Any) -> None:
+        """A task's result was read (it will be handed out next, or after the pin thread's look-ahead)."""
+        self._ensure(worker_id)
+        prev = self.latest[worker_id]
+        snap = meta.state if meta.state is not None else self._initial(worker_id)
+        rng = meta.rng if meta.rng is not None else (prev.get(RNG) if prev else None)
+        if rng is not None:
+            snap = {**(snap or {WORKER_ID: worker_id, FETCHER_STATE: None, DATASET_STATE: None}), RNG: rng}
+        self.latest[worker_id] = snap
+        self._pending.append((idx, worker_id, snap, bool(meta.signal)))
+
+    def on_batch_failed(self, idx: int) -> None:
+        """Task `idx` raised in user code: it counts as consumed once the caller goes on."""
+        self._pending.append((idx, None, None, True))
+
+    def on_handed_out(self) -> None:
+        """The caller got the next batch: commit the records up to it."""
+        while self._pending:
+            idx, worker_id, snap, not_a_batch = self._pending.popleft()
+            self._consumed(idx)
+            if worker_id is not None:
+                self.committed[worker_id] = snap
+            if not not_a_batch:
+                self.num_yielded += 1
+                self.last_worker = worker_id
+                return
+
+    def on_end(self) -> None:
+        """The epoch ended (StopIteration reached the caller)."""
+        while self._pending:
+            idx, worker_id, snap, _ = self._pending.popleft()
+            self._consumed(idx)
+            if worker_id is not None:
+                self.committed[worker_id] = snap
+        self.finished = True
+
+    def _consumed(self, idx: int) -> None:
+        if self.is_iterable:
+            # Tasks of a retired stream are dropped unread: no frontier for an iterable (its position
+            # is its streams' state and the batch count).
+            return
+        if idx != self._frontier:
+            self._done_ahead.add(idx)
+            return
+        self._frontier += 1
+        while self._frontier in self._done_ahead:
+            self._done_ahead.discard(self._frontier)
+            self._frontier += 1
+        for k in [k for k in self._sampler_at if k < self._frontier - 1]:
+            del self._sampler_at[k]
+
+    def restart_state(self, worker_id: int) -> Optional[dict]:
+        """What a replacement for a dead worker starts from: its predecessor's state after its last batch read."""
+        self._ensure(worker_id)
+        return self.latest[worker_id]
+
+    # ---------------------------------------------------------------- the state
+
+    def state_dict(self) -> dict:
+        it_state, idx_state = self._sampler_at.get(self._frontier - 1, (None, None))
+        main = {
+            NUM_WORKERS: self.num_workers,
+            SAMPLER_ITER_STATE: it_state,
+            INDEX_SAMPLER_STATE: idx_state,
+            SAMPLER_ITER_YIELDED: self.num_yielded if self.is_iterable else self._frontier,
+            LEN_CALLED: self.len_called,
+            SHARED_SEED: None,
+            BASE_SEED: self.base_seed,
+        }
+        return {
+            SNAPSHOT: {
+                SNAPSHOT_STEP: self.num_yielded,
+                LAST_YIELDED_WORKER_ID: self.last_worker,
+                MAIN_SNAPSHOT: main,
+                WORKER_SNAPSHOTS: {worker_key(w): self.committed[w] for w in range(len(self.committed))},
+            },
+            STEPS_SINCE_SNAPSHOT: 0,
+            FINISHED: self.finished,
+            RAYDL: {**self._facts, "generator_state": self._gen_state, "done_ahead": sorted(self._done_ahead),
+                    "epoch": self.epoch},
+        }

@@ -1,0 +1,177 @@
+"""`_InProcessIter`: num_workers=0, loading in the calling process as torch does, with a state.
+
+torch's in-process iterator is private and has no state; this one makes the same batches (same
+sampler draws, base seed drawn from the loader's generator in torch's order, torch's fetch and
+collate rules via _fetch.py, torch's pinning; with ray_seed="batch" each batch seeded by its
+position, as _seeding.py's SeededInProcessIter does) and has `state_dict()` in StatefulDataLoader's
+num_workers=0 layout (NOTE [ raydl checkpoint ] in _checkpoint.py). Everything happens in the
+caller's thread, so the state is simply read when asked for.
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from typing import Any, Iterator, Optional
+
+import torch
+from torch.utils.data import IterableDataset
+
+from ._checkpoint import (
+    FINISHED,
+    INDEX_SAMPLER_STATE,
+    LEN_CALLED,
+    NUM_YIELDED,
+    RAYDL,
+    SAMPLER_ITER_STATE,
+    SAMPLER_ITER_YIELDED,
+    SHARED_SEED,
+    decode_generator,
+    encode_generator,
+    loader_facts,
+    new_sampler_iter,
+    restore_sampler,
+    sampler_state,
+    torch_random_generator,
+)
+from ._device import pin_memory, pin_memory_target
+from ._fetch import IterableFetcher, MapFetcher
+from ._seeding import _SavedRNG, seed_batch
+from ._worker_state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
+
+__all__ = ["_InProcessIter"]
+
+logger = logging.getLogger(__name__)
+
+
+class _InProcessIter(Iterator[Any]):
+    """One epoch of a num_workers=0 loader; resumes from `state` when given (already validated)."""
+
+    def __init__(self, loader: Any, state: Optional[dict] = None) -> None:
+        self._dataset = loader.dataset
+        self._is_iterable = isinstance(loader.dataset, IterableDataset)
+        self._auto_collation = loader.batch_sampler is not None
+        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
+        self._IterableDataset_len_called = loader._IterableDataset_len_called
+        if loader.pin_memory and loader.pin_memory_device:
+            warnings.warn(
+                "pin_memory_device is deprecated, the current accelerator will be used as the device,"
+                f"ignore pin_memory_device='{loader.pin_memory_device}'.",
+                stacklevel=3,
+            )
+        if loader.pin_memory and not torch.accelerator.is_available():
+            warnings.warn(
+                "'pin_memory' argument is set as true but no accelerator is found, "
+                "then device pinned memory won't be used.",
+                stacklevel=3,
+            )
+        self._pin_device = pin_memory_target(loader.pin_memory)
+        self._facts = loader_facts(loader)
+        # torch's order: the sampler iterator, then the base seed (it consumes the generator; only
+        # ray_seed="batch" uses it, NOTE [ raydl batch seeding ]).
+        self._sampler_iter = new_sampler_iter(self._index_sampler)
+        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        self._seed_per_batch = getattr(loader, "ray_seed", "worker") == "batch"
+        if state is not None and (state.get(RAYDL) or {}).get("base_seed") is not None:
+            self._base_seed = int(state[RAYDL]["base_seed"])
+        # A torch RandomSampler's generator just before the epoch's first draw (NOTE [ raydl checkpoint ]).
+        self._generator = torch_random_generator(self._index_sampler)
+        if state is not None and self._generator is not None and (state.get(RAYDL) or {}).get("generator_state"):
+            decode_generator(self._generator, state[RAYDL]["generator_state"])
+        self._gen_state = encode_generator(self._generator) if self._generator is not None else None
+        self._sampler_iter_yielded = 0
+        self._num_yielded = 0
+        self._finished = False
+        collate = loader.collate_fn
+        replay = 0
+        if state is not None:
+            self._sampler_iter = restore_sampler(self._index_sampler, self._sampler_iter, state, self._is_iterable)
+            self._sampler_iter_yielded = int(state[SAMPLER_ITER_YIELDED])
+            self._num_yielded = int(state[NUM_YIELDED])
+            if state.get(DATASET_STATE) is not None and is_stateful(self._dataset):
+                self._dataset.load_state_dict(state[DATASET_STATE])
+        if self._is_iterable:
+            self._fetcher: Any = IterableFetcher(self._dataset, self._auto_collation, collate, loader.drop_last)
+            if state is not None:
+                it = self._fetcher.dataset_iter
+                fetcher_state = state.get(FETCHER_STATE) or {}
+                if is_stateful(self._dataset) or is_stateful(it):
+                    if fetcher_state.get(DATASET_ITER_STATE) is not None and is_stateful(it):
+                        it.load_state_dict(fetcher_state[DATASET_ITER_STATE])
+                    self._fetcher.ended = bool(fetcher_state.get(FETCHER_ENDED, False))
+                else:  # a stream without state: replay it, as torchdata does
+                    replay, self._num_yielded = self._num_yielded, 0
+        else:
+            self._fetcher = MapFetcher(self._dataset, self._auto_collation, collate)
+        for _ in range(replay):
+            next(self)
+        if state is not None:
+            self._finished = bool(state.get(FINISHED, False))
+
+    def __iter__(self) -> _InProcessIter:
+        return self
+
+    def __len__(self) -> int:
+        return len(self._index_sampler)  # type: ignore[arg-type]
+
+    def __next__(self) -> Any:
+        try:
+            index = next(self._sampler_iter)
+            self._sampler_iter_yielded += 1
+            work = (len(index) if self._auto_collation else None) if self._is_iterable else index
+            if self._seed_per_batch:  # seeded by its position; the caller's generators restored after
+                saved = _SavedRNG()
+                seed_batch(self._base_seed, 0, self._sampler_iter_yielded - 1)
+                try:
+                    data = self._fetcher.fetch(work)
+                finally:
+                    saved.restore()
+            else:
+                data = self._fetcher.fetch(work)
+        except StopIteration:
+            self._finished = True
+            raise
+        if self._pin_device is not None:
+            data = pin_memory(data, self._pin_device)
+        self._num_yielded += 1
+        if (
+            self._is_iterable
+            and self._IterableDataset_len_called is not None
+            and self._num_yielded > self._IterableDataset_len_called
+        ):
+            warnings.warn(
+                f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
+                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. ",
+                stacklevel=2,
+            )
+        return data
+
+    @property
+    def finished(self) -> bool:
+        return self._finished
+
+    def state_dict(self) -> dict:
+        """StatefulDataLoader's num_workers=0 state, plus raydl's `_raydl` section."""
+        it_state, idx_state = sampler_state(self._index_sampler, self._sampler_iter)
+        if self._is_iterable:
+            it = self._fetcher.dataset_iter
+            fetcher_state: Optional[dict] = {
+                DATASET_ITER_STATE: it.state_dict() if is_stateful(it) else None,
+                FETCHER_ENDED: bool(self._fetcher.ended),
+            }
+            dataset_state = self._dataset.state_dict() if it is not self._dataset and is_stateful(self._dataset) else None
+        else:
+            fetcher_state = None
+            dataset_state = self._dataset.state_dict() if is_stateful(self._dataset) else None
+        return {
+            INDEX_SAMPLER_STATE: idx_state,
+            SAMPLER_ITER_STATE: it_state,
+            SAMPLER_ITER_YIELDED: self._sampler_iter_yielded,
+            NUM_YIELDED: self._num_yielded,
+            LEN_CALLED: self._IterableDataset_len_called,
+            SHARED_SEED: None,
+            FETCHER_STATE: fetcher_state,
+            DATASET_STATE: dataset_state,
+            FINISHED: self._finished,
+            RAYDL: {**self._facts, "generator_state": self._gen_state, "done_ahead": [], "base_seed": self._base_seed},
+        }

@@ -1,0 +1,152 @@
+"""Datasets with their own state, for the resume tests (module level, so workers unpickle them by reference)."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Dataset, IterableDataset, get_worker_info
+
+
+class CountingDataset(Dataset):
+    """Item i is [i, calls so far in this process]: the batches depend on the dataset's own state."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.calls = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        self.calls += 1
+        return torch.tensor([i, self.calls])
+
+    def state_dict(self) -> dict:
+        return {"calls": self.calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.calls = state["calls"]
+
+
+class _StridedIter:
+    """Yields [v, noise] for v in range(lo, n, step); its position is its state."""
+
+    def __init__(self, lo: int, n: int, step: int) -> None:
+        self.pos, self.n, self.step = lo, n, step
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        if self.pos >= self.n:
+            raise StopIteration
+        v = self.pos
+        self.pos += self.step
+        return torch.tensor([v, int(torch.randint(0, 1000, ()))])
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = state["pos"]
+
+
+class StatefulIterable(IterableDataset):
+    """Worker w of n yields w, w+n, ...: an iterator with state_dict(), drawing from torch's global RNG too."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __iter__(self):
+        info = get_worker_info()
+        return _StridedIter(0 if info is None else info.id, self.n, 1 if info is None else info.num_workers)
+
+
+class NoisyDataset(Dataset):
+    """Item i is [i, a draw from torch's global RNG]; the worker process exits (once) on `exit_index`."""
+
+    def __init__(self, n: int, exit_index: int = -1, marker: str = "", delay_s: float = 0.0) -> None:
+        self.n, self.exit_index, self.marker, self.delay_s = n, exit_index, marker, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        import os
+        import time
+
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        if i == self.exit_index and not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            os._exit(1)
+        return torch.tensor([i, int(torch.randint(0, 10**6, ()))])
+
+
+class DelayedDataset(Dataset):
+    """Item i is [i]; items in `slow` take 50 ms, so with in_order=False later batches overtake them."""
+
+    def __init__(self, n: int, slow=()) -> None:
+        self.n, self.slow = n, set(slow)
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+
+        if i in self.slow:
+            time.sleep(0.05)
+        return torch.tensor([i])
+
+
+class NoisyPoints(Dataset):
+    """(x + noise from torch's RNG in the worker, label, index): worker-side random augmentation for the trainer tests."""
+
+    def __init__(self, n: int) -> None:
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.rand(n, 4, generator=g)
+        self.y = (self.x.sum(dim=1) > 2).long()
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.01 * torch.randn(4), self.y[i], i
+
+
+def ray_train_resume_loop(config: dict) -> None:
+    """Ray Train loop: train on a raydl loader, report a checkpoint holding the loader's state every step,
+    stop after config["stop_after"] steps; started from a checkpoint, load it and go on. Writes what it saw."""
+    import json
+    import os
+    import tempfile
+
+    import ray.train
+    from torch import nn
+
+    import raydl
+
+    loader = raydl.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=2, timeout=60,
+                              generator=torch.Generator().manual_seed(3), ray_remote_args={"num_cpus": 0})
+    model = nn.Linear(4, 2)
+    ckpt = ray.train.get_checkpoint()
+    done = 0
+    if ckpt is not None:
+        with ckpt.as_directory() as d:
+            state = torch.load(os.path.join(d, "state.pt"), weights_only=True)
+        loader.load_state_dict(state["loader"])
+        model.load_state_dict(state["model"])
+        done = state["step"]
+    seen = []
+    for x, y, idx in loader:
+        if done == config["stop_after"]:
+            break
+        nn.functional.cross_entropy(model(x), y).backward()
+        done += 1
+        seen.append([idx.tolist(), x.tolist()])
+        with tempfile.TemporaryDirectory() as d:
+            torch.save({"step": done, "model": model.state_dict(), "loader": loader.state_dict()}, os.path.join(d, "state.pt"))
+            ray.train.report({"step": done}, checkpoint=ray.train.Checkpoint.from_directory(d))
+    loader.shutdown()
+    with open(os.path.join(config["out"], f"seen_{config['tag']}.json"), "w") as f:
+        json.dump(seen, f)

@@ -1,0 +1,154 @@
+"""Resume parity against torchdata's StatefulDataLoader, the reference implementation.
+
+For one configuration `check_resume` runs torchdata's StatefulDataLoader and raydl's DataLoader
+and checks:
+  * uninterrupted, they hand out the same batches (raydl's are torch's);
+  * a state taken by raydl after k batches (through torch.save / torch.load(weights_only=True),
+    and JSON when torchdata's is JSON) resumes a fresh raydl loader with exactly the rest of the
+    uninterrupted run: over the interrupted and the resumed run every batch exactly once, worker
+    RNG included;
+  * a state taken by torchdata after k batches loaded into raydl, and raydl's loaded into
+    torchdata, continue with the batches torchdata continues with from its own state;
+  * `state_dict()` right after `load_state_dict()` returns the loaded state.
+States are taken during one uninterrupted pass (a state once taken never changes), so each
+configuration costs one pass per loader plus the resumed runs.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import multiprocessing
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+import raydl
+from tests._parity import BATCH_TIMEOUT_S, assert_batches_equal
+
+
+_CTX = None
+
+
+def _mp_context():
+    """torchdata's workers come from a forkserver started once: a plain fork of a process running Ray's
+    threads can deadlock in the child, and spawn re-imports torch for every worker."""
+    global _CTX
+    if _CTX is None:
+        _CTX = multiprocessing.get_context("forkserver")
+        _CTX.set_forkserver_preload(["torch", "tests._datasets", "tests._resume_datasets"])
+    return _CTX
+
+
+def _roundtrip(state: dict) -> dict:
+    """What a checkpoint does to a state: torch.save, then torch.load(weights_only=True)."""
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=True)
+
+
+def _json_ok(state: dict) -> bool:
+    try:
+        json.dumps(state)
+    except TypeError:
+        return False
+    return True
+
+
+def _pass(make_loader: Callable[[], Any], epoch: int, ks: Sequence[int]) -> tuple[list, dict, Any]:
+    """Epochs before `epoch` in full, then epoch `epoch` with a state after each k in ks: (batches, {k: state}, loader)."""
+    loader = make_loader()
+    for _ in range(epoch):
+        list(loader)
+    batches, states = [], {}
+    it = iter(loader)
+    if 0 in ks:
+        states[0] = loader.state_dict()
+    for b in it:
+        batches.append(b)
+        if len(batches) in ks:
+            states[len(batches)] = loader.state_dict()
+    return batches, states, loader
+
+
+def _resume(make_loader: Callable[[], Any], state: dict, *, check_echo: bool = False) -> list:
+    loader = make_loader()
+    loader.load_state_dict(state)
+    if check_echo:
+        echo = loader.state_dict()
+        assert _key(echo) == _key(state), "state_dict() right after load_state_dict() is not the loaded state"
+    out = list(loader)
+    if isinstance(loader, raydl.DataLoader):
+        loader.shutdown()
+    return out
+
+
+def _key(obj: Any) -> str:
+    if isinstance(obj, torch.Tensor):
+        return f"T{obj.tolist()}"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k}:{_key(v)}" for k, v in sorted(obj.items())) + "}"
+    if isinstance(obj, (list, tuple)):
+        return "[" + ",".join(_key(v) for v in obj) + "]"
+    return repr(obj)
+
+
+def _same(expected: list, actual: list, where: str) -> None:
+    assert len(expected) == len(actual), f"{where}: {len(expected)} batches expected, got {len(actual)}"
+    for i, (x, y) in enumerate(zip(expected, actual)):
+        assert_batches_equal(x, y, f"{where}, batch {i}")
+
+
+def check_resume(
+    make_dataset: Callable[[], Any],
+    make_kwargs: Callable[[], dict],
+    *,
+    num_workers: int,
+    ks: Sequence[int] = (0, 1, 3),
+    epoch: int = 0,
+    td_resume_exact: bool = True,
+    cross: bool = True,
+    same_uninterrupted: bool = True,
+) -> None:
+    """Run the checks of this module's docstring for one configuration.
+
+    `make_kwargs()` returns fresh loader kwargs (new, equally seeded samplers and generators) on
+    each call, as a restarted job would build them. `ks` beyond the epoch's length mean "all
+    batches". `td_resume_exact=False`: torchdata's resume does not reproduce its own
+    uninterrupted run (worker RNG is not in its state); cross-loaded states are then compared
+    with torchdata's own resume. `cross=False`: raydl against itself only (a configuration
+    torchdata cannot resume, such as an epoch > 0 with torch's RandomSampler).
+    `same_uninterrupted=False`: the two uninterrupted runs differ by design (torchdata's own
+    RandomSampler under StatefulDataLoader draws a permutation it discards when its iterator is
+    made, torch's loader and raydl's do not); each state then continues its saver's run.
+    """
+    extra = {"timeout": BATCH_TIMEOUT_S} if num_workers > 0 else {}
+    td_extra = {"timeout": BATCH_TIMEOUT_S, "multiprocessing_context": _mp_context()} if num_workers > 0 else {}
+
+    def make_td() -> StatefulDataLoader:
+        return StatefulDataLoader(make_dataset(), num_workers=num_workers, **td_extra, **make_kwargs())
+
+    def make_rd() -> raydl.DataLoader:
+        return raydl.DataLoader(make_dataset(), num_workers=num_workers, **extra, **make_kwargs())
+
+    rd_batches, rd_states, rd_loader = _pass(make_rd, epoch, ks)
+    rd_loader.shutdown()
+    if cross:
+        td_batches, td_states, _ = _pass(make_td, epoch, ks)
+        if same_uninterrupted:
+            _same(td_batches, rd_batches, "uninterrupted raydl vs torchdata")
+    for k in sorted(rd_states):
+        rd_state = rd_states[k]
+        if cross and _json_ok(td_states[k]):
+            assert _json_ok(rd_state), f"raydl's state after {k} batches is not JSON though torchdata's is"
+        rd_state = _roundtrip(rd_state)
+        _same(rd_batches[k:], _resume(make_rd, rd_state, check_echo=True), f"raydl resumed from raydl's state at {k}")
+        if not cross:
+            continue
+        td_state = _roundtrip(td_states[k])
+        td_own = td_batches[k:] if td_resume_exact else _resume(make_td, td_state)
+        _same(td_own, _resume(make_rd, td_state), f"raydl resumed from torchdata's state at {k}")
+        rd_expected = rd_batches[k:] if td_resume_exact else td_own
+        _same(rd_expected, _resume(make_td, rd_state), f"torchdata resumed from raydl's state at {k}")

@@ -1,0 +1,116 @@
+"""Mid-epoch resume end to end: Lightning's mid-epoch checkpoints, a plain torch.save loop, Ray Train checkpoints."""
+
+from __future__ import annotations
+
+import glob
+import io
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import raydl
+from tests import _resume_datasets as RD
+
+pytestmark = pytest.mark.usefixtures("ray_session", "release_warm_workers_after_module")
+
+TIMEOUT_S = 60
+
+
+def _loader(n: int = 24) -> raydl.DataLoader:
+    return raydl.DataLoader(RD.NoisyPoints(n), batch_size=4, shuffle=True, num_workers=2, timeout=TIMEOUT_S,
+                            generator=torch.Generator().manual_seed(3))
+
+
+def _rows(batches) -> list:
+    return [(idx.tolist(), x) for x, _, idx in batches]
+
+
+def _assert_same(expected: list, actual: list) -> None:
+    assert [e[0] for e in expected] == [a[0] for a in actual]
+    for (_, a), (_, b) in zip(expected, actual):
+        assert torch.equal(a, b), "same indices, different augmentation"
+
+
+def test_lightning_mid_epoch_checkpoint_resumes_exactly(tmp_path):
+    """ModelCheckpoint(every_n_train_steps=2), then fit(ckpt_path=...): Lightning saves and loads the loader's
+    state itself, and the second fit trains on exactly the batches the uninterrupted fit saw after step 2."""
+    L = pytest.importorskip("lightning")
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.layer = nn.Linear(4, 2)
+            self.rows: list = []
+
+        def training_step(self, batch, batch_idx):
+            x, y, idx = batch
+            self.rows.append((idx.tolist(), x.clone()))
+            return nn.functional.cross_entropy(self.layer(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def trainer(max_steps, **kwargs):
+        return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
+                         enable_model_summary=False, **kwargs)
+
+    full = Module()
+    with _loader() as loader:
+        trainer(6, enable_checkpointing=False).fit(full, loader)
+    callback = L.pytorch.callbacks.ModelCheckpoint(dirpath=tmp_path, every_n_train_steps=2, save_top_k=-1)
+    with _loader() as loader:
+        trainer(3, callbacks=[callback]).fit(Module(), loader)
+    ckpt = glob.glob(str(tmp_path / "*step=2*.ckpt"))[0]
+    resumed = Module()
+    with _loader() as loader:
+        trainer(6, enable_checkpointing=False).fit(resumed, loader, ckpt_path=ckpt)
+    _assert_same(full.rows[2:], resumed.rows)
+
+
+def test_plain_loop_torch_save_resumes_exactly():
+    """A loop saving {"model", "loader": loader.state_dict()} with torch.save resumes from torch.load(weights_only=True)."""
+    with _loader() as loader:
+        expected = _rows(loader)
+    model = nn.Linear(4, 2)
+    buf = io.BytesIO()
+    with _loader() as loader:
+        before = []
+        for step, batch in enumerate(loader):
+            before += _rows([batch])
+            if step == 2:
+                torch.save({"model": model.state_dict(), "loader": loader.state_dict()}, buf)
+                break
+    buf.seek(0)
+    ckpt = torch.load(buf, weights_only=True)
+    with _loader() as loader:
+        loader.load_state_dict(ckpt["loader"])
+        after = _rows(loader)
+    _assert_same(expected, before + after)
+
+
+def test_ray_train_checkpoint_holds_the_loader_state(tmp_path):
+    """Ray Train: the loader's state in the reported checkpoint; a second run from it sees the rest of the epoch."""
+    pytest.importorskip("ray.train.torch")
+    from ray.train import RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    raydl.release_idle_workers()
+
+    def run(tag, stop_after, checkpoint=None):
+        trainer = TorchTrainer(
+            RD.ray_train_resume_loop,
+            train_loop_config={"out": str(tmp_path), "tag": tag, "stop_after": stop_after},
+            scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+            run_config=RunConfig(storage_path=str(tmp_path / "storage"), name=f"resume_{tag}"),
+            resume_from_checkpoint=checkpoint,
+        )
+        return trainer.fit()
+
+    run("full", stop_after=-1)
+    first = run("first", stop_after=2)
+    run("second", stop_after=-1, checkpoint=first.checkpoint)
+    seen = {tag: json.loads((tmp_path / f"seen_{tag}.json").read_text()) for tag in ("full", "first", "second")}
+    assert len(seen["full"]) == 6 and len(seen["first"]) == 2
+    assert seen["first"] + seen["second"] == seen["full"]
