@@ -114,6 +114,13 @@ class NoisyPoints(Dataset):
         return self.x[i] + 0.01 * torch.randn(4), self.y[i], i
 
 
+def ray_train_loader():
+    import raydl
+
+    return raydl.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=2, timeout=60,
+                            generator=torch.Generator().manual_seed(3), ray_remote_args={"num_cpus": 0})
+
+
 def ray_train_resume_loop(config: dict) -> None:
     """Ray Train loop: train on a raydl loader, report a checkpoint holding the loader's state every step,
     stop after config["stop_after"] steps; started from a checkpoint, load it and go on. Writes what it saw."""
@@ -126,10 +133,12 @@ def ray_train_resume_loop(config: dict) -> None:
 
     import raydl
 
-    loader = raydl.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=2, timeout=60,
-                              generator=torch.Generator().manual_seed(3), ray_remote_args={"num_cpus": 0})
+    loader = ray_train_loader()
     model = nn.Linear(4, 2)
+    # A restarted run: Ray Train's own restore (get_checkpoint) or a reported checkpoint passed by path.
     ckpt = ray.train.get_checkpoint()
+    if ckpt is None and config.get("resume_from"):
+        ckpt = ray.train.Checkpoint(config["resume_from"])
     done = 0
     if ckpt is not None:
         with ckpt.as_directory() as d:
