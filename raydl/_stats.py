@@ -17,14 +17,14 @@ An epoch runs from `iter()` (the iterator's `_reset`) to the `next()` that raise
   * the hint: if the loop waited more than HINT_WAIT_SHARE of the epoch after its first batch
     (the first batch's wait includes the workers' start-up, which no setting of the loader
     shortens), one INFO line on the `raydl.stats` logger says so, with what would help
-    (`_hint`'s docstring). The logger's level is
+    (`hint` in _stats_report.py). The logger's level is
     set to INFO here, and without any logging handler configured the line goes to stderr (Python
     would drop an INFO record); `logging.getLogger("raydl.stats").setLevel(logging.WARNING)`
     silences it;
   * figures are exported through `ray.util.metrics` (also every METRICS_FLUSH_S during an
     epoch): counters tagged with the loader's name (`ray_name`) and worker id, so the Ray
     dashboard and Prometheus show them beside Ray's own. The per-batch time histogram is
-    observed by the workers themselves (`observe_batch_time`): a Ray histogram costs ~7 us
+    observed by the workers themselves (`observe_batch_time` in _stats_report.py): a Ray histogram costs ~7 us
     per observation, which the driver would pay in its critical path.
 `snapshot()` copies the figures into a plain `LoaderStats` (what `DataLoader.stats()` returns),
 with the spans for `LoaderStats.timeline()`. Totals cover every epoch of one iterator, i.e. of
@@ -34,37 +34,21 @@ keeps the last epoch's stats never keeps its workers alive.
 
 from __future__ import annotations
 
-import logging
 import math
-import sys
 import time
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-__all__ = ["LoaderStats", "WorkerStats", "StatsTotals", "StatsRecorder", "make_recorder", "batch_nbytes",
-           "observe_batch_time"]
+__all__ = ["LoaderStats", "WorkerStats", "StatsTotals", "StatsRecorder", "make_recorder", "batch_nbytes"]
 
-logger = logging.getLogger("raydl.stats")
-# The hint is INFO: give this logger that level (a user's own setLevel overrides it).
-if logger.level == logging.NOTSET:
-    logger.setLevel(logging.INFO)
+from ._stats_report import driver_metrics, hint, logger
 
-# An epoch whose loop waited longer than this share of its wall time gets a hint.
-HINT_WAIT_SHARE = 0.2
-# A worker "stands out" when its median batch time exceeds the others' by this factor.
-HINT_SLOW_WORKER_FACTOR = 1.5
-# Workers whose CPU seconds are below this share of their batch time mostly wait (I/O, sleeps).
-HINT_IO_CPU_SHARE = 0.5
 # How often (seconds) counters are pushed to Ray's metrics during an epoch (and at its end).
 METRICS_FLUSH_S = 2.0
 # Spans kept per track and epoch for the timeline; figures are exact beyond it.
 MAX_SPANS = 200_000
-
-_BATCH_TIME_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
-_SHARE_BUCKETS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 0.9]
-
 
 # --------------------------------------------------------------------------- worker side
 
@@ -84,24 +68,6 @@ def batch_nbytes(data: Any) -> int:
         return len(data)
     nbytes = getattr(data, "nbytes", None)  # NumPy arrays, and torch tensors (torch >= 2.1)
     return nbytes if isinstance(nbytes, int) else 0
-
-
-_batch_time_hist = None
-
-
-def observe_batch_time(name: str, worker_id: int, fetch_s: float) -> None:
-    """In a worker: one observation of the `raydl_batch_seconds` histogram (see NOTE [ raydl stats ])."""
-    global _batch_time_hist
-    if _batch_time_hist is None:
-        from ray.util.metrics import Histogram
-
-        _batch_time_hist = Histogram(
-            "raydl_batch_seconds",
-            description="Seconds a raydl worker spent making one batch (fetch, collate, encode).",
-            boundaries=_BATCH_TIME_BUCKETS_S,
-            tag_keys=("loader", "worker"),
-        )
-    _batch_time_hist.observe(fetch_s, tags={"loader": name, "worker": str(worker_id)})
 
 
 # --------------------------------------------------------------------------- public snapshot
@@ -329,6 +295,7 @@ class StatsRecorder:
         self._epochs_finished = 0
         self._next_flush = 0.0
         self._metrics: Optional[dict] = None
+        self._cpus: Optional[tuple[float, float]] = None
 
     # ------------------------------------------------------------------ hooks (hot path)
 
@@ -417,7 +384,7 @@ class StatsRecorder:
         self._refresh_pool()
         stats = self.snapshot()
         try:
-            _hint(stats, self._threads_per_worker, self._ray)
+            hint(stats, self._threads_per_worker, self._cluster_cpus)
         except Exception as e:  # a hint must never break an epoch (e.g. Ray going away)
             logger.debug("raydl: no hint: %s", e)
         self._flush_metrics(time.perf_counter(), share=stats.wait_share)
@@ -432,6 +399,12 @@ class StatsRecorder:
             w.total_bytes += w.bytes
             w.total_busy_s += w.busy_s
             w.total_cpu_s += w.cpu_s
+
+    def _cluster_cpus(self) -> tuple[float, float]:
+        """(total, unreserved) CPUs of the cluster, asked of Ray once per iterator (for the hint)."""
+        if self._cpus is None:
+            self._cpus = (self._ray.cluster_resources().get("CPU", 0.0), self._ray.available_resources().get("CPU", 0.0))
+        return self._cpus
 
     def _refresh_pool(self) -> None:
         """Copy where workers run and their restarts, while the iterator lives."""
@@ -557,40 +530,8 @@ class StatsRecorder:
             logger.debug("raydl: metrics not exported: %s", e)
 
     def _make_metrics(self) -> dict:
-        self._metrics = _driver_metrics()
+        self._metrics = driver_metrics()
         return self._metrics
-
-
-_DRIVER_METRICS: Optional[dict] = None
-
-
-def _driver_metrics() -> dict:
-    """The driver's Ray metrics, created once per process (Ray registers a metric by name)."""
-    global _DRIVER_METRICS
-    if _DRIVER_METRICS is None:
-        from ray.util.metrics import Counter, Gauge, Histogram
-
-        lw = ("loader", "worker")
-        _DRIVER_METRICS = {
-            "batches": Counter("raydl_batches", description="Batches made by a raydl worker.", tag_keys=lw),
-            "bytes": Counter("raydl_batch_bytes", description="Bytes of the batches a raydl worker made.", tag_keys=lw),
-            "busy": Counter("raydl_worker_busy_seconds", description="Seconds a raydl worker spent making batches.",
-                            tag_keys=lw),
-            "cpu": Counter("raydl_worker_cpu_seconds", description="CPU seconds of a raydl worker while making batches.",
-                           tag_keys=lw),
-            "restarts": Counter("raydl_worker_restarts", description="Replacements of a dead raydl worker.", tag_keys=lw),
-            "samples": Counter("raydl_samples", description="Samples a raydl loader handed to the training loop.",
-                               tag_keys=("loader",)),
-            "wait": Counter("raydl_wait_seconds",
-                            description="Seconds the training loop waited inside next() on a raydl loader (data stall).",
-                            tag_keys=("loader",)),
-            "epochs": Counter("raydl_epochs", description="Epochs a raydl loader finished.", tag_keys=("loader",)),
-            "in_flight": Gauge("raydl_batches_in_flight", description="Batches asked of raydl workers, not yet handed out.",
-                               tag_keys=("loader",)),
-            "share": Histogram("raydl_epoch_wait_share", description="Share of an epoch the loop waited for data.",
-                               boundaries=_SHARE_BUCKETS, tag_keys=("loader",)),
-        }
-    return _DRIVER_METRICS
 
 
 class _Off:
@@ -622,63 +563,3 @@ class _Off:
 def make_recorder(name: Optional[str], iterator: Any, threads_per_worker: int) -> StatsRecorder | _Off:
     """The iterator's recorder: a `StatsRecorder` named `name`, or a no-op one for None (ray_stats=False)."""
     return StatsRecorder(name, iterator, threads_per_worker) if name is not None else _Off()
-
-
-# --------------------------------------------------------------------------- the hint
-
-
-def _hint(stats: LoaderStats, threads_per_worker: int, ray: Any) -> None:
-    """One INFO line when the loop waited > HINT_WAIT_SHARE of the epoch, with what would help.
-
-    What helps depends on where the workers' time goes: workers whose CPU time is a small share
-    of their batch time wait on I/O (more threads per worker overlap those waits); busy workers
-    need more workers, which only helps if the cluster has CPUs they do not use already. A
-    worker much slower than the others is named: more workers will not fix a slow node.
-    """
-    share = stats.steady_wait_share  # start-up is not a data stall that more workers or threads would fix
-    if share <= HINT_WAIT_SHARE or not stats.workers:
-        return
-    if not logger.isEnabledFor(logging.INFO):
-        return
-    parts = [
-        f"raydl loader {stats.name!r}: the training loop waited for data {share:.0%} of epoch {stats.epoch} "
-        f"after its first batch ({stats.wait_s:.1f} s of {stats.wall_s:.1f} s in all)"
-    ]
-    busy = sum(w.busy_s for w in stats.workers)
-    cpu = sum(w.cpu_s for w in stats.workers)
-    n = len(stats.workers)
-    if busy > 0 and cpu < HINT_IO_CPU_SHARE * busy:
-        parts.append(
-            f"workers use the CPU {cpu / busy:.0%} of their batch time (they wait on I/O): "
-            + ("ray_threads_per_worker=8 fetches a batch's samples on 8 threads" if threads_per_worker == 1 else
-               f"more threads per worker (ray_threads_per_worker={threads_per_worker} now) or more workers")
-        )
-    else:
-        total = ray.cluster_resources().get("CPU", 0.0)
-        free = ray.available_resources().get("CPU", 0.0)
-        if total > n + 1:
-            parts.append(
-                f"more workers would help: the cluster has {total:g} CPUs ({free:g} unreserved) for {n} workers "
-                "and this process"
-            )
-        else:
-            parts.append(
-                f"the {n} workers are CPU-bound and the cluster's {total:g} CPUs are taken: add nodes (raydl "
-                "workers go anywhere in the cluster) or make samples cheaper"
-            )
-    medians = sorted(((w.median_s, w) for w in stats.workers if w.batches), key=lambda x: x[0])
-    if len(medians) >= 2:
-        slow_s, slow = medians[-1]
-        others = [m for m, _ in medians[:-1]]
-        typical = others[len(others) // 2]
-        if typical > 0 and slow_s > HINT_SLOW_WORKER_FACTOR * typical:
-            parts.append(
-                f"worker {slow.worker_id} (pid {slow.pid}, node {slow.node_ip}) is the slowest: "
-                f"{slow_s * 1e3:.0f} ms per batch vs {typical * 1e3:.0f} ms for the others"
-            )
-    message = "; ".join(parts) + ". (Silence: logging.getLogger('raydl.stats').setLevel(logging.WARNING).)"
-    if logger.hasHandlers():
-        logger.info(message)
-    else:  # no logging configured: Python would drop an INFO record
-        print(message, file=sys.stderr)
-

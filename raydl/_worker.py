@@ -37,7 +37,8 @@ from ._errors import annotate_traceback
 from ._share import open_payload
 from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
 from ._seeding import seed_batch
-from ._stats import batch_nbytes, observe_batch_time
+from ._stats import batch_nbytes
+from ._stats_report import observe_batch_time
 from ._transfer import encode
 from ._worker_state import (
     DATASET_ITER_STATE,
