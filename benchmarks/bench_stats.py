@@ -15,6 +15,7 @@ alternate, in rotated order; the ratio is paired per repetition (stats on / stat
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.metadata
 import os
 import sys
@@ -54,7 +55,55 @@ def measure(args: argparse.Namespace, res: C.Results) -> tuple[list, dict]:
     return workloads, out
 
 
-def report(info: dict, args: argparse.Namespace, workloads: list, out: dict) -> str:
+def micro(n: int = 20000) -> dict:
+    """CPU time per batch of the stats hooks themselves (robust to a busy machine, unlike throughput).
+
+    Driver: `batch_made` + one `next()` wrapped by `next_call` + the per-epoch snapshot/metrics
+    flush spread over the epoch, on a StatsRecorder fed synthetic BatchMetas (160 batches an epoch,
+    as the overhead-floor workload). Worker: what `Worker.fetch` adds with stats on
+    (`process_time` twice, `batch_nbytes` of an encoded overhead-floor batch, one Ray histogram
+    observation).
+    """
+    import torch
+
+    from raydl._stats import StatsRecorder, batch_nbytes
+    from raydl._stats_report import observe_batch_time
+    from raydl._transfer import encode
+    from raydl._worker import BatchMeta
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    rec = StatsRecorder("micro", owner)
+    rec._refresh_pool = lambda: None
+    metas = [BatchMeta(k % 2, k, 0.0, 0.001, 64, 4096, 0.001) for k in range(160)]
+    t0 = time.process_time()
+    for _ in range(n // 160):
+        rec.begin_epoch()
+        for m in metas:
+            rec.batch_made(m)
+            with rec.next_call():
+                pass
+        rec.end_epoch()
+    driver_us = (time.process_time() - t0) / (n // 160 * 160) * 1e6
+    t0 = time.process_time()
+    for _ in range(n // 160 * 160):
+        with contextlib.nullcontext():
+            pass
+    baseline_us = (time.process_time() - t0) / (n // 160 * 160) * 1e6
+    batch = encode((torch.zeros(64, 16), torch.arange(64)))
+    t0 = time.process_time()
+    for k in range(n):
+        c0 = time.process_time()
+        batch_nbytes(batch)
+        observe_batch_time("micro", k % 2, 0.001)
+        time.process_time() - c0
+    worker_us = (time.process_time() - t0) / n * 1e6
+    return {"driver_us_per_batch": driver_us - baseline_us, "worker_us_per_batch": worker_us}
+
+
+def report(info: dict, args: argparse.Namespace, workloads: list, out: dict, mic: dict) -> str:
     lines = ["## raydl stats overhead (`benchmarks/bench_stats.py`)", "", C.describe_machine(info), ""]
     rows = []
     for wl in workloads:
@@ -68,6 +117,12 @@ def report(info: dict, args: argparse.Namespace, workloads: list, out: dict) -> 
         ])
     lines.append(C.md_table(["workload", "ray_stats=False samples/s", "ray_stats=True samples/s",
                              "on / off (paired median, min–max)", "foreign load (cores)"], rows))
+    floor = C.median([r["samples_per_s"] for r in out[(workloads[0].name, "raydl-nostats")]]) / workloads[0].batch_size
+    lines.append("")
+    lines.append(f"CPU time of the stats hooks themselves (`micro()`): {mic['driver_us_per_batch']:.1f} µs per batch in "
+                 f"the driver, {mic['worker_us_per_batch']:.1f} µs per batch in a worker; at this run's overhead-floor "
+                 f"rate without stats ({floor:,.0f} batches/s, {1e6 / floor:,.0f} µs per batch) the driver's part is "
+                 f"{100 * mic['driver_us_per_batch'] * floor / 1e6:.2f}% of its time per batch.")
     lines.append("")
     lines.append(f"{args.num_workers} workers; {args.reps} repetitions alternating the two variants; each a new "
                  f"persistent loader run for 1 + {args.epochs} epochs, samples/s over the epochs after the first.")
@@ -100,10 +155,17 @@ def main() -> int:
     p.add_argument("--reps", type=int, default=None, help="repetitions per variant (default 8; quick 2)")
     p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 3; quick 1)")
     p.add_argument("--quiet-wait-s", type=float, default=5.0)
+    p.add_argument("--micro", action="store_true", help="only the CPU time per batch of the stats hooks")
     p.add_argument("--picture", default="", help="only write the timeline picture to this .png path")
     args = p.parse_args()
     if args.picture:
         picture(args.picture)
+        return 0
+    if args.micro:
+        import ray
+
+        ray.init(address="local", num_cpus=1, include_dashboard=False)
+        print(micro())
         return 0
     args.reps = args.reps or (2 if args.quick else 8)
     args.epochs = args.epochs or (1 if args.quick else 3)
@@ -113,9 +175,11 @@ def main() -> int:
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
     try:
         workloads, out = measure(args, res)
+        mic = micro()
     finally:
         raydl.release_idle_workers()
-    text = report(info, args, workloads, out)
+    res.write({"section": "micro", **mic})
+    text = report(info, args, workloads, out, mic)
     print(text)
     md = res.write_text(".md", text + "\n")
     res.close()

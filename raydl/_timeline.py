@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
@@ -122,7 +123,9 @@ def write_png(stats: LoaderStats, path: str, width_in: float = 9.0) -> Optional[
         fontsize=9,
     )
     ax.grid(axis="x", alpha=0.3)
-    fig.tight_layout()
+    with warnings.catch_warnings():  # a very short epoch crowds the ticks; the chart is still right
+        warnings.simplefilter("ignore", UserWarning)
+        fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
 

@@ -244,3 +244,36 @@ def test_batch_nbytes_and_percentile():
     assert _percentile([], 50) == 0.0
     xs = sorted(float(i) for i in range(1, 101))
     assert (_percentile(xs, 50), _percentile(xs, 95), _percentile(xs, 100)) == (50.0, 95.0, 100.0)
+
+
+def test_pin_spans_and_waits_reach_the_trace(tmp_path):
+    """The recorder's own logic, without Ray: next() spans are waits, pin-thread calls a pin track, batches per worker."""
+    from raydl._stats import StatsRecorder
+    from raydl._worker import BatchMeta
+
+    class FakeIter:  # what the recorder reads of a live iterator: nothing here (no pool, no schedule)
+        pass
+
+    owner = FakeIter()
+    rec = StatsRecorder("unit", owner)
+    rec._next_flush = float("inf")  # no Ray metrics in this test
+    rec._refresh_pool = lambda: None
+    rec.begin_epoch()
+    pin = rec.timed_pin(lambda x: (time.sleep(0.002), x)[1])
+    now = time.time()
+    for k in range(4):
+        rec.batch_made(BatchMeta(k % 2, k, now + 0.01 * k, 0.01, samples=3, nbytes=100, cpu_s=0.001))
+        with rec.next_call():
+            pin(k)
+    s = rec.snapshot()
+    assert (s.batches, s.samples, s.batches_in_flight) == (4, 12, 0)
+    assert [(w.worker_id, w.batches, w.bytes) for w in s.workers] == [(0, 2, 200), (1, 2, 200)]
+    assert s.wait_s >= 4 * 0.002
+    doc_path = s.timeline(str(tmp_path / "t.json"))[0]
+    with open(doc_path) as f:
+        events = json.load(f)["traceEvents"]
+    names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
+    pin_tid = next(t for t, n in names.items() if n == "pin / device copy")
+    assert sum(1 for e in events if e["ph"] == "X" and e["tid"] == pin_tid) == 4
+    del owner  # the recorder holds the iterator by weakref only
+    assert rec.snapshot().batches_in_flight == 0
