@@ -277,3 +277,46 @@ def test_pin_spans_and_waits_reach_the_trace(tmp_path):
     assert sum(1 for e in events if e["ph"] == "X" and e["tid"] == pin_tid) == 4
     del owner  # the recorder holds the iterator by weakref only
     assert rec.snapshot().batches_in_flight == 0
+
+
+def _fake_stats(busy_s: float, cpu_s: float, medians=(0.05, 0.05)) -> "raydl.LoaderStats":
+    from raydl._stats import LoaderStats, StatsTotals, WorkerStats
+
+    workers = tuple(
+        WorkerStats(worker_id=i, node_ip="10.0.0.1", node_id="n", pid=100 + i, batches=10, samples=80, median_s=m,
+                    p95_s=m, busy_s=busy_s, cpu_s=cpu_s, bytes=0, restarts=0, total_batches=10, total_bytes=0,
+                    total_busy_s=busy_s)
+        for i, m in enumerate(medians)
+    )
+    return LoaderStats(name="fake", epoch=0, finished=True, batches=20, samples=160, wall_s=1.0, wait_s=0.6,
+                       workers=workers, batches_in_flight=0, store_bytes_held=0,
+                       total=StatsTotals(1, 20, 160, 1.0, 0.6), first_batch_s=0.1, _first_wait_s=0.1)
+
+
+def test_hint_branches_and_stderr_fallback(caplog, capsys):
+    """The hint's advice follows where the time goes; without any logging handler it is printed to stderr."""
+    from raydl._stats_report import hint, logger
+
+    caplog.set_level(logging.INFO, logger="raydl.stats")
+    cpus = lambda: (16.0, 12.0)  # noqa: E731
+    cases = [
+        (_fake_stats(busy_s=0.1, cpu_s=0.1), "only 10% of the epoch"),  # idle workers: not theirs to fix
+        (_fake_stats(busy_s=0.9, cpu_s=0.1), "ray_threads_per_worker=8"),  # waiting on I/O
+        (_fake_stats(busy_s=0.9, cpu_s=0.85), "the cluster has 16 CPUs (12 unreserved) for 2 workers"),
+        (_fake_stats(busy_s=0.9, cpu_s=0.85, medians=(0.05, 0.2)), "worker 1 (pid 101, node 10.0.0.1) is the slowest"),
+    ]
+    for stats, expected in cases:
+        caplog.clear()
+        hint(stats, 1, cpus)
+        assert len(caplog.records) == 1 and expected in caplog.records[0].getMessage(), caplog.records
+    caplog.clear()
+    hint(_fake_stats(busy_s=0.9, cpu_s=0.85), 1, lambda: (2.0, 0.0))
+    assert "CPU-bound and the cluster's 2 CPUs are taken" in caplog.records[0].getMessage()
+    propagate = logger.propagate
+    logger.propagate = False  # no handler anywhere: Python would drop an INFO record
+    try:
+        capsys.readouterr()
+        hint(_fake_stats(busy_s=0.9, cpu_s=0.1), 1, cpus)
+        assert "waited for data 56% of epoch 0" in capsys.readouterr().err
+    finally:
+        logger.propagate = propagate
