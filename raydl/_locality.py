@@ -27,6 +27,8 @@ import os
 import sys
 from typing import Any, Mapping, Optional
 
+from ._ray_utils import resource_request
+
 __all__ = ["workers_confined_to_driver_node", "confined_nodes", "warn_if_workers_oversubscribe", "local_start_expected"]
 
 
@@ -35,19 +37,6 @@ def _usable_cpus() -> Optional[int]:
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count()
-
-
-def _request(options: Mapping[str, Any]) -> dict[str, float]:
-    """The resources one worker reserves, in the names of Ray's node table."""
-    request: dict[str, float] = {}
-    for key, name in (("num_cpus", "CPU"), ("num_gpus", "GPU"), ("memory", "memory")):
-        value = options.get(key)
-        if value:
-            request[name] = float(value)
-    for name, value in (options.get("resources") or {}).items():
-        if value:
-            request[name] = float(value)
-    return request
 
 
 def _label_matches(value: Optional[str], condition: str) -> bool:
@@ -80,7 +69,7 @@ def confined_nodes(nodes: list[Mapping[str, Any]], options: Mapping[str, Any]) -
     strategy = options.get("scheduling_strategy")
     if type(strategy).__name__ == "PlacementGroupSchedulingStrategy":
         return None
-    request = _request(options)
+    request = resource_request(options)
     selector = options.get("label_selector") or {}
     pinned = _pinned_node_id(strategy)
     ids = set()
