@@ -187,3 +187,18 @@ def _state0(ds, **kwargs) -> dict:
     it = iter(loader)
     next(it)
     return loader.state_dict()
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_batch_seeding_survives_a_resume(num_workers):
+    """ray_seed="batch" seeds batch idx from (base seed, epoch, idx): a resume keeps the base seed, the epoch
+    (persistent workers) and the idxs, so its batches are the uninterrupted run's."""
+    extra = {"persistent_workers": True} if num_workers else {}
+    check_resume(
+        lambda: D.RandomAugmentDataset(N),
+        lambda: {"batch_size": 2, "shuffle": True, "generator": torch.Generator().manual_seed(5), "ray_seed": "batch", **extra},
+        num_workers=num_workers,
+        ks=(3,),
+        epoch=1 if num_workers else 0,
+        cross=False,
+    )
