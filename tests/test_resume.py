@@ -202,3 +202,14 @@ def test_batch_seeding_survives_a_resume(num_workers):
         epoch=1 if num_workers else 0,
         cross=False,
     )
+
+
+def test_state_dict_before_any_iteration_describes_the_next_iterator():
+    """As torchdata: state_dict() before iter() makes the iterator the next iter() returns, and describes its start."""
+    loader = raydl.DataLoader(D.RangeDataset(N), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4))
+    state = _roundtrip(loader.state_dict())
+    assert state["_num_yielded"] == 0 and state["_iterator_finished"] is False
+    batches = list(loader)
+    resumed = raydl.DataLoader(D.RangeDataset(N), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4))
+    resumed.load_state_dict(state)
+    _same(batches, list(resumed), "resumed from a state taken before any iteration")
