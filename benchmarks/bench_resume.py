@@ -14,7 +14,10 @@ Measures (NOTE [ raydl checkpoint ] in raydl/_checkpoint.py):
       bench_throughput, the variants alternating over repetitions; medians and paired ratios;
   (d) first batch after `load_state_dict()` + `iter()` mid-epoch, next to what it consists of:
       the sampler fast-forward (drawing the indices of the batches already handed out) and a
-      fresh loader's first batch (worker start, warm pool).
+      fresh loader's first batch (worker start, warm pool);
+  (e) what a worker adds to each batch: reading its random/torch/NumPy generators (and, when
+      they moved, encoding them), wall and CPU time, in one process without Ray
+      (`--only-worker` runs just this).
 Outputs: a Markdown report on stdout and JSON lines in benchmarks/results/.
 """
 
@@ -47,7 +50,7 @@ class NoisyWorkload(C.WorkloadDataset):
 
 
 def _loader(ds: Dataset, workers: int, batch_size: int, **kw) -> raydl.DataLoader:
-    return raydl.DataLoader(ds, batch_size=batch_size, num_workers=workers, shuffle=True, timeout=300,
+    return raydl.DataLoader(ds, batch_size=batch_size, num_workers=workers, shuffle=True, timeout=300, ray_startup_timeout_s=900,
                             generator=torch.Generator().manual_seed(0), **kw)
 
 
@@ -106,6 +109,28 @@ def bench_bookkeeping(res: C.Results) -> float:
     res.write({"bench": "bookkeeping", "per_batch_us": total * 1e6})
     C.log(f"bookkeeping {total * 1e6:.1f} us/batch")
     return total * 1e6
+
+
+def bench_worker_capture(res: C.Results) -> list:
+    """(e) What a worker adds to each batch (no Ray): reading the generators, unchanged and changed."""
+    from raydl._worker_state import RngTracker
+
+    tracker = RngTracker()
+    tracker.changed()
+    rows = []
+    for case, draw in (("generators unchanged (sends nothing)", False), ("generators moved (sends ~13 KB)", True)):
+        walls, cpus = [], []
+        for _ in range(15):
+            w0, c0 = time.perf_counter(), time.thread_time()
+            for _ in range(500):
+                if draw:
+                    torch.rand(())
+                tracker.changed()
+            walls.append((time.perf_counter() - w0) / 500)
+            cpus.append((time.thread_time() - c0) / 500)
+        res.write({"bench": "worker_capture", "case": case, "wall_us": C.median(walls) * 1e6, "cpu_us": C.median(cpus) * 1e6})
+        rows.append([case, f"{C.median(walls) * 1e6:.1f}", f"{C.median(cpus) * 1e6:.1f}"])
+    return rows
 
 
 def _epoch_rate(loader, n: int) -> float:
@@ -183,8 +208,16 @@ def bench_first_batch(res: C.Results, quick: bool) -> list:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--only-worker", action="store_true", help="only (e), the worker-side cost (no Ray)")
     args = parser.parse_args()
     res = C.Results("resume", args.quick)
+    worker_rows = bench_worker_capture(res)
+    worker_md = ["## (e) per batch in a worker: reading the generators (one process, no Ray)", "",
+                 C.md_table(["case", "wall µs/batch", "CPU µs/batch"], worker_rows), ""]
+    if args.only_worker:
+        print("\n".join(worker_md))
+        res.close()
+        return
     import ray
 
     ray.init(address="local", include_dashboard=False)
@@ -199,6 +232,7 @@ def main() -> None:
     out += ["## (d) first batch after load_state_dict() + iter(), 2 workers", "",
             C.md_table(["state at batch", "sampler fast-forward ms", "fresh loader first batch ms", "sum ms",
                         "resumed first batch ms"], bench_first_batch(res, args.quick)), ""]
+    out += worker_md
     text = "\n".join(out)
     print(text)
     res.write_text(".md", text)
