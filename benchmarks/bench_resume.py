@@ -94,7 +94,7 @@ def bench_bookkeeping(res: C.Results) -> float:
     tracker = Tracker(fake, fake.batch_sampler, None)
     it = tracker.sampler_iter(first_iter=True)
     tracker.resume_main(it, 0, None)
-    tracker.start_epoch(it, first_iter=True)
+    tracker.start_epoch(it, first_iter=True, epoch=0)
     metas = [BatchMeta(w, 0, 0.0, 0.0) for w in range(2)]
     draws = []
     t0 = time.perf_counter()
