@@ -52,6 +52,12 @@ there); which worker makes which batch is left to timing there, so worker-side r
 only guaranteed identical with in_order=True. An IterableDataset whose iterator and dataset have
 no `state_dict()` is replayed: the resumed loader makes and drops the batches already handed out,
 as torchdata does.
+Known limits: with persistent workers, an epoch left early (`break`) leaves batches a worker made
+and nobody read; a state taken in the next epoch before that worker hands out a batch records its
+generators as of the last batch read, not the unread ones. After `set_num_workers` (NOTE [ raydl
+elastic pool ]) the state keeps the iterator's original `_num_workers` and a snapshot per worker id
+ever used; it resumes exactly with `ray_seed="batch"` (batch content independent of the worker),
+not for worker-seeded random draws.
 """
 
 from __future__ import annotations
