@@ -56,7 +56,8 @@ Known limits: with persistent workers, an epoch left early (`break`) leaves batc
 and nobody read; a state taken in the next epoch before that worker hands out a batch records its
 generators as of the last batch read, not the unread ones. After `set_num_workers` (NOTE [ raydl
 elastic pool ]) the state keeps the iterator's original `_num_workers` and a snapshot per worker id
-ever used; it resumes exactly with `ray_seed="batch"` (batch content independent of the worker),
+ever used; it resumes exactly with `ray_seed="batch"` (batch content independent of the worker;
+tests/test_resume.py),
 not for worker-seeded random draws.
 """
 

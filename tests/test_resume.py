@@ -213,3 +213,23 @@ def test_state_dict_before_any_iteration_describes_the_next_iterator():
     resumed = raydl.DataLoader(D.RangeDataset(N), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4))
     resumed.load_state_dict(state)
     _same(batches, list(resumed), "resumed from a state taken before any iteration")
+
+
+def test_state_taken_after_a_resize_resumes_exactly_with_batch_seeding():
+    """set_num_workers mid-epoch, then a state: with ray_seed="batch" a loader of the original size resumes exactly."""
+    def make():
+        return raydl.DataLoader(D.RandomAugmentDataset(16), batch_size=2, num_workers=2, ray_seed="batch", timeout=60,
+                                generator=torch.Generator().manual_seed(6))
+
+    with make() as loader:
+        expected = list(loader)
+    with make() as loader:
+        it = iter(loader)
+        got = [next(it) for _ in range(2)]
+        loader.set_num_workers(3)
+        got += [next(it) for _ in range(3)]
+        state = _roundtrip(loader.state_dict())
+    _same(expected[:5], got, "batches around a resize")
+    with make() as loader:
+        loader.load_state_dict(state)
+        _same(expected[5:], list(loader), "resumed after a resize")
