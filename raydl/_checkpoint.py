@@ -57,8 +57,7 @@ and nobody read; a state taken in the next epoch before that worker hands out a 
 generators as of the last batch read, not the unread ones. After `set_num_workers` (NOTE [ raydl
 elastic pool ]) the state keeps the iterator's original `_num_workers` and a snapshot per worker id
 ever used; it resumes exactly with `ray_seed="batch"` (batch content independent of the worker;
-tests/test_resume.py),
-not for worker-seeded random draws.
+tests/test_resume.py), not for worker-seeded random draws.
 """
 
 from __future__ import annotations
