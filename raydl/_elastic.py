@@ -37,8 +37,11 @@ The autoscaler (`ray_max_workers=N`) measures, for every batch handed out, how l
 waited for it and how long the worker took to make it (`BatchMeta.fetch_s`), over windows of at
 least AUTOSCALE_WINDOW_BATCHES batches and AUTOSCALE_WINDOW_MIN_S seconds of the loop. At each
 window's end it decides at most one step:
-  * add one worker when the loop waited more than AUTOSCALE_ADD_WAIT_FRACTION of the window,
-    the pool is under N and the cluster has room now: a worker with no resource request
+  * add one worker when the loop waited more than AUTOSCALE_ADD_WAIT_FRACTION of the window
+    while the workers were busy at least AUTOSCALE_ADD_BUSY_FRACTION of it (idle workers and a
+    waiting loop mean latency, not too few workers: measured on an overloaded machine, a cold
+    1-worker pool feeding a slower loop had it wait 13 % with its worker busy 36 %), the pool
+    is under N and the cluster has room now: a worker with no resource request
     always fits; one that reserves resources is added only when `ray.available_resources()`
     has them free, so no autoscaler is ever asked for a node by surprise;
   * retire the newest worker (never below `num_workers`) when the loop waited less than
@@ -51,7 +54,9 @@ window's end it decides at most one step:
     is not enough on a shared machine: a neighbour's burst can eat a window's gain.
 Hysteresis: the add and retire thresholds are far apart, one decision at a time, and after each
 the measurements restart once the change took effect (the new worker joined) and the batches
-already in flight before it were handed out. Every decision is logged at INFO with its figures.
+already in flight before it were handed out. Each epoch's first AUTOSCALE_WINDOW_BATCHES batches
+(beyond the prefetch) are not measured: new processes' first batches are slow (measured: a
+cold-started loop slower than its data had its first window wait 43 %). Every decision is logged at INFO with its figures.
 """
 
 from __future__ import annotations
@@ -64,6 +69,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
 from ._constants import (
+    AUTOSCALE_ADD_BUSY_FRACTION,
     AUTOSCALE_ADD_WAIT_FRACTION,
     AUTOSCALE_RETIRE_BUSY_FRACTION,
     AUTOSCALE_RETIRE_WAIT_FRACTION,
@@ -255,6 +261,8 @@ class ElasticPool:
         self._batches = 0
         self._last_end_s: Optional[float] = None
         self._restart_window()
+        # start-up transients too: new processes' first batches, the first prefetch filling up
+        self._skip += AUTOSCALE_WINDOW_BATCHES
 
     def _restart_window(self) -> None:
         # skip what was in flight before the change: it was drawn for the old pool
@@ -315,7 +323,7 @@ class ElasticPool:
                 self._retire_newest()
                 self._log("undo", n, n - 1, figures, f"{rate_before:.1f} batches/s before it: the addition did not pay")
                 return
-        if wait > AUTOSCALE_ADD_WAIT_FRACTION and n < self._cap and self._has_room():
+        if wait > AUTOSCALE_ADD_WAIT_FRACTION and busy >= AUTOSCALE_ADD_BUSY_FRACTION and n < self._cap and self._has_room():
             self._pending_eval = (n, rate, wait, 0)
             self._add(n + 1)
             self._log("add", n, n + 1, figures, f"threshold {AUTOSCALE_ADD_WAIT_FRACTION:.0%}")

@@ -274,6 +274,7 @@ class _Sim:
             self.pool, self.sched, 2, lambda: None, 60.0, min_workers, max_workers, True, clock=lambda: self.now
         )
         self.step_s, self.make_s = step_s, make_s
+        self.latency_s = 0.0  # a wait per batch that more workers cannot remove (round trips on a busy machine)
 
     def run(self, batches: int, gain=None) -> None:
         for _ in range(batches):
@@ -282,8 +283,8 @@ class _Sim:
             # delivered rate: n workers in parallel, or the loop, whichever is slower (gain: cap on useful workers)
             useful = n if gain is None else min(n, gain)
             per_batch_s = max(self.make_s / useful, self.step_s)
-            wait_s = per_batch_s - self.step_s
-            self.now += per_batch_s
+            wait_s = per_batch_s - self.step_s + self.latency_s
+            self.now += per_batch_s + self.latency_s
             self.elastic.on_batch_made(self.make_s)
             self.elastic.on_next(wait_s)
 
@@ -334,3 +335,11 @@ def test_rule_one_noisy_window_does_not_undo_an_addition():
     assert sim.elastic._pending_eval is not None and sim.elastic._pending_eval[3] == 1
     sim.run(400)
     assert [d.action for d in sim.elastic.decisions] == ["add"] and len(sim.sched.active) == 2
+
+
+def test_rule_adds_nothing_when_the_loop_waits_on_latency_with_idle_workers():
+    """The loop waits 25 % of its time while its worker is busy 20 %: latency, not too few workers; nothing added."""
+    sim = _Sim(1, 8, step_s=0.030, make_s=0.008)
+    sim.latency_s = 0.010
+    sim.run(2000)
+    assert sim.elastic.decisions == []
