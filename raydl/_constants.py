@@ -70,7 +70,7 @@ AUTOSCALE_WINDOW_MIN_S = 1.0
 # Add a worker while the loop waits for data more than this fraction of its time.
 AUTOSCALE_ADD_WAIT_FRACTION = 0.10
 # ... and only while the workers are busy at least this fraction of the time (else the wait is latency).
-AUTOSCALE_ADD_BUSY_FRACTION = 0.5
+AUTOSCALE_ADD_BUSY_FRACTION = 0.75
 # Retire one while the loop waits less than this fraction and one worker fewer would be busy
 # less than AUTOSCALE_RETIRE_BUSY_FRACTION of the time (far from the add threshold: hysteresis).
 AUTOSCALE_RETIRE_WAIT_FRACTION = 0.02

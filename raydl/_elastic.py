@@ -39,9 +39,10 @@ least AUTOSCALE_WINDOW_BATCHES batches and AUTOSCALE_WINDOW_MIN_S seconds of the
 window's end it decides at most one step:
   * add one worker when the loop waited more than AUTOSCALE_ADD_WAIT_FRACTION of the window
     while the workers were busy at least AUTOSCALE_ADD_BUSY_FRACTION of it (idle workers and a
-    waiting loop mean latency, not too few workers: measured on an overloaded machine, a cold
-    1-worker pool feeding a slower loop had it wait 13 % with its worker busy 36 %), the pool
-    is under N and the cluster has room now: a worker with no resource request
+    waiting loop mean latency, not too few workers: measured on an overloaded machine, a
+    1-worker pool feeding a loop 2.5x slower than its nominal data time had it wait 13-20 %
+    with its worker busy 36-67 %, while data-bound windows had the workers busy 84-97 %), the
+    pool is under N and the cluster has room now: a worker with no resource request
     always fits; one that reserves resources is added only when `ray.available_resources()`
     has them free, so no autoscaler is ever asked for a node by surprise;
   * retire the newest worker (never below `num_workers`) when the loop waited less than
