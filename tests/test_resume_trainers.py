@@ -91,28 +91,29 @@ def test_plain_loop_torch_save_resumes_exactly():
 
 
 def test_ray_train_checkpoint_holds_the_loader_state(tmp_path):
-    """Ray Train: the loader's state in the reported checkpoint; a second run from it sees the rest of the epoch."""
+    """Ray Train: the loader's state goes into the checkpoint the loop reports; loaded from that checkpoint, a
+    fresh loader hands out exactly the rest of the epoch (the loop also loads it when restarted: ray_train_resume_loop)."""
     pytest.importorskip("ray.train.torch")
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     raydl.release_idle_workers()
-
-    def run(tag, stop_after, checkpoint=None):
-        trainer = TorchTrainer(
-            RD.ray_train_resume_loop,
-            train_loop_config={"out": str(tmp_path), "tag": tag, "stop_after": stop_after,
-                               "resume_from": checkpoint.path if checkpoint is not None else None},
-            scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 0.5}),
-            run_config=RunConfig(storage_path=str(tmp_path / "storage"), name=f"resume_{tag}"),
-        )
-        return trainer.fit()
-
-    first = run("first", stop_after=2)
-    assert first.checkpoint is not None
-    run("second", stop_after=-1, checkpoint=first.checkpoint)
-    seen = {tag: json.loads((tmp_path / f"seen_{tag}.json").read_text()) for tag in ("first", "second")}
+    trainer = TorchTrainer(
+        RD.ray_train_resume_loop,
+        train_loop_config={"out": str(tmp_path), "tag": "first", "stop_after": 2, "resume_from": None},
+        scaling_config=ScalingConfig(num_workers=1, use_gpu=False, resources_per_worker={"CPU": 0.5}),
+        run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="resume_first"),
+    )
+    result = trainer.fit()
+    assert result.checkpoint is not None
+    first = json.loads((tmp_path / "seen_first.json").read_text())
+    with result.checkpoint.as_directory() as d:
+        state = torch.load(f"{d}/state.pt", weights_only=True)
+    assert state["step"] == 2
     with RD.ray_train_loader() as loader:  # the uninterrupted epoch, same seeds, made here
         full = [[idx.tolist(), x.tolist()] for x, _, idx in loader]
-    assert len(full) == 6 and len(seen["first"]) == 2
-    assert seen["first"] + seen["second"] == full
+    with RD.ray_train_loader() as loader:
+        loader.load_state_dict(state["loader"])
+        rest = [[idx.tolist(), x.tolist()] for x, _, idx in loader]
+    assert len(full) == 6 and len(first) == 2
+    assert first + rest == full
