@@ -436,7 +436,9 @@ class Tracker:
         self._ensure(worker_id)
         prev = self.latest[worker_id]
         snap = meta.state if meta.state is not None else self._initial(worker_id)
-        rng = meta.rng if meta.rng is not None else (prev.get(RNG) if prev else None)
+        prev_rng = prev.get(RNG) if prev else None
+        # a worker sends only the generators that moved (_worker_state.RngTracker): merge into the last set
+        rng = prev_rng if meta.rng is None else ({**prev_rng, **meta.rng} if prev_rng else meta.rng)
         if rng is not None:
             snap = {**(snap or {WORKER_ID: worker_id, FETCHER_STATE: None, DATASET_STATE: None}), RNG: rng}
         self.latest[worker_id] = snap
