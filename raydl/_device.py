@@ -21,7 +21,7 @@ from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
 from ._constants import PIN_LOOKAHEAD_BATCHES, PIN_THREAD_JOIN_TIMEOUT_S, STATUS_CHECK_INTERVAL_S
 
-__all__ = ["pin_memory", "pin_memory_target", "PinStage", "DeviceCopier", "resolve_device"]
+__all__ = ["pin_memory", "pin_memory_target", "warn_pin_memory_args", "PinStage", "DeviceCopier", "resolve_device"]
 
 _DATA, _ERROR = "data", "error"
 
@@ -29,6 +29,24 @@ _DATA, _ERROR = "data", "error"
 def pin_memory(data: Any, device: Optional[str] = None) -> Any:
     """Pin every tensor in `data` (recursively), as torch's DataLoader does."""
     return _torch_pin_memory(data, device)
+
+
+def warn_pin_memory_args(loader: Any) -> None:
+    """torch's two warnings about `pin_memory` arguments, with its text, as its iterators give them."""
+    import warnings
+
+    if loader.pin_memory and loader.pin_memory_device:
+        warnings.warn(
+            "pin_memory_device is deprecated, the current accelerator will be used as the device,"
+            f"ignore pin_memory_device='{loader.pin_memory_device}'.",
+            stacklevel=4,
+        )
+    if loader.pin_memory and not torch.accelerator.is_available():
+        warnings.warn(
+            "'pin_memory' argument is set as true but no accelerator is found, "
+            "then device pinned memory won't be used.",
+            stacklevel=4,
+        )
 
 
 def pin_memory_target(pin_memory_flag: bool) -> Optional[str]:

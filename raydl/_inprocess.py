@@ -3,7 +3,7 @@
 torch's in-process iterator is private and has no state; this one makes the same batches (same
 sampler draws, base seed drawn from the loader's generator in torch's order, torch's fetch and
 collate rules via _fetch.py, torch's pinning; with ray_seed="batch" each batch seeded by its
-position, as _seeding.py's SeededInProcessIter does) and has `state_dict()` in StatefulDataLoader's
+position, NOTE [ raydl batch seeding ]) and has `state_dict()` in StatefulDataLoader's
 num_workers=0 layout (NOTE [ raydl checkpoint ] in _checkpoint.py). Everything happens in the
 caller's thread, so the state is simply read when asked for.
 """
@@ -34,7 +34,7 @@ from ._checkpoint import (
     sampler_state,
     torch_random_generator,
 )
-from ._device import pin_memory, pin_memory_target
+from ._device import pin_memory, pin_memory_target, warn_pin_memory_args
 from ._fetch import IterableFetcher, MapFetcher
 from ._seeding import _SavedRNG, seed_batch
 from ._worker_state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
@@ -53,18 +53,7 @@ class _InProcessIter(Iterator[Any]):
         self._auto_collation = loader.batch_sampler is not None
         self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
         self._IterableDataset_len_called = loader._IterableDataset_len_called
-        if loader.pin_memory and loader.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the device,"
-                f"ignore pin_memory_device='{loader.pin_memory_device}'.",
-                stacklevel=3,
-            )
-        if loader.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=3,
-            )
+        warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
         self._pin_device = pin_memory_target(loader.pin_memory)
         self._facts = loader_facts(loader)
         # torch's order: the sampler iterator, then the base seed (it consumes the generator; only

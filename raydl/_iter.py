@@ -100,7 +100,7 @@ from . import _constants
 from ._checkpoint import Tracker, track_rng_enabled
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._elastic import ElasticPool
-from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device
+from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, rebuild_worker_exception, remote_traceback
 from ._fetch import StartFailed, StreamEnd
 from ._locality import warn_if_workers_oversubscribe
@@ -167,18 +167,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._pin_stage: Optional[PinStage] = None
         self._source_ended = False
 
-        if loader.pin_memory and loader.pin_memory_device:
-            warnings.warn(
-                "pin_memory_device is deprecated, the current accelerator will be used as the device,"
-                f"ignore pin_memory_device='{loader.pin_memory_device}'.",
-                stacklevel=3,
-            )
-        if loader.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=3,
-            )
+        warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
         self._pin_device = pin_memory_target(loader.pin_memory)
         self._copier: Optional[DeviceCopier] = None
         target = resolve_device(options.device)

@@ -68,7 +68,6 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 
 from ._iter import _RayLoaderIter
 from ._options import RayOptions
-from ._seeding import SeededInProcessIter
 
 __all__ = ["patch", "unpatch", "patched", "is_patched"]
 
@@ -116,7 +115,9 @@ def _patched_get_iterator(self):
     """torch's `_get_iterator`, with raydl's Ray-actor iterator when num_workers > 0 (see raydl.patch)."""
     originals = _originals
     if self.num_workers == 0 and originals is not None and getattr(_source(self), "ray_seed", "worker") == "batch":
-        return SeededInProcessIter(_source(self))  # NOTE [ raydl batch seeding ], in-process
+        from ._inprocess import _InProcessIter  # imported late: it pulls in the checkpoint machinery
+
+        return _InProcessIter(_source(self))  # NOTE [ raydl batch seeding ], in-process
     if self.num_workers == 0 or originals is None:
         original = originals["_get_iterator"] if originals is not None else _TorchDataLoader._get_iterator
         return original(self)

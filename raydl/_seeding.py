@@ -34,7 +34,7 @@ IterableDataset: each batch is seeded the same way, but a replica's content depe
 worker (torch's sharding by `get_worker_info()`), so the pool independence holds for map-style
 datasets only.
 
-The in-process path is raydl's own small iterator (`SeededInProcessIter`), not torch's: the
+The in-process path is raydl's own iterator (`_InProcessIter` in _inprocess.py), not torch's: the
 seeding must happen between the sampler draw and the fetch (a RandomSampler without a generator
 draws its permutation's seed from torch's global generator on its first draw), and torch's
 iterator does both in one private method.
@@ -43,14 +43,11 @@ iterator does both in one private method.
 from __future__ import annotations
 
 import random
-import warnings
-from typing import Any, Iterator
 
 import numpy as np
 import torch
-from torch.utils.data import IterableDataset
 
-__all__ = ["SEED_MODES", "batch_seed_words", "seed_batch", "SeededInProcessIter"]
+__all__ = ["SEED_MODES", "batch_seed_words", "seed_batch"]
 
 # The values of `ray_seed`: "worker" = torch's per-worker seeding, "batch" = NOTE [ raydl batch seeding ].
 SEED_MODES = ("worker", "batch")
@@ -91,75 +88,3 @@ class _SavedRNG:
         np.random.set_state(self._numpy)
         if self._cuda is not None:
             torch.cuda.set_rng_state_all(self._cuda)
-
-
-class SeededInProcessIter(Iterator[Any]):
-    """num_workers=0 with `ray_seed="batch"`: torch's in-process loading, each batch seeded by its position.
-
-    Same steps as torch's in-process iterator, in the same order (the sampler iterator, then the
-    base seed drawn from the loader's `generator`, then `iter(dataset)` for an IterableDataset;
-    per batch: the sampler draw, the fetch, the collate, the pinning), with raydl's fetchers
-    (torch's are private) and the per-batch seeding of NOTE [ raydl batch seeding ] between the
-    sampler draw and the fetch. The caller's generators are restored after each batch.
-    """
-
-    def __init__(self, loader: Any) -> None:
-        # Imported here: _fetch and _device are the worker's modules; this one is imported by both sides.
-        from ._device import pin_memory_target
-        from ._fetch import IterableFetcher, MapFetcher
-
-        # torch's in-process iterator asserts the same (num_workers=0 has no timeout).
-        assert loader.timeout == 0
-        if loader.pin_memory and not torch.accelerator.is_available():
-            warnings.warn(
-                "'pin_memory' argument is set as true but no accelerator is found, "
-                "then device pinned memory won't be used.",
-                stacklevel=3,
-            )
-        self._pin_device = pin_memory_target(loader.pin_memory)
-        self._dataset = loader.dataset
-        self._is_iterable = isinstance(loader.dataset, IterableDataset)
-        self._auto_collation = loader.batch_sampler is not None
-        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
-        self._IterableDataset_len_called = loader._IterableDataset_len_called
-        self._sampler_iter = iter(self._index_sampler)
-        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
-        if self._is_iterable:
-            self._fetcher: Any = IterableFetcher(loader.dataset, self._auto_collation, loader.collate_fn, loader.drop_last)
-        else:
-            self._fetcher = MapFetcher(loader.dataset, self._auto_collation, loader.collate_fn)
-        self._idx = 0  # position of the next batch in the epoch
-        self._num_yielded = 0
-
-    def __iter__(self) -> SeededInProcessIter:
-        return self
-
-    def __len__(self) -> int:
-        return len(self._index_sampler)
-
-    def __next__(self) -> Any:
-        from ._device import pin_memory
-
-        index = next(self._sampler_iter)  # StopIteration ends the epoch, as in torch
-        work = (len(index) if self._auto_collation else None) if self._is_iterable else index
-        saved = _SavedRNG()
-        seed_batch(self._base_seed, 0, self._idx)
-        try:
-            data = self._fetcher.fetch(work)
-        finally:
-            saved.restore()
-        self._idx += 1
-        if self._pin_device is not None:
-            data = pin_memory(data, self._pin_device)
-        self._num_yielded += 1
-        if (
-            self._is_iterable
-            and self._IterableDataset_len_called is not None
-            and self._num_yielded > self._IterableDataset_len_called
-        ):
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
-                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. ",
-                stacklevel=2,
-            )
-        return data

@@ -131,8 +131,6 @@ def ray_train_resume_loop(config: dict) -> None:
     import ray.train
     from torch import nn
 
-    import raydl
-
     loader = ray_train_loader()
     model = nn.Linear(4, 2)
     # A restarted run: Ray Train's own restore (get_checkpoint) or a reported checkpoint passed by path.

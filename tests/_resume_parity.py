@@ -19,7 +19,7 @@ from __future__ import annotations
 import io
 import json
 import multiprocessing
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
