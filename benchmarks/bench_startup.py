@@ -27,6 +27,8 @@ import sys  # noqa: E402
 import time  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
 REPO = os.path.dirname(HERE)
 MODES = ("torch", "raydl", "raydl+start")
 
@@ -143,27 +145,15 @@ def _run_child_once(mode: str, num_workers: int, build_s: float) -> dict:
            "--build-s", str(build_s)]
     wall0 = time.perf_counter()
     proc, load = _foreign_load(0, lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300))
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"child {mode} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    rec = json.loads(lines[-1][len("RESULT "):])
+    rec = child_result(proc, mode)
     rec["process_wall_s"] = round(time.perf_counter() - wall0, 2)
     rec["machine_busy_cores"] = load
     return rec
 
 
 def run_child(*args, **kwargs) -> dict:
-    """One measurement; retried twice when the child fails (on a loaded shared machine a local Ray
-    can time out while starting: that is the machine, not the loader; the failures are counted)."""
-    for attempt in range(3):
-        try:
-            rec = _run_child_once(*args, **kwargs)
-            rec["failed_attempts"] = attempt
-            return rec
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True)
-            if attempt == 2:
-                raise
+    """One measurement in a child process, retried when the child fails (see _child.with_retries)."""
+    return with_retries(_run_child_once, *args, **kwargs)
 
 
 def main() -> None:

@@ -26,6 +26,8 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
 REPO = os.path.dirname(HERE)
 MIB = 2**20
 
@@ -98,24 +100,12 @@ def _run_child_once(loader_kind: str, num_workers: int) -> dict:
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     cmd = [sys.executable, os.path.abspath(__file__), "--child", loader_kind, "--workers", str(num_workers)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        raise RuntimeError(f"child failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len("RESULT ") :])
+    return child_result(proc, "")
 
 
 def run_child(*args, **kwargs) -> dict:
-    """One measurement; retried twice when the child fails (on a loaded shared machine a local Ray
-    can time out while starting: that is the machine, not the loader; the failures are counted)."""
-    for attempt in range(3):
-        try:
-            rec = _run_child_once(*args, **kwargs)
-            rec["failed_attempts"] = attempt
-            return rec
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True)
-            if attempt == 2:
-                raise
+    """One measurement in a child process, retried when the child fails (see _child.with_retries)."""
+    return with_retries(_run_child_once, *args, **kwargs)
 
 
 def main() -> None:

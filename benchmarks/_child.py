@@ -1,0 +1,39 @@
+"""Measurements in child processes: read a child's `RESULT {json}` line, retry a child that failed.
+
+Imports nothing heavy (no torch, no Ray), so a parent that times a cold start stays cold.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from typing import Any, Callable
+
+__all__ = ["child_result", "with_retries"]
+
+RESULT_PREFIX = "RESULT "
+
+
+def child_result(proc: subprocess.CompletedProcess, what: str) -> dict:
+    """The last `RESULT {json}` line a child printed; a RuntimeError with its output if it failed."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if proc.returncode != 0 or not lines:
+        raise RuntimeError(f"child {what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
+    return json.loads(lines[-1][len(RESULT_PREFIX):])
+
+
+def with_retries(run_once: Callable[..., dict], *args: Any, attempts: int = 3, **kwargs: Any) -> dict:
+    """One measurement, retried when the child fails (on a loaded shared machine a local Ray can time
+    out while starting: that is the machine, not the loader); the failed attempts are counted in
+    the record as `failed_attempts`."""
+    for attempt in range(attempts):
+        try:
+            rec = run_once(*args, **kwargs)
+            rec["failed_attempts"] = attempt
+            return rec
+        except (RuntimeError, subprocess.TimeoutExpired) as e:
+            print(f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True)
+            if attempt == attempts - 1:
+                raise
+    raise AssertionError("unreachable")
