@@ -123,3 +123,19 @@ def ray_train_loop(config: dict[str, Any]) -> None:
 
     with open(os.path.join(config["out"], f"rank{rank}.json"), "w") as f:
         json.dump(out, f)
+
+
+def run_ray_train_driver(mode: str, out: Any, gcs_address: str, timeout_s: int = 300) -> None:
+    """tests/_ray_train_main.py in its own driver process joined to `gcs_address` (it says why); fails with its output."""
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ)  # RAY_AUTH_MODE (set by ray.init for its cluster) and the loopback flag are inherited
+    env.update(RAY_ADDRESS=gcs_address, PYTHONPATH=os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")])))
+    env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(repo, "tests", "_ray_train_main.py"), mode, str(out)],
+        cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s,
+    )
+    assert proc.returncode == 0 and "RESULT " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -175,18 +175,8 @@ def test_accelerate_prepare_under_patch_keeps_ray_workers(ray_session):
 def test_ray_train_torch_trainer_prepare_data_loader_keeps_ray_workers(ray_session, tmp_path):
     """TorchTrainer, 2 workers: a raydl loader with its own DistributedSampler survives prepare_data_loader; a rebuilt one loads from Ray under patch."""
     pytest.importorskip("ray.train.torch")
-    from ray.train import RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
-
-    raydl.release_idle_workers()  # idle workers holding reserved CPUs would keep the trainers from being placed
-    samples = 16
-    trainer = TorchTrainer(
-        H.ray_train_loop,
-        train_loop_config={"out": str(tmp_path), "samples": samples},
-        scaling_config=ScalingConfig(num_workers=2, use_gpu=False, resources_per_worker={"CPU": 0.5}),
-        run_config=RunConfig(storage_path=str(tmp_path / "storage"), name="raydl_ray_train"),
-    )
-    trainer.fit()
+    samples = 16  # tests/_ray_train_main.py's "prepare" run: TorchTrainer in its own driver, on this Ray
+    H.run_ray_train_driver("prepare", tmp_path, ray_session.get_runtime_context().gcs_address)
     records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
     for key, expected_class, same in (
