@@ -143,9 +143,8 @@ ray.shutdown()
 def test_a_ray_actor_is_the_shared_counter():
     """The suggested fix works: every worker increments one Ray actor, which sees every sample once.
 
-    Runs in its own process and Ray: in the full suite's shared session (after some 180 tests),
-    the driver once stopped hearing that new actors were alive right after this test created its
-    counter actor, and every later test timed out waiting for workers (see the stop note).
+    Runs in its own process and Ray, so the counter actor and the dataset's handle to it never
+    outlive the test in the suite's shared session.
     """
     import os
     import subprocess
