@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import traceback
 from dataclasses import dataclass
+from typing import Any
 
 __all__ = ["WorkerDiedError", "WorkerPlacementError", "WorkerRecord"]
 
@@ -24,7 +25,7 @@ class WorkerStartDied(WorkerDiedError):
     """Internal: worker `worker_id`'s process died before it reported it had started.
 
     Tasks may already have been queued behind its start (a pool's first start), so the driver
-    treats this as any other death of that worker (NOTE [ raydl recovery ] in _iter.py).
+    treats this as any other death of that worker (NOTE [ raydl recovery ] in _recovery.py).
     """
 
     def __init__(self, worker_id: int, message: str) -> None:
@@ -106,3 +107,10 @@ def remote_traceback(err: BaseException) -> str:
     # Ray's text starts with a header line of its own; the rest is the worker's traceback.
     body = text.split("\n", 1)[1] if "\n" in text else text
     return "Traceback (most recent call last):\n" + body
+
+
+def short_indices(index: Any, limit: int = 8) -> str:
+    """Indices for an error message, shortened for big batches."""
+    if isinstance(index, (list, tuple)) and len(index) > limit:
+        return f"[{', '.join(map(str, index[:limit]))}, ... ({len(index)} in all)]"
+    return str(index)

@@ -21,45 +21,6 @@ after the caller's step; `ray.wait(fetch_local=True, timeout=0)` on a task still
 registers no pull in Ray 2.60, measured). The future is dropped at once: nothing waits on it,
 and it holds no batch once the pull is done.
 
-NOTE [ raydl recovery ]
-The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
-When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
-or its node left the cluster) or that the task's result was lost with its node:
-  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
-     seeds itself and runs worker_init_fn exactly as the first one did;
-  2. the driver waits (bounded by ray_startup_timeout_s) for the replacement to report that it
-     has started, with nothing queued behind its start: a replacement that dies there died
-     starting, not making a batch, and is one more death of that worker;
-  3. every task that was outstanding on the dead worker is sent again, in send order, to the
-     replacement, under the same task idx: ordering and the reorder buffer are untouched.
-A worker that dies during a pool's first start, when tasks were already queued behind its start
-(to save a round trip), is recovered the same way. One exception: an actor taken from the warm
-pool that turns out dead at its `configure()` died idle, before this iterator gave it anything
-to make; the pool swaps it for a new actor and the tasks queued on it are sent again to the new
-one (`Schedule.resend`), with no restart counted and no warning.
-Every batch is handed out exactly once, in order; a deterministic dataset gives identical
-batches. A replacement also takes back its predecessor's state as of the last batch the driver
-read from it (NOTE [ raydl checkpoint ] in _checkpoint.py): its random, torch and NumPy
-generators and its dataset's own state, so its re-made batches are the ones the dead worker would
-have made, random augmentation included.
-Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
-next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
-worker meanwhile are held (`Task.ref is None`) and all sent once the lost batches are done
-(NOTE [ raydl scheduling ] in _schedule.py).
-Why: an actor that dies just after finishing a task may take the task's reply with it, and Ray
-then reports that finished task as failed too. With several tasks in flight a death cannot be
-pinned on one batch; with one in flight it can.
-Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
-death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
-making (on probation the one batch in flight; otherwise the oldest sent, which an actor runs
-first, and the message says a later one may be the cause): a poison batch that kills every
-worker it reaches ends there, after every batch before it, never in an endless loop.
-A replacement that no node can host within ray_startup_timeout_s is given up: the survivors
-make its batches (NOTE [ raydl elastic pool ] in _elastic.py, which also resizes the pool).
-IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
-point where it died, and restarting it would duplicate samples. Their death raises
-WorkerDiedError at once.
-
 NOTE [ raydl shutdown ]
 `shutdown()` is the one way resources are released; it is idempotent and runs, in order:
   1. stop and join the pin thread (bounded wait);
@@ -101,7 +62,7 @@ from ._checkpoint import Tracker, track_rng_enabled
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._elastic import ElasticPool
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
-from ._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, rebuild_worker_exception, remote_traceback
+from ._errors import rebuild_worker_exception, remote_traceback, short_indices
 from ._fetch import StartFailed, StreamEnd
 from ._locality import warn_if_workers_oversubscribe
 from ._startup import wait_for_early_start
@@ -110,6 +71,7 @@ from ._payload import put_payload
 from ._transfer import decode
 from ._placement import worker_placement
 from ._pool import WorkerPool
+from ._recovery import Recovery
 from ._schedule import Schedule, Task
 from ._stats import make_recorder
 from ._ray_utils import ensure_ray_initialized, worker_actor_options
@@ -145,7 +107,7 @@ class _RayLoaderIter(Iterator[Any]):
         idx: its keys lie in `[_rcvd_idx, _send_idx)`; which worker gets a task, probation and
         held tasks are its business (NOTE [ raydl scheduling ] in _schedule.py, with its own
         invariants).
-    See NOTE [ raydl ordering ], NOTE [ raydl recovery ], NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
+    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (_recovery.py), NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader, state: Optional[dict] = None) -> None:
@@ -160,8 +122,6 @@ class _RayLoaderIter(Iterator[Any]):
         self._timeout = loader.timeout
         self._persistent_workers = loader.persistent_workers
         self._in_order = loader.in_order
-        self._startup_timeout_s = options.startup_timeout_s
-        self._max_worker_restarts = options.max_worker_restarts
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._state = _State.RUNNING
         self._pin_stage: Optional[PinStage] = None
@@ -221,8 +181,12 @@ class _RayLoaderIter(Iterator[Any]):
         self._release_pool = self._pool.release_when_collected(self)
         self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
         self._elastic = ElasticPool(  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
-            self._pool, self._sched, self._prefetch_factor, self._try_put_index, self._startup_timeout_s,
+            self._pool, self._sched, self._prefetch_factor, self._try_put_index, options.startup_timeout_s,
             self._num_workers, options.max_workers, resizable=not self._is_iterable,
+        )
+        self._recovery = Recovery(  # NOTE [ raydl recovery ] in _recovery.py
+            self._pool, self._sched, self._ckpt, self._elastic, is_iterable=self._is_iterable,
+            max_worker_restarts=options.max_worker_restarts, startup_timeout_s=options.startup_timeout_s,
         )
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
@@ -405,12 +369,12 @@ class _RayLoaderIter(Iterator[Any]):
                 self._try_put_index()
                 raise rebuild_worker_exception(
                     e.cause,
-                    f"in {self._pool.describe(task.worker_id)} while making batch {idx} (indices {_short(task.index)})",
+                    f"in {self._pool.describe(task.worker_id)} while making batch {idx} (indices {short_indices(task.index)})",
                     remote_traceback(e),
                 ) from None
             self._consume(idx)
             if isinstance(data, StartFailed):  # unreachable: workers are waited for before any batch is read
-                self._fail()
+                self.fail()
                 raise RuntimeError(f"raydl bug: read a batch from worker {data.worker_id}, whose start failed")
             if isinstance(data, StreamEnd):
                 self._retire_worker(data.worker_id)
@@ -440,7 +404,7 @@ class _RayLoaderIter(Iterator[Any]):
         if not self._persistent_workers:
             self._release_workers()
 
-    def _fail(self) -> None:
+    def fail(self) -> None:
         """An unrecoverable error: no more batches from this iterator; the workers go now."""
         self._state = _State.EXHAUSTED
         self._release_workers()
@@ -457,7 +421,7 @@ class _RayLoaderIter(Iterator[Any]):
         where = ""
         if task is not None:
             where = (
-                f" (waiting for batch {idx}, indices {_short(task.index)}, "
+                f" (waiting for batch {idx}, indices {short_indices(task.index)}, "
                 f"from {self._pool.describe(task.worker_id)})"
             )
         raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{where}")
@@ -508,6 +472,24 @@ class _RayLoaderIter(Iterator[Any]):
                     raise _Held from None
                 deadline = self._deadline()
 
+    def _recover(self, worker_id: int, error: BaseException) -> None:
+        """Replace a dead worker and resend its tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
+        self._recovery.recover(worker_id, error, self)
+
+    def _wait_workers_ready(self) -> None:
+        """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""
+        self._recovery.wait_ready(self)
+
+    @property
+    def running(self) -> bool:
+        return self._state == _State.RUNNING
+
+    def on_workers_ready(self) -> None:
+        """Every worker has started (`RecoveryHost`): latencies count from now; remote batches start moving here."""
+        self._ready_at_s = time.monotonic()
+        # Tasks sent before the workers reported where they run: start their transfers now.
+        self._prefetch([t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)])
+
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
         self._ckpt.on_batch_made(idx, task.worker_id, meta)
@@ -522,83 +504,12 @@ class _RayLoaderIter(Iterator[Any]):
             return
         self._stall_reported.add(idx)
         warnings.warn(
-            f"raydl: batch {idx} (indices {_short(task.index)}) has been outstanding for {waited_s:.0f} s on "
+            f"raydl: batch {idx} (indices {short_indices(task.index)}) has been outstanding for {waited_s:.0f} s on "
             f"{self._pool.describe(task.worker_id)}; batches typically take {typical_s:.2f} s. The dataset may "
             "be stuck there (a hung read, a deadlock). Pass timeout=<seconds> to make this an error.",
             RuntimeWarning,
             stacklevel=4,
         )
-
-    def _recover(self, worker_id: int, error: BaseException) -> None:
-        """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
-        where = self._pool.describe(worker_id)
-        on_worker = self._sched.tasks_on(worker_id)
-        sent = [i for i in on_worker if not self._sched.task_info[i].held]
-        cause = _first_line(error)
-        self._pool.mark_failed(worker_id)
-        if self._is_iterable:
-            self._fail()
-            raise WorkerDiedError(
-                f"{where} exited unexpectedly ({cause}). raydl does not restart IterableDataset workers: "
-                "a stream cannot be replayed to where it stopped without duplicating or losing samples. "
-                "Restart the epoch, or use a map-style dataset to get automatic recovery."
-            ) from None
-        if self._elastic.take_over_lost(worker_id):  # it was retiring: its tasks went to the others
-            return
-        if self._pool.restarts[worker_id] >= self._max_worker_restarts:
-            suspect = _short(self._sched.task_info[sent[0]].index) if sent else ""
-            self._fail()
-            restarts = (
-                f"after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
-                f"{self._max_worker_restarts}): {cause}."
-            )
-            if not sent:
-                raise WorkerDiedError(
-                    f"{where} died while starting (unpickling the dataset, running worker_init_fn) {restarts} If "
-                    "every new worker dies there, that code crashes the process (out of memory, native code): "
-                    "fix it, or give workers more memory via ray_remote_args."
-                ) from None
-            starting = "while starting or " if isinstance(error, WorkerStartDied) else ""
-            raise WorkerDiedError(
-                f"{where} exited unexpectedly {starting}while making batch {sent[0]} (indices "
-                f"{suspect}){_also_sent(sent)} {restarts} If this batch kills every "
-                "worker it reaches, a sample in it crashes the process (out of memory, native code): fix or "
-                "skip that sample, or give workers more memory via ray_remote_args."
-            ) from None
-        logger.warning(
-            "raydl: %s died (%s); starting a replacement and resending %d batch(es)", where, cause, len(on_worker)
-        )
-        self._pool.replace(worker_id, self._ckpt.restart_state(worker_id))
-        # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
-        self._sched.hold_for_replacement(worker_id)
-        self._wait_workers_ready()  # a replacement dying while starting recurses here, one restart more
-        first = self._sched.task_info[on_worker[0]] if on_worker else None
-        if first is not None and first.held and first.worker_id == worker_id:  # not moved to a survivor
-            self._sched.send_held(on_worker[0])
-
-    def _wait_workers_ready(self) -> None:
-        """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""
-        try:
-            try:
-                self._pool.wait_ready(self._startup_timeout_s)
-            except WorkerPlacementError as e:
-                # a replacement with no room anywhere: go on with the survivors (NOTE [ raydl elastic pool ])
-                if self._state != _State.RUNNING or not self._elastic.survive_unplaceable(e):
-                    raise
-        except WorkerStartDied as e:
-            if self._state != _State.RUNNING:
-                raise
-            self._recover(e.worker_id, e)  # replaces it and waits again (NOTE [ raydl recovery ])
-            return
-        except BaseException:
-            self._fail()
-            raise
-        self._ready_at_s = time.monotonic()
-        # A warm actor found dead at its start was swapped for a new one: its queued tasks follow it.
-        for worker_id in self._pool.take_swapped():
-            self._sched.resend(worker_id)
-        # Tasks sent before the workers reported where they run: start their transfers now.
-        self._prefetch([t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)])
 
     # ------------------------------------------------------------------ pinning
 
@@ -631,23 +542,3 @@ class _RayLoaderIter(Iterator[Any]):
             raise StopIteration
         data = stage.take()
         return self._copier.finish(data) if self._copier is not None else data
-
-
-def _first_line(error: BaseException, limit: int = 300) -> str:
-    """The gist of a Ray error for a one-line message."""
-    text = " ".join(str(error).split())
-    return text if len(text) <= limit else text[:limit] + " ..."
-
-
-def _also_sent(sent: list) -> str:
-    """For a death with several tasks in flight: the later ones, any of which may have caused it."""
-    if len(sent) < 2:
-        return ""
-    return f" or a batch sent to it after that one (batch(es) {', '.join(map(str, sent[1:]))})"
-
-
-def _short(index: Any, limit: int = 8) -> str:
-    """Indices for an error message, shortened for big batches."""
-    if isinstance(index, (list, tuple)) and len(index) > limit:
-        return f"[{', '.join(map(str, index[:limit]))}, ... ({len(index)} in all)]"
-    return str(index)

@@ -23,7 +23,7 @@ hint, raydl decides each worker's node itself:
     the pool then re-plans that worker among the alive nodes and starts it again, without
     counting a restart (`WorkerPool.wait_ready`, at most PLACEMENT_RETRIES times per worker);
   * a worker whose planned node left before it started is re-planned the same way;
-  * a replacement of a dead worker (NOTE [ raydl recovery ] in _iter.py), or any worker added to
+  * a replacement of a dead worker (NOTE [ raydl recovery ] in _recovery.py), or any worker added to
     a running pool, goes to the alive node furthest below its share for the pool's new size,
     given where the other workers are (`node_for_new_worker`).
 Same cluster, same free CPUs: same plan, every time, whatever loaders came and went before.

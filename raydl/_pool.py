@@ -104,7 +104,7 @@ class WorkerPool:
         self._info_num_workers = [num_workers] * num_workers
         self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
-        # replacements made for each worker id (NOTE [ raydl recovery ] in _iter.py)
+        # replacements made for each worker id (NOTE [ raydl recovery ] in _recovery.py)
         self.restarts = [0] * num_workers
         # refs of tasks the driver gave up on, per worker: a worker goes back to the warm pool
         # only once all of them have finished (never with an unresolved task on it)

@@ -11,7 +11,7 @@ its batch is handed out or dropped. It decides, and records:
     one out of it while its tasks stay where they are;
   * whether the task is sent now or held (or sent again: `resend`, when a dead warm actor was
     swapped for a new one at start-up, which is no death of the worker); a worker on probation
-    (NOTE [ raydl recovery ] in _iter.py) has exactly one task in flight, its oldest; its other tasks are held
+    (NOTE [ raydl recovery ] in _recovery.py) has exactly one task in flight, its oldest; its other tasks are held
     (`Task.ref is None`) and sent one at a time as the one before is handed out, then all at
     once when the batches lost with its last process have been re-made;
   * which finished tasks may be handed out first with in_order=False: only each worker's oldest

@@ -62,7 +62,7 @@ def main() -> None:
 
         it = iter(_loader())
         got = [next(it) for _ in range(3)]
-        it._startup_timeout_s = it._elastic._startup_timeout_s = REPLACEMENT_TIMEOUT_S
+        it._recovery.startup_timeout_s = it._elastic._startup_timeout_s = REPLACEMENT_TIMEOUT_S
         placement = {r.worker_id: r.node_id for r in it.worker_records}
         facts["placement_as_planned"] = sorted(placement.values()).count(node_b.node_id) == 2
         lost = next(w for w, n in placement.items() if n == node_a.node_id)

@@ -1,0 +1,169 @@
+"""Recovery from a lost worker: replace it, re-make its batches one at a time, or end with a named error.
+
+NOTE [ raydl recovery ]
+The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
+When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
+or its node left the cluster) or that the task's result was lost with its node:
+  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
+     seeds itself and runs worker_init_fn exactly as the first one did;
+  2. the driver waits (bounded by ray_startup_timeout_s) for the replacement to report that it
+     has started, with nothing queued behind its start: a replacement that dies there died
+     starting, not making a batch, and is one more death of that worker;
+  3. every task that was outstanding on the dead worker is sent again, in send order, to the
+     replacement, under the same task idx: ordering and the reorder buffer are untouched.
+A worker that dies during a pool's first start, when tasks were already queued behind its start
+(to save a round trip), is recovered the same way. One exception: an actor taken from the warm
+pool that turns out dead at its `configure()` died idle, before this iterator gave it anything
+to make; the pool swaps it for a new actor and the tasks queued on it are sent again to the new
+one (`Schedule.resend`), with no restart counted and no warning.
+Every batch is handed out exactly once, in order; a deterministic dataset gives identical
+batches. A replacement also takes back its predecessor's state as of the last batch the driver
+read from it (NOTE [ raydl checkpoint ] in _checkpoint.py): its random, torch and NumPy
+generators and its dataset's own state, so its re-made batches are the ones the dead worker would
+have made, random augmentation included.
+Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
+next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
+worker meanwhile are held (`Task.ref is None`) and all sent once the lost batches are done
+(NOTE [ raydl scheduling ] in _schedule.py).
+Why: an actor that dies just after finishing a task may take the task's reply with it, and Ray
+then reports that finished task as failed too. With several tasks in flight a death cannot be
+pinned on one batch; with one in flight it can.
+Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
+death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
+making (on probation the one batch in flight; otherwise the oldest sent, which an actor runs
+first, and the message says a later one may be the cause): a poison batch that kills every
+worker it reaches ends there, after every batch before it, never in an endless loop.
+A replacement that no node can host within ray_startup_timeout_s is given up: the survivors
+make its batches (NOTE [ raydl elastic pool ] in _elastic.py, which also resizes the pool).
+IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
+point where it died, and restarting it would duplicate samples. Their death raises
+WorkerDiedError at once.
+
+`Recovery` holds what recovery needs of the iterator's parts (pool, schedule, checkpoint tracker,
+elastic pool) and no reference to the iterator: the iterator passes itself as the `host` of each
+call (`RecoveryHost`), so no reference cycle keeps an iterator alive (NOTE [ raydl shutdown ] in
+_iter.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Protocol
+
+from ._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
+
+__all__ = ["Recovery", "RecoveryHost"]
+
+logger = logging.getLogger(__name__)
+
+
+class RecoveryHost(Protocol):
+    """What recovery asks of the iterator it serves."""
+
+    @property
+    def running(self) -> bool:
+        """Whether the epoch is still running (a death after it ended is not recovered)."""
+
+    def fail(self) -> None:
+        """End the iterator: no more batches, the workers go now."""
+
+    def on_workers_ready(self) -> None:
+        """Every worker has started: latencies restart from now, queued tasks follow swapped actors."""
+
+
+class Recovery:
+    """Replaces dead workers of one iterator (NOTE [ raydl recovery ])."""
+
+    def __init__(
+        self, pool: Any, sched: Any, ckpt: Any, elastic: Any, *, is_iterable: bool, max_worker_restarts: int,
+        startup_timeout_s: float,
+    ) -> None:
+        self._pool = pool
+        self._sched = sched
+        self._ckpt = ckpt
+        self._elastic = elastic
+        self._is_iterable = is_iterable
+        self._max_worker_restarts = max_worker_restarts
+        self.startup_timeout_s = startup_timeout_s
+
+    def recover(self, worker_id: int, error: BaseException, host: RecoveryHost) -> None:
+        """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
+        where = self._pool.describe(worker_id)
+        on_worker = self._sched.tasks_on(worker_id)
+        sent = [i for i in on_worker if not self._sched.task_info[i].held]
+        cause = _first_line(error)
+        self._pool.mark_failed(worker_id)
+        if self._is_iterable:
+            host.fail()
+            raise WorkerDiedError(
+                f"{where} exited unexpectedly ({cause}). raydl does not restart IterableDataset workers: "
+                "a stream cannot be replayed to where it stopped without duplicating or losing samples. "
+                "Restart the epoch, or use a map-style dataset to get automatic recovery."
+            ) from None
+        if self._elastic.take_over_lost(worker_id):  # it was retiring: its tasks went to the others
+            return
+        if self._pool.restarts[worker_id] >= self._max_worker_restarts:
+            suspect = short_indices(self._sched.task_info[sent[0]].index) if sent else ""
+            host.fail()
+            restarts = (
+                f"after {self._pool.restarts[worker_id]} restart(s) (ray_max_worker_restarts="
+                f"{self._max_worker_restarts}): {cause}."
+            )
+            if not sent:
+                raise WorkerDiedError(
+                    f"{where} died while starting (unpickling the dataset, running worker_init_fn) {restarts} If "
+                    "every new worker dies there, that code crashes the process (out of memory, native code): "
+                    "fix it, or give workers more memory via ray_remote_args."
+                ) from None
+            starting = "while starting or " if isinstance(error, WorkerStartDied) else ""
+            raise WorkerDiedError(
+                f"{where} exited unexpectedly {starting}while making batch {sent[0]} (indices "
+                f"{suspect}){_also_sent(sent)} {restarts} If this batch kills every "
+                "worker it reaches, a sample in it crashes the process (out of memory, native code): fix or "
+                "skip that sample, or give workers more memory via ray_remote_args."
+            ) from None
+        logger.warning(
+            "raydl: %s died (%s); starting a replacement and resending %d batch(es)", where, cause, len(on_worker)
+        )
+        self._pool.replace(worker_id, self._ckpt.restart_state(worker_id))
+        # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
+        self._sched.hold_for_replacement(worker_id)
+        self.wait_ready(host)  # a replacement dying while starting recurses here, one restart more
+        first = self._sched.task_info[on_worker[0]] if on_worker else None
+        if first is not None and first.held and first.worker_id == worker_id:  # not moved to a survivor
+            self._sched.send_held(on_worker[0])
+
+    def wait_ready(self, host: RecoveryHost) -> None:
+        """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""
+        try:
+            try:
+                self._pool.wait_ready(self.startup_timeout_s)
+            except WorkerPlacementError as e:
+                # a replacement with no room anywhere: go on with the survivors (NOTE [ raydl elastic pool ])
+                if not host.running or not self._elastic.survive_unplaceable(e):
+                    raise
+        except WorkerStartDied as e:
+            if not host.running:
+                raise
+            self.recover(e.worker_id, e, host)  # replaces it and waits again (NOTE [ raydl recovery ])
+            return
+        except BaseException:
+            host.fail()
+            raise
+        # A warm actor found dead at its start was swapped for a new one: its queued tasks follow it.
+        for worker_id in self._pool.take_swapped():
+            self._sched.resend(worker_id)
+        host.on_workers_ready()
+
+
+def _first_line(error: BaseException, limit: int = 300) -> str:
+    """The gist of a Ray error for a one-line message."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit] + " ..."
+
+
+def _also_sent(sent: list) -> str:
+    """For a death with several tasks in flight: the later ones, any of which may have caused it."""
+    if len(sent) < 2:
+        return ""
+    return f" or a batch sent to it after that one (batch(es) {', '.join(map(str, sent[1:]))})"
