@@ -13,7 +13,30 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
-__all__ = ["MapFetcher", "IterableFetcher", "StreamEnd", "StartFailed"]
+__all__ = ["MapFetcher", "IterableFetcher", "StreamEnd", "StartFailed", "warn_if_length_exceeded"]
+
+
+def warn_if_length_exceeded(dataset: Any, len_called: Any, num_yielded: int, multiprocess: bool) -> None:
+    """torch's warning, with its text, when an IterableDataset yields more than the len() it reported.
+
+    Called from an iterator's `__next__`: the warning points at the caller of `next()`.
+    """
+    if len_called is None or num_yielded <= len_called:
+        return
+    import warnings
+
+    hint = (
+        "For multiprocessing data-loading, this could be caused by not properly configuring the "
+        "IterableDataset replica at each worker. Please see "
+        "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples."
+        if multiprocess
+        else ""
+    )
+    warnings.warn(
+        f"Length of IterableDataset {dataset} was reported to be {len_called}"
+        f"(when accessing len(dataloader)), but {num_yielded} samples have been fetched. " + hint,
+        stacklevel=3,
+    )
 
 
 class _WorkerSignal:

@@ -11,7 +11,6 @@ caller's thread, so the state is simply read when asked for.
 from __future__ import annotations
 
 import logging
-import warnings
 from typing import Any, Iterator, Optional
 
 import torch
@@ -35,7 +34,7 @@ from ._checkpoint import (
     torch_random_generator,
 )
 from ._device import pin_memory, pin_memory_target, warn_pin_memory_args
-from ._fetch import IterableFetcher, MapFetcher
+from ._fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ._seeding import _SavedRNG, seed_batch
 from ._worker_state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
 
@@ -123,16 +122,8 @@ class _InProcessIter(Iterator[Any]):
         if self._pin_device is not None:
             data = pin_memory(data, self._pin_device)
         self._num_yielded += 1
-        if (
-            self._is_iterable
-            and self._IterableDataset_len_called is not None
-            and self._num_yielded > self._IterableDataset_len_called
-        ):
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
-                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. ",
-                stacklevel=2,
-            )
+        if self._is_iterable:
+            warn_if_length_exceeded(self._dataset, self._IterableDataset_len_called, self._num_yielded, multiprocess=False)
         return data
 
     @property

@@ -63,7 +63,7 @@ from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._elastic import ElasticPool
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
 from ._errors import rebuild_worker_exception, remote_traceback, short_indices
-from ._fetch import StartFailed, StreamEnd
+from ._fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ._locality import warn_if_workers_oversubscribe
 from ._startup import wait_for_early_start
 from ._options import RayOptions
@@ -230,19 +230,8 @@ class _RayLoaderIter(Iterator[Any]):
         self._elastic.on_next(time.perf_counter() - t0)  # the autoscaler's measure
         self._num_yielded += 1
         self._ckpt.on_handed_out()
-        if (
-            self._is_iterable
-            and self._IterableDataset_len_called is not None
-            and self._num_yielded > self._IterableDataset_len_called
-        ):
-            warnings.warn(
-                f"Length of IterableDataset {self._dataset} was reported to be {self._IterableDataset_len_called}"
-                f"(when accessing len(dataloader)), but {self._num_yielded} samples have been fetched. "
-                "For multiprocessing data-loading, this could be caused by not properly configuring the "
-                "IterableDataset replica at each worker. Please see "
-                "https://pytorch.org/docs/stable/data.html#torch.utils.data.IterableDataset for examples.",
-                stacklevel=2,
-            )
+        if self._is_iterable:
+            warn_if_length_exceeded(self._dataset, self._IterableDataset_len_called, self._num_yielded, multiprocess=True)
         return data
 
     def shutdown(self) -> None:
