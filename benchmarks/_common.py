@@ -460,6 +460,8 @@ class LocalCluster:
             "RAYDL_CLUSTER_DIR": cluster_dir,
             "RAYDL_CLUSTER_PORT": str(port),
             "RAYDL_CLUSTER_DASHBOARD_PORT": str(dashboard_port),
+            # the nodes run the interpreter this benchmark runs in (a venv's python is not on PATH)
+            "RAYDL_CLUSTER_PYTHON": sys.executable,
         })
         self.env.update(env or {})
         self.extra_nodes = 0

@@ -101,7 +101,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--child", choices=MODES)
     ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--batches", type=int, default=40)
+    ap.add_argument("--batches", type=int, default=300)
     ap.add_argument("--step-ms", type=float, default=20.0)
     ap.add_argument("--workers", type=int, default=os.cpu_count() or 2)
     args = ap.parse_args()
