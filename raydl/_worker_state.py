@@ -7,7 +7,8 @@ same batch, so random augmentation drawn in workers continues bit-identically af
 Everything in it is plain data (str, int, float, None, lists and dicts): it survives
 `torch.save` / `torch.load(weights_only=True)` and JSON. No pickle is ever loaded from a state.
 
-Cost: reading the three generators costs about 20 us per batch when none of them moved (the
+Cost: reading the three generators costs about 18 us per batch when none of them moved, 26 us
+when torch's did (half of it is `random.getstate()`; torch's state is compared as bytes; the
 NumPy check reads the Mersenne Twister words through NumPy's public ctypes interface instead of
 `np.random.get_state()`, which costs ~100 us); a worker sends a generator's state (python
 ~3.3 KB, torch ~6.7 KB, NumPy ~3.3 KB as base64) only with a batch after which it moved, and the
@@ -64,8 +65,9 @@ def _encode_python(py: tuple) -> list:
     return [version, _b64(array("I", internal).tobytes()), gauss]
 
 
-def _encode_torch(th: torch.Tensor) -> str:
-    return _b64(th.numpy().tobytes())
+def _torch_bytes() -> bytes:
+    """torch's CPU generator state as bytes (~1 us: compared as bytes, 5x cheaper than torch.equal)."""
+    return torch.get_rng_state().numpy().tobytes()
 
 
 def _encode_numpy() -> list:
@@ -98,16 +100,16 @@ class RngTracker:
 
     def reset(self) -> None:
         self._py: Optional[tuple] = None
-        self._th: Optional[torch.Tensor] = None
+        self._th: Optional[bytes] = None
         self._np: Optional[bytes] = None
 
     def changed(self) -> Optional[dict]:
-        py, th, words = random.getstate(), torch.get_rng_state(), _numpy_words()
+        py, th, words = random.getstate(), _torch_bytes(), _numpy_words()
         out = {}
         if self._py is None or py != self._py:
             out["python"] = _encode_python(py)
-        if self._th is None or not torch.equal(th, self._th):
-            out["torch"] = _encode_torch(th)
+        if self._th is None or th != self._th:
+            out["torch"] = _b64(th)
         if self._np is None or words != self._np:
             out["numpy"] = _encode_numpy()
         self._py, self._th, self._np = py, th, words

@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import gc
 import inspect
-import os
-import subprocess
-import sys
-import textwrap
 import threading
 import time
 
@@ -16,44 +12,12 @@ import torch
 
 import raydl
 from tests import _datasets as D
+from tests._session import alive_worker_actors as _alive_worker_actors
+from tests._session import gcs_address as _state_address
+from tests._session import run_python as _run_python
+from tests._session import wait_until as _wait_until
 
 TIMEOUT_S = 60
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _state_address() -> str:
-    """This session's GCS address: the state API must not guess when other Rays run on the machine."""
-    import ray
-
-    return ray.get_runtime_context().gcs_address
-
-
-def _alive_worker_actors() -> int:
-    """raydl worker actors alive in this Ray session, after releasing the idle ones kept warm."""
-    from ray.util.state import list_actors
-
-    raydl.release_idle_workers()
-    actors = list_actors(
-        address=_state_address(), filters=[("state", "=", "ALIVE")], limit=10000, raise_on_missing_output=False
-    )
-    return sum(1 for a in actors if "Worker" in (a.class_name or ""))
-
-
-def _wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
-
-
-def _run_python(code: str, timeout_s: int = 180, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
-    )
 
 
 def test_constructor_arguments_are_public_attributes():
@@ -284,15 +248,12 @@ class TestWarmPool:
 
     def test_idle_workers_released_after_timeout(self, monkeypatch):
         """Idle warm workers are killed after RAYDL_IDLE_WORKER_TIMEOUT_S, and the reaper thread exits."""
-        from ray.util.state import list_actors
-
         raydl.release_idle_workers()
         monkeypatch.setenv("RAYDL_IDLE_WORKER_TIMEOUT_S", "1")
         list(raydl.DataLoader(D.RangeDataset(2), batch_size=1, num_workers=2, timeout=TIMEOUT_S))
 
         def alive():
-            actors = list_actors(address=_state_address(), filters=[("state", "=", "ALIVE")], raise_on_missing_output=False)
-            return sum(1 for a in actors if "Worker" in (a.class_name or ""))
+            return _alive_worker_actors(release_warm=False)
 
         assert raydl._warm.WARM_POOL.idle_count() == 2
         assert _wait_until(lambda: raydl._warm.WARM_POOL.idle_count() == 0 and alive() == 0, timeout_s=20)

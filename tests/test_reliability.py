@@ -15,19 +15,11 @@ import raydl
 from raydl._pool import WorkerPool
 from raydl._warm import WARM_POOL
 from tests import _datasets as D
+from tests._session import wait_until, worker_actors
 
 TIMEOUT_S = 30
 RUNS = 5  # the old rule (any ready batch first) broke a worker's order in 10 runs of 10 (each test)
 STEP_S = 0.01  # a training step: several batches of one worker are ready when the driver looks
-
-
-def _wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval_s)
-    return predicate()
 
 
 # ---------------------------------------------------------------------------------- in_order=False
@@ -136,7 +128,7 @@ def test_iterator_collected_in_a_cycle_gives_back_live_workers(iterable, persist
     )
     assert WARM_POOL.idle_count() >= 2
     # Warm workers are handed out (freshest first: the collected iterator's) once the tasks left on them ran.
-    assert _wait_until(lambda: WARM_POOL.idle_count(ready=True) == WARM_POOL.idle_count())
+    assert wait_until(lambda: WARM_POOL.idle_count(ready=True) == WARM_POOL.idle_count())
     pool = _warm_loader_epoch()
     assert pool.warm_swaps == 0, "the warm workers were dead"
     assert pool.restarts == [0, 0, 0, 0]
@@ -157,7 +149,7 @@ def _kill_freshest_idle_worker() -> None:
             return True
         return False
 
-    assert _wait_until(dead, timeout_s=TIMEOUT_S)
+    assert wait_until(dead, timeout_s=TIMEOUT_S)
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -165,7 +157,7 @@ def _kill_freshest_idle_worker() -> None:
 def test_dead_warm_worker_is_replaced_and_its_queued_tasks_follow(iterable, caplog):
     """A warm actor found dead at configure() is swapped for a new one: its queued batches are re-sent, no restart, no warning."""
     list(raydl.DataLoader(D.RangeDataset(4), batch_size=2, num_workers=2, timeout=TIMEOUT_S))
-    assert _wait_until(lambda: WARM_POOL.idle_count(ready=True) == WARM_POOL.idle_count() >= 2)
+    assert wait_until(lambda: WARM_POOL.idle_count(ready=True) == WARM_POOL.idle_count() >= 2)
     _kill_freshest_idle_worker()
     dataset = D.ShardedIterable(0, 16) if iterable else D.RangeDataset(16)
     loader = raydl.DataLoader(dataset, batch_size=2, num_workers=2, timeout=TIMEOUT_S)
@@ -237,19 +229,9 @@ def _run_lifecycle(op: dict, kept: list) -> None:
 
 def _worker_actors() -> dict:
     """actor id -> death reason (None while alive) of every raydl worker actor in this Ray session."""
-    import ray
-    from ray.util.state import list_actors
-
-    actors = list_actors(
-        address=ray.get_runtime_context().gcs_address,
-        filters=[("class_name", "=", "Worker")],
-        detail=True,
-        limit=10000,
-        raise_on_missing_output=False,
-    )
     return {
         a.actor_id: ((a.death_cause or {}).get("actor_died_error_context") or {}).get("reason") if a.state == "DEAD" else None
-        for a in actors
+        for a in worker_actors(detail=True)
     }
 
 

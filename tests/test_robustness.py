@@ -3,60 +3,17 @@
 from __future__ import annotations
 
 import gc
-import os
-import subprocess
-import sys
-import textwrap
-import time
 
 import pytest
 
 import raydl
 from tests import _datasets as D
+from tests._session import alive_worker_actors as _alive_workers
+from tests._session import run_python
+from tests._session import settled_alive_worker_actors as _settled_alive_workers
+from tests._session import wait_until as _wait_until
 
 TIMEOUT_S = 60
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def _python(code: str, env_extra: dict | None = None, timeout_s: int = 120) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(env_extra or {})
-    return subprocess.run(
-        [sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
-    )
-
-
-def _alive_workers() -> int:
-    import ray
-    from ray.util.state import list_actors
-
-    raydl.release_idle_workers()
-    actors = list_actors(
-        address=ray.get_runtime_context().gcs_address, filters=[("state", "=", "ALIVE")], raise_on_missing_output=False
-    )
-    return sum(1 for a in actors if "Worker" in (a.class_name or ""))
-
-
-def _settled_alive_workers(timeout_s: float = 20.0) -> int:
-    """`_alive_workers()` once two reads 1 s apart agree (actors just killed still read ALIVE for a moment)."""
-    deadline = time.monotonic() + timeout_s
-    last = _alive_workers()
-    while time.monotonic() < deadline:
-        time.sleep(1.0)
-        now = _alive_workers()
-        if now == last:
-            return now
-        last = now
-    return last
-
-
-def _wait_until(predicate, timeout_s: float = 30.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.2)
-    return predicate()
 
 
 def test_stalled_batch_is_reported(ray_session, monkeypatch):
@@ -84,7 +41,7 @@ def test_sampler_index_the_dataset_rejects(ray_session):
 def test_address_pointing_nowhere_fails_fast(source):
     """ray_address / RAY_ADDRESS naming no cluster: a ConnectionError naming it and the fix, within seconds."""
     arg = ', ray_address="127.0.0.1:9"' if source == "ray_address" else ""
-    proc = _python(
+    proc = run_python(
         f"""
         import time, raydl
         from tests import _datasets as D
@@ -110,7 +67,7 @@ def test_interrupted_driver_leaves_no_actor(ray_session, how):
 
     base = _settled_alive_workers()
     stop = "os.kill(os.getpid(), signal.SIGINT)" if how == "sigint" else "sys.exit(3)"
-    proc = _python(
+    proc = run_python(
         f"""
         import os, signal, sys, raydl
         from tests import _datasets as D
