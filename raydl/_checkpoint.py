@@ -452,13 +452,18 @@ class Tracker:
         """Task `idx` raised in user code: it counts as consumed once the caller goes on."""
         self._pending.append((idx, None, None, True))
 
+    def _commit_next(self) -> tuple[Optional[int], bool]:
+        """Commit the oldest pending task: (its worker, whether it was a signal or a failure, not a batch)."""
+        idx, worker_id, snap, not_a_batch = self._pending.popleft()
+        self._consumed(idx)
+        if worker_id is not None:
+            self.committed[worker_id] = snap
+        return worker_id, not_a_batch
+
     def on_handed_out(self) -> None:
         """The caller got the next batch: commit the records up to it."""
         while self._pending:
-            idx, worker_id, snap, not_a_batch = self._pending.popleft()
-            self._consumed(idx)
-            if worker_id is not None:
-                self.committed[worker_id] = snap
+            worker_id, not_a_batch = self._commit_next()
             if not not_a_batch:
                 self.num_yielded += 1
                 self.last_worker = worker_id
@@ -467,10 +472,7 @@ class Tracker:
     def on_end(self) -> None:
         """The epoch ended (StopIteration reached the caller)."""
         while self._pending:
-            idx, worker_id, snap, _ = self._pending.popleft()
-            self._consumed(idx)
-            if worker_id is not None:
-                self.committed[worker_id] = snap
+            self._commit_next()
         self.finished = True
 
     def _consumed(self, idx: int) -> None:

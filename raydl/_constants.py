@@ -7,9 +7,6 @@ from __future__ import annotations
 # the CPU while waiting.
 STATUS_CHECK_INTERVAL_S = 0.1
 
-# torch's default when num_workers > 0 and prefetch_factor is None.
-DEFAULT_PREFETCH_FACTOR = 2
-
 # How long the driver waits for every worker actor to be placed and to finish __init__
 # (dataset deserialisation, seeding, worker_init_fn) before giving up with a placement error.
 DEFAULT_STARTUP_TIMEOUT_S = 60.0

@@ -1,5 +1,8 @@
 """Helpers over the suite's shared Ray session: bounded waits, counting raydl's worker actors, a fresh Python.
 
+A driver that must have a Ray (or a cluster) of its own runs in a fresh interpreter and reports
+what it saw as one line, `FACTS {json}`: `read_facts()` reads it, `run_main()` runs a tests._*_main module.
+
 Every count asks the state API of *this* session's GCS (other Rays may run on the machine) and,
 unless told otherwise, first releases the idle workers the warm pool keeps, so that a count is
 of the workers loaders still hold.
@@ -7,6 +10,7 @@ of the workers loaders still hold.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -69,3 +73,17 @@ def run_python(code: str, timeout_s: int = 180, env_extra: dict | None = None) -
     env.update(env_extra or {})
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout_s)
+
+
+def read_facts(proc: subprocess.CompletedProcess) -> dict:
+    """The last `FACTS {json}` line a fresh driver printed; fails with its output if it failed or printed none."""
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
+    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    return json.loads(lines[-1][len("FACTS ") :])
+
+
+def run_main(module: str, timeout_s: int = 240) -> dict:
+    """`python -m <module>` (a tests._*_main driver with its own cluster) in a fresh interpreter: its facts."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return read_facts(subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
+                                timeout=timeout_s))

@@ -375,18 +375,9 @@ def test_missing_cache_file_without_a_copy_is_named(ray_session, tmp_path):
 @pytest.fixture(scope="module")
 def multinode_facts():
     """Runs tests/_arrow_multinode_main.py once (its own two-node cluster, in a subprocess)."""
-    import json
-    import subprocess
-    import sys
+    from tests._session import run_main
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests._arrow_multinode_main"], cwd=repo, env=env, capture_output=True, text=True, timeout=240
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("FACTS ") :])
+    return run_main("tests._arrow_multinode_main")
 
 
 def test_files_missing_on_another_node_come_through_the_object_store(multinode_facts):

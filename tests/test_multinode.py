@@ -2,26 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._session import run_main
 
 
 @pytest.fixture(scope="module")
 def facts():
     """Runs tests/_multinode_main.py once (its own 3-node cluster, in a subprocess) and returns what it saw."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests._multinode_main"], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    return json.loads(lines[-1][len("FACTS ") :])
+    return run_main("tests._multinode_main")
 
 
 def test_cluster_has_three_nodes(facts):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import os
 import subprocess
 import sys
@@ -10,8 +9,7 @@ import sys
 import pytest
 
 import raydl
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from tests._session import REPO, read_facts, run_python
 
 
 @pytest.mark.parametrize(
@@ -84,15 +82,9 @@ raydl.release_idle_workers()
 def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     """In a fresh process: start() returns before Ray is up, Ray listens on loopback, the loader uses the
     started workers (no extra ones), repeated calls only top the idle workers up, workers keep the driver's niceness."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
-    proc = subprocess.run(
-        [sys.executable, "-c", _SCRIPT], cwd=REPO, env=env, capture_output=True, text=True, timeout=240
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
+    proc = run_python(_SCRIPT, timeout_s=240, env_extra={"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    facts = read_facts(proc)
     assert "SIGTERM handler is not set" not in proc.stderr
-    facts = json.loads(lines[-1][len("FACTS ") :])
     assert facts["ray_before"] is False and facts["returned_before_ray_up"]
     assert "could not reach a Ray cluster at '127.0.0.1:1'" in facts["bad_address_error"]
     assert facts["batches"] == [[0, 1], [2, 3], [4, 5], [6, 7]]

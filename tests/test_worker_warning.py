@@ -7,10 +7,6 @@ which `test_suite_filter_does_not_hide_the_warning_from_recwarn` checks.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import warnings
 
 import torch
@@ -18,8 +14,8 @@ import torch
 import raydl
 from raydl._locality import confined_nodes
 from tests import _datasets as D
+from tests._session import read_facts, run_python
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TOO_MANY = torch._utils.cpu_count() + 1  # torch's own count, so the test follows this machine
 PREFIX = "This DataLoader will create"
 
@@ -139,13 +135,7 @@ finally:
 
 def test_silent_when_workers_can_go_to_another_node():
     """On a 2-node loopback cluster: no warning by default; pinned to the driver's node, torch's warning (twice)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    proc = subprocess.run(
-        [sys.executable, "-c", _TWO_NODES], cwd=REPO, env=env, capture_output=True, text=True, timeout=180
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]
-    assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-5000:]
-    facts = json.loads(lines[-1][len("FACTS ") :])
+    facts = read_facts(run_python(_TWO_NODES, timeout_s=180))
     assert facts["nodes"] == 2
     assert facts["default"] == []
     assert len(facts["pinned"]) == 2 and f"create {torch._utils.cpu_count() + 1} worker" in facts["pinned"][0]
