@@ -92,7 +92,7 @@ def _bookkeeping_once() -> float:
     """Seconds of Tracker hooks per batch over one 2000-batch epoch (the sampler's own draws subtracted)."""
     fake = _FakeLoader(64 * 2000, 2)
     tracker = Tracker(fake, fake.batch_sampler, None)
-    it = tracker.sampler_iter(first_iter=True)
+    it = tracker.sampler_iter()
     tracker.resume_main(it, 0, None)
     tracker.start_epoch(it, first_iter=True, epoch=0)
     metas = [BatchMeta(w, 0, 0.0, 0.0) for w in range(2)]

@@ -70,7 +70,7 @@ from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler
+from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from ._worker_state import (
     DATASET_ITER_STATE,
@@ -82,7 +82,7 @@ from ._worker_state import (
     is_stateful,
 )
 
-__all__ = ["BatchIter", "Tracker", "new_sampler_iter", "restore_sampler", "validate", "loader_facts", "worker_key"]
+__all__ = ["BatchIter", "Tracker", "new_sampler_iter", "restore_sampler", "inexact_sampler", "validate", "loader_facts", "worker_key"]
 
 # torchdata's keys (torchdata/stateful_dataloader/stateful_dataloader.py)
 SNAPSHOT = "_snapshot"
@@ -102,7 +102,8 @@ FINISHED = "_iterator_finished"
 NUM_YIELDED = "_num_yielded"
 # raydl's own section (ignored by torchdata)
 RAYDL = "_raydl"
-STATE_VERSION = 1
+SAMPLER_EPOCH = "sampler_epoch"  # a random sampler's epoch record, when not under torchdata's keys
+STATE_VERSION = 2
 
 
 def worker_key(worker_id: int) -> str:
@@ -110,6 +111,92 @@ def worker_key(worker_id: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- samplers
+
+
+class RngSamplerIter(Iterator[int]):
+    """One epoch of a torch `RandomSampler`, `SubsetRandomSampler` or `WeightedRandomSampler`, made
+    by the sampler's own `__iter__` (torch's sequence, drawn when torch draws it), with the
+    generator the epoch draws from made explicit so that the epoch can be rebuilt.
+
+    Its state is torchdata's random-sampler iterator state: `{"yielded": samples handed out,
+    "generator": that generator's state before the epoch's first draw}`. Without a generator of
+    its own the sampler draws from torch's global RNG when its epoch starts: a `RandomSampler` a
+    seed for a generator it makes, the other two their permutation or multinomial draw directly.
+    Here the first seeds the generator with that same draw, the others draw from a copy of the
+    global generator which then moves on as the draw moved it: the global RNG ends where torch's
+    would, and the permutation is torch's. A loaded state (`load_state_dict`) draws nothing from
+    the global RNG: the epoch's draws belong to the saved run (NOTE [ raydl checkpoint ]).
+    """
+
+    YIELDED, GENERATOR = "yielded", "generator"  # torchdata's keys (_StatefulRandomSamplerIterator)
+
+    def __init__(self, sampler: Any) -> None:
+        self.sampler = sampler
+        self.yielded = 0
+        self.start: Optional[torch.Tensor] = None  # the generator's state before the epoch's first draw
+        self._it: Optional[Iterator[int]] = None
+
+    def __iter__(self) -> RngSamplerIter:
+        return self
+
+    def _begin(self, start: Optional[torch.Tensor]) -> None:
+        s = self.sampler
+        own = s.generator
+        g = own if own is not None else torch.Generator()
+        if start is not None:
+            g.set_state(start)
+        elif own is None and type(s) is RandomSampler:
+            g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))  # torch's seed draw
+        elif own is None:
+            g.set_state(torch.get_rng_state())
+        self.start = g.get_state()
+        it = iter(s)
+        s.generator = g  # torch's __iter__ reads it once, at its first step
+        try:
+            head = next(it, _END)
+        finally:
+            s.generator = own
+        if own is None and start is None and type(s) is not RandomSampler:
+            torch.set_rng_state(g.get_state())  # the global RNG moved on as torch's draw moves it
+        self._it = it if head is _END else itertools.chain((head,), it)
+
+    def __next__(self) -> int:
+        if self._it is None:
+            self._begin(None)
+        value = next(self._it)  # type: ignore[arg-type]
+        self.yielded += 1
+        return value
+
+    def state_dict(self) -> dict:
+        if self._it is None:  # torchdata's iterator holds its generator from its creation: draw the epoch now
+            self._begin(None)
+        return {self.YIELDED: self.yielded, self.GENERATOR: self.start}
+
+    def load_state_dict(self, sd: Mapping) -> None:
+        start = sd.get(self.GENERATOR)
+        if not isinstance(start, torch.Tensor):
+            raise ValueError(
+                f"DataLoader.load_state_dict: the state of the {type(self.sampler).__name__}'s epoch has no generator "
+                f"state (got {type(start).__name__}): it was not saved by raydl or torchdata's StatefulDataLoader"
+            )
+        self._begin(start)
+        n = int(sd[self.YIELDED])
+        for k in range(n):
+            if next(self._it, _END) is _END:  # type: ignore[arg-type]
+                raise ValueError(
+                    f"DataLoader.load_state_dict: the state is {n} samples into its epoch, but this loader's "
+                    f"{type(self.sampler).__name__} has {k}: the dataset or the sampler changed since the state was saved"
+                )
+        self.yielded = n
+
+
+_END = object()
+RNG_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
+
+
+def sampler_iter(sampler: Any) -> Iterator:
+    """An epoch's iterator over an index sampler: `RngSamplerIter` for torch's own random samplers."""
+    return RngSamplerIter(sampler) if type(sampler) in RNG_SAMPLERS else iter(sampler)
 
 
 class BatchIter(Iterator[list]):
@@ -132,7 +219,7 @@ class BatchIter(Iterator[list]):
         if self._done:
             raise StopIteration
         if self._it is None:
-            self._it = iter(self.sampler)
+            self._it = sampler_iter(self.sampler)
         batch = [*itertools.islice(self._it, self.batch_size)]
         self.samples_yielded += len(batch)
         if not batch or (self.drop_last and len(batch) < self.batch_size):
@@ -145,7 +232,7 @@ class BatchIter(Iterator[list]):
             # The sampler's iterator is made now rather than at the first `next`, so a stateful one
             # (torchdata's RandomSampler: the epoch's generator state) is in the state. Both happen
             # after the loader's base seed draw, with nothing drawn in between: the batches are the same.
-            self._it = iter(self.sampler)
+            self._it = sampler_iter(self.sampler)
         sd: dict = {"samples_yielded": self.samples_yielded}
         if is_stateful(self.sampler):
             sd["sampler_state"] = self.sampler.state_dict()
@@ -157,12 +244,14 @@ class BatchIter(Iterator[list]):
         self.samples_yielded = int(sd["samples_yielded"])
         if sd.get("sampler_state") is not None and is_stateful(self.sampler):
             self.sampler.load_state_dict(sd["sampler_state"])
-        self._it = iter(self.sampler)
+        self._it = sampler_iter(self.sampler)
         self._done = False
         if sd.get("sampler_iter_state") is not None and is_stateful(self._it):
             self._it.load_state_dict(sd["sampler_iter_state"])
-        elif not is_stateful(self.sampler) and not is_stateful(self._it):
-            for _ in range(self.samples_yielded):  # fast-forward, as torchdata's batch iterator does
+        elif not is_stateful(self.sampler):
+            # fast-forward, as torchdata's batch iterator does (validate() refused the states for
+            # which this cannot be exact: a random sampler drawing from the global RNG)
+            for _ in range(self.samples_yielded):
                 next(self._it)
 
 
@@ -170,7 +259,7 @@ def new_sampler_iter(index_sampler: Any) -> Iterator:
     """The epoch's iterator over the (batch) sampler: `BatchIter` for torch's own BatchSampler."""
     if type(index_sampler) is BatchSampler:
         return BatchIter(index_sampler)
-    return iter(index_sampler)
+    return sampler_iter(index_sampler)
 
 
 def sampler_state(index_sampler: Any, it: Any) -> tuple:
@@ -179,11 +268,22 @@ def sampler_state(index_sampler: Any, it: Any) -> tuple:
             index_sampler.state_dict() if is_stateful(index_sampler) else None)
 
 
-def restore_sampler(index_sampler: Any, it: Iterator, main: Mapping, is_iterable: bool) -> Iterator:
-    """The sampler iterator positioned at the state's `_sampler_iter_yielded` batches."""
+def restore_sampler(index_sampler: Any, it: Iterator, main: Mapping, is_iterable: bool, finished: bool = False,
+                    record: Any = None) -> Iterator:
+    """The sampler iterator positioned at the state's `_sampler_iter_yielded` batches (at its end if `finished`);
+    `record`: the random sampler's epoch record from `_raydl` (`export_sampler_state`)."""
     if is_iterable:  # the index sampler only counts: the workers' streams hold the position
         return it
-    idx_state, it_state = main.get(INDEX_SAMPLER_STATE), main.get(SAMPLER_ITER_STATE)
+    it = _position_sampler(index_sampler, it, main, record)
+    if finished:  # the epoch is over: its last draws (torch's RandomSampler draws one at its end) are made
+        for _ in it:
+            pass
+    return it
+
+
+def _position_sampler(index_sampler: Any, it: Iterator, main: Mapping, record: Any) -> Iterator:
+    idx_state = main.get(INDEX_SAMPLER_STATE)
+    it_state = import_sampler_state(index_sampler, main.get(SAMPLER_ITER_STATE), record)
     if idx_state is not None and is_stateful(index_sampler):
         index_sampler.load_state_dict(idx_state)
         it = new_sampler_iter(index_sampler)
@@ -205,15 +305,83 @@ def restore_sampler(index_sampler: Any, it: Iterator, main: Mapping, is_iterable
     return it
 
 
-def torch_random_generator(index_sampler: Any) -> Optional[torch.Generator]:
-    """The generator of a torch RandomSampler (itself or under torch's BatchSampler), if it has one."""
+def rng_record_for_torchdata(loader: Any, index_sampler: Any) -> bool:
+    """Whether a torch random sampler's epoch record goes under torchdata's sampler keys.
+
+    Yes for the sampler `shuffle=True` made (torchdata's own RandomSampler reads the same record
+    there) and for one with no generator (StatefulDataLoader cannot rebuild that epoch: it fails on
+    the record, loudly, instead of fast-forwarding through another permutation). A sampler given
+    with its own generator keeps the record in raydl's section: StatefulDataLoader fast-forwards it,
+    as it does its own states.
+    """
+    s = rng_sampler(index_sampler)
+    return s is None or s.generator is None or bool(getattr(loader, "_default_shuffle", False))
+
+
+def export_sampler_state(index_sampler: Any, it_state: Any, for_torchdata: bool) -> tuple[Any, Any]:
+    """(state under torchdata's `_sampler_iter_state`, the random sampler's epoch record kept in `_raydl` or None)."""
+    if for_torchdata or it_state is None or rng_sampler(index_sampler) is None:
+        return it_state, None
+    if type(index_sampler) is BatchSampler:
+        rest = {k: v for k, v in it_state.items() if k != "sampler_iter_state"}
+        return rest, _json_record(it_state.get("sampler_iter_state"))
+    return None, _json_record(it_state)
+
+
+def _json_record(record: Optional[Mapping]) -> Optional[dict]:
+    """The epoch record with its generator state as base64 text: raydl's section stays JSON where torchdata's is."""
+    if record is None:
+        return None
+    start = record[RngSamplerIter.GENERATOR]
+    return {**record, RngSamplerIter.GENERATOR: base64.b64encode(start.numpy().tobytes()).decode("ascii")}
+
+
+def _tensor_record(record: Mapping) -> dict:
+    text = record[RngSamplerIter.GENERATOR]
+    start = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8) if isinstance(text, str) else text
+    return {**record, RngSamplerIter.GENERATOR: start}
+
+
+def import_sampler_state(index_sampler: Any, it_state: Any, record: Any) -> Any:
+    """The inverse of `export_sampler_state`: torchdata's `_sampler_iter_state` with the epoch record back in it."""
+    if record is None:
+        return it_state
+    record = _tensor_record(record)
+    if type(index_sampler) is BatchSampler:
+        return {**(it_state or {}), "sampler_iter_state": record}
+    return record
+
+
+def rng_sampler(index_sampler: Any) -> Any:
+    """The torch random sampler an index sampler draws from (itself, or under torch's BatchSampler), or None."""
     s = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
-    g = getattr(s, "generator", None) if type(s) is RandomSampler else None
-    return g if isinstance(g, torch.Generator) else None
+    return s if type(s) in RNG_SAMPLERS else None
 
 
-def encode_generator(g: torch.Generator) -> str:
-    return base64.b64encode(g.get_state().numpy().tobytes()).decode("ascii")
+def inexact_sampler(index_sampler: Any) -> Optional[str]:
+    """Why a state of this (batch) sampler cannot rebuild its epoch, or None when it can.
+
+    raydl rebuilds torch's own random samplers (`RngSamplerIter`) and positions every sampler whose
+    draws do not depend on the global RNG (fast-forward) or that has `state_dict()`. What is left:
+    a subclass of torch's random samplers, or a batch sampler of another type over one, drawing
+    from the global RNG with no generator of its own.
+    """
+    if is_stateful(index_sampler) or rng_sampler(index_sampler) is not None:
+        return None
+    inner = getattr(index_sampler, "sampler", None)
+    for s, where in ((index_sampler, ""), (inner, f" under the batch sampler {type(index_sampler).__name__}")):
+        if isinstance(s, RNG_SAMPLERS) and getattr(s, "generator", None) is None and not is_stateful(s):
+            return (
+                f"{type(s).__name__}{where} draws its order from torch's global RNG, which raydl cannot record for "
+                "a sampler of this type: a resume from this state would hand out another order. Give the sampler "
+                "a generator (torch.Generator().manual_seed(seed)), or use a sampler with state_dict()."
+            )
+    return None
+
+
+def draw_base_seed(generator: Optional[torch.Generator]) -> int:
+    """torch's per-iterator base seed, drawn from the loader's generator (the global RNG without one)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 def track_rng_enabled() -> bool:
@@ -223,10 +391,6 @@ def track_rng_enabled() -> bool:
     restarts from the workers' seeds at a resume, as with torchdata.
     """
     return os.environ.get("RAYDL_TRACK_WORKER_RNG", "1") != "0"
-
-
-def decode_generator(g: torch.Generator, text: str) -> None:
-    g.set_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
 
 
 # -------------------------------------------------------------------------------------- validation
@@ -295,6 +459,36 @@ def validate(state: Any, loader: Any) -> None:
                     f"DataLoader.load_state_dict: {name} mismatch: the state was saved with {facts[key]!r}, this "
                     f"loader has {mine[key]!r}. Resume with the same dataset, batch size and sampler."
                 )
+    if not state.get(FINISHED):
+        _check_permutation(state[SNAPSHOT][MAIN_SNAPSHOT] if SNAPSHOT in state else state, loader)
+
+
+def _check_permutation(main: Mapping, loader: Any) -> None:
+    """Refuse a state that does not record the epoch's order of a random sampler drawing from the global RNG.
+
+    StatefulDataLoader records it for its own RandomSampler (what shuffle=True makes there) and
+    raydl for torch's random samplers; a fast-forward through a fresh permutation would silently
+    hand out other samples.
+    """
+    if isinstance(loader.dataset, IterableDataset):
+        return
+    index_sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+    s = rng_sampler(index_sampler)
+    if s is None or s.generator is not None:
+        return
+    it_state = main.get(SAMPLER_ITER_STATE)
+    if isinstance(it_state, Mapping) and type(index_sampler) is BatchSampler:
+        it_state = it_state.get("sampler_iter_state")
+    if isinstance(it_state, Mapping) and isinstance(it_state.get(RngSamplerIter.GENERATOR), torch.Tensor):
+        return
+    if int(main.get(SAMPLER_ITER_YIELDED) or 0) == 0 and it_state is None:
+        return  # nothing of the epoch was drawn: it starts afresh, as the saver's would have
+    raise ValueError(
+        f"DataLoader.load_state_dict: the state does not record the order of its epoch, and this loader's "
+        f"{type(s).__name__} (no generator) would draw another one from torch's global RNG. The state comes from a "
+        f"loader whose sampler has no state_dict() (for example StatefulDataLoader given torch's {type(s).__name__}). "
+        "Resume from a state of this loader, or give the sampler a generator in both loaders."
+    )
 
 
 # ----------------------------------------------------------------------------------------- tracker
@@ -313,7 +507,7 @@ class Tracker:
         self._stateless_map = not self.is_iterable and not is_stateful(loader.dataset)
         self._index_sampler = index_sampler
         self._facts = loader_facts(loader)
-        self._generator = torch_random_generator(index_sampler)
+        self._rng_for_td = rng_record_for_torchdata(loader, index_sampler)
         self._loaded = loaded
         snaps = (loaded[SNAPSHOT].get(WORKER_SNAPSHOTS) or {}) if loaded is not None else {}
         self._loaded_workers = [snaps.get(worker_key(w)) for w in range(self.num_workers)]
@@ -331,7 +525,6 @@ class Tracker:
         # the iterator's epoch (persistent workers count them; ray_seed="batch" seeds from it)
         self.epoch = int((loaded.get(RAYDL) or {}).get("epoch", 0)) if loaded is not None and not self.replay else 0
         self.len_called: Optional[int] = None
-        self._gen_state: Optional[str] = None
         self._pending: deque = deque()
         self._sampler_at: dict[int, tuple] = {}  # task idx -> sampler state after its draw
         self._record_sampler = False
@@ -360,29 +553,23 @@ class Tracker:
 
     # ---------------------------------------------------------------- epoch start
 
-    def sampler_iter(self, first_iter: bool) -> Iterator:
+    def sampler_iter(self) -> Iterator:
         """A new epoch's sampler iterator (torch's iterators draw nothing before their first `next`)."""
-        if not first_iter:  # persistent workers: no base seed draw, the permutation comes next
-            self._record_generator()
         return new_sampler_iter(self._index_sampler)
 
-    def _record_generator(self) -> None:
-        """A torch RandomSampler's generator as it is just before the epoch's first draw from it."""
-        self._gen_state = encode_generator(self._generator) if self._generator is not None else None
-
-    def resume_main(self, it: Iterator, base_seed: int, len_called: Optional[int]) -> tuple[Iterator, int]:
-        """First epoch, after the base seed draw: position the sampler and take the base seed from a loaded state."""
-        self.base_seed, self.len_called = base_seed, len_called
-        if self._loaded is not None:
-            text = (self._loaded.get(RAYDL) or {}).get("generator_state")
-            if text is not None and self._generator is not None:
-                decode_generator(self._generator, text)
-        self._record_generator()
-        if self._loaded is not None:
-            main = self._loaded[SNAPSHOT][MAIN_SNAPSHOT]
-            self.base_seed = int(main[BASE_SEED])
-            if not self.replay:
-                it = restore_sampler(self._index_sampler, it, main, self.is_iterable)
+    def resume_main(self, it: Iterator, base_seed: Optional[int], len_called: Optional[int]) -> tuple[Iterator, int]:
+        """First epoch: position the sampler and take the base seed from a loaded state (`base_seed` None then:
+        a resumed iterator draws nothing from the caller's generators, NOTE [ raydl checkpoint ])."""
+        self.len_called = len_called
+        if self._loaded is None:
+            assert base_seed is not None
+            self.base_seed = base_seed
+            return it, self.base_seed
+        main = self._loaded[SNAPSHOT][MAIN_SNAPSHOT]
+        self.base_seed = int(main[BASE_SEED])
+        if not self.replay:
+            it = restore_sampler(self._index_sampler, it, main, self.is_iterable, bool(self._loaded.get(FINISHED)),
+                                 (self._loaded.get(RAYDL) or {}).get(SAMPLER_EPOCH))
         return it, self.base_seed
 
     def start_epoch(self, it: Iterator, first_iter: bool, epoch: int) -> tuple[int, int]:
@@ -499,6 +686,7 @@ class Tracker:
 
     def state_dict(self) -> dict:
         it_state, idx_state = self._sampler_at.get(self._frontier - 1, (None, None))
+        it_state, record = export_sampler_state(self._index_sampler, it_state, self._rng_for_td)
         main = {
             NUM_WORKERS: self.num_workers,
             SAMPLER_ITER_STATE: it_state,
@@ -517,6 +705,6 @@ class Tracker:
             },
             STEPS_SINCE_SNAPSHOT: 0,
             FINISHED: self.finished,
-            RAYDL: {**self._facts, "generator_state": self._gen_state, "done_ahead": sorted(self._done_ahead),
+            RAYDL: {**self._facts, SAMPLER_EPOCH: record, "done_ahead": sorted(self._done_ahead),
                     "epoch": self.epoch},
         }

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Optional
 
-import torch
 from torch.utils.data import IterableDataset
 
 from ._checkpoint import (
@@ -25,13 +24,14 @@ from ._checkpoint import (
     SAMPLER_ITER_STATE,
     SAMPLER_ITER_YIELDED,
     SHARED_SEED,
-    decode_generator,
-    encode_generator,
+    SAMPLER_EPOCH,
+    draw_base_seed,
+    export_sampler_state,
+    rng_record_for_torchdata,
     loader_facts,
     new_sampler_iter,
     restore_sampler,
     sampler_state,
-    torch_random_generator,
 )
 from ._device import pin_memory, pin_memory_target, warn_pin_memory_args
 from ._fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
@@ -55,25 +55,24 @@ class _InProcessIter(Iterator[Any]):
         warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
         self._pin_device = pin_memory_target(loader.pin_memory)
         self._facts = loader_facts(loader)
+        self._rng_for_td = rng_record_for_torchdata(loader, self._index_sampler)
         # torch's order: the sampler iterator, then the base seed (it consumes the generator; only
         # ray_seed="batch" uses it, NOTE [ raydl batch seeding ]).
         self._sampler_iter = new_sampler_iter(self._index_sampler)
-        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        saved_seed = (state.get(RAYDL) or {}).get("base_seed") if state is not None else None
+        # a resumed iterator draws nothing from the caller's generators (NOTE [ raydl checkpoint ])
+        self._base_seed = int(saved_seed) if saved_seed is not None else draw_base_seed(loader.generator)
         self._seed_per_batch = getattr(loader, "ray_seed", "worker") == "batch"
-        if state is not None and (state.get(RAYDL) or {}).get("base_seed") is not None:
-            self._base_seed = int(state[RAYDL]["base_seed"])
-        # A torch RandomSampler's generator just before the epoch's first draw (NOTE [ raydl checkpoint ]).
-        self._generator = torch_random_generator(self._index_sampler)
-        if state is not None and self._generator is not None and (state.get(RAYDL) or {}).get("generator_state"):
-            decode_generator(self._generator, state[RAYDL]["generator_state"])
-        self._gen_state = encode_generator(self._generator) if self._generator is not None else None
         self._sampler_iter_yielded = 0
         self._num_yielded = 0
         self._finished = False
         collate = loader.collate_fn
         replay = 0
         if state is not None:
-            self._sampler_iter = restore_sampler(self._index_sampler, self._sampler_iter, state, self._is_iterable)
+            self._sampler_iter = restore_sampler(
+                self._index_sampler, self._sampler_iter, state, self._is_iterable, bool(state.get(FINISHED)),
+                (state.get(RAYDL) or {}).get(SAMPLER_EPOCH),
+            )
             self._sampler_iter_yielded = int(state[SAMPLER_ITER_YIELDED])
             self._num_yielded = int(state[NUM_YIELDED])
             if state.get(DATASET_STATE) is not None and is_stateful(self._dataset):
@@ -133,6 +132,7 @@ class _InProcessIter(Iterator[Any]):
     def state_dict(self) -> dict:
         """StatefulDataLoader's num_workers=0 state, plus raydl's `_raydl` section."""
         it_state, idx_state = sampler_state(self._index_sampler, self._sampler_iter)
+        it_state, record = export_sampler_state(self._index_sampler, it_state, self._rng_for_td)
         if self._is_iterable:
             it = self._fetcher.dataset_iter
             fetcher_state: Optional[dict] = {
@@ -153,5 +153,5 @@ class _InProcessIter(Iterator[Any]):
             FETCHER_STATE: fetcher_state,
             DATASET_STATE: dataset_state,
             FINISHED: self._finished,
-            RAYDL: {**self._facts, "generator_state": self._gen_state, "done_ahead": [], "base_seed": self._base_seed},
+            RAYDL: {**self._facts, SAMPLER_EPOCH: record, "done_ahead": [], "base_seed": self._base_seed},
         }

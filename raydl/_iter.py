@@ -58,7 +58,7 @@ import torch
 from torch.utils.data import IterableDataset
 
 from . import _constants
-from ._checkpoint import Tracker, track_rng_enabled
+from ._checkpoint import Tracker, draw_base_seed, track_rng_enabled
 from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from ._elastic import ElasticPool
 from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
@@ -139,10 +139,10 @@ class _RayLoaderIter(Iterator[Any]):
         # index: the generator is consumed in the same order here. A resumed iterator then takes
         # its sampler position, base seed and epoch from the state.
         self._ckpt = Tracker(loader, self._index_sampler, state)
-        self._sampler_iter = self._ckpt.sampler_iter(first_iter=True)
-        self._base_seed = int(torch.empty((), dtype=torch.int64).random_(generator=loader.generator).item())
+        self._sampler_iter = self._ckpt.sampler_iter()
+        base_seed = None if state is not None else draw_base_seed(loader.generator)
         self._sampler_iter, self._base_seed = self._ckpt.resume_main(
-            self._sampler_iter, self._base_seed, self._IterableDataset_len_called
+            self._sampler_iter, base_seed, self._IterableDataset_len_called
         )
         self._epoch = self._ckpt.epoch
 
@@ -253,7 +253,7 @@ class _RayLoaderIter(Iterator[Any]):
     def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
         """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch."""
         if not first_iter:
-            self._sampler_iter = self._ckpt.sampler_iter(first_iter=False)
+            self._sampler_iter = self._ckpt.sampler_iter()
             self._IterableDataset_len_called = loader._IterableDataset_len_called
             self._drop_all_tasks()
             self._epoch += 1

@@ -13,7 +13,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from ._checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, validate
+from ._checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, inexact_sampler, validate
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._inprocess import _InProcessIter
 from ._iter import _RayLoaderIter
@@ -192,6 +192,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_name = options.name
         self._stats_recorder: Any = None  # the last iterator's (NOTE [ raydl stats ]); never the iterator itself
         self.shuffle = shuffle
+        # the RandomSampler shuffle=True makes (its state goes where torchdata's shuffle sampler keeps its own)
+        self._default_shuffle = bool(shuffle) and sampler is None and batch_sampler is None
         self._next_iter_state: Optional[Mapping] = None  # from load_state_dict, for the next iter()
         self._state_source: Any = None  # what state_dict() reads: the last iterator's (or its tracker)
         self._prepared_iter: Any = None  # made by state_dict() before any iteration; the next iter() returns it
@@ -306,6 +308,10 @@ class DataLoader(_TorchDataLoader[T_co]):
         the next `iter()` returns; right after `load_state_dict()` it returns the loaded state.
         It never waits on workers: the driver already holds their state (NOTE [ raydl checkpoint ]).
         """
+        reason = inexact_sampler(self.batch_sampler if self.batch_sampler is not None else self.sampler)
+        if reason is not None and not self.__dict__.get("_warned_inexact"):
+            self._warned_inexact = True  # once per loader
+            warnings.warn(f"DataLoader.state_dict(): {reason}", UserWarning, stacklevel=2)
         if self._next_iter_state is not None:
             return copy.deepcopy(dict(self._next_iter_state))
         if self._state_source is None:

@@ -57,8 +57,19 @@ def _json_ok(state: dict) -> bool:
     return True
 
 
-def _pass(make_loader: Callable[[], Any], epoch: int, ks: Sequence[int]) -> tuple[list, dict, Any]:
-    """Epochs before `epoch` in full, then epoch `epoch` with a state after each k in ks: (batches, {k: state}, loader)."""
+# A restarted job's global torch RNG is somewhere else than the saver's was: each resume starts
+# from this seed. The epoch after a state taken at its end draws from the global RNG (torch's
+# rule without a generator): both the saver's next epoch and the resumed one start from END_SEED,
+# as when the job restores torch's RNG with its checkpoint.
+RESTART_SEED = 424242
+END_SEED = 171717
+END = "end"  # in ks: the state taken after the epoch's StopIteration
+
+
+def _pass(make_loader: Callable[[], Any], epoch: int, ks: Sequence) -> tuple[list, dict, Any, list]:
+    """Epochs before `epoch` in full, then epoch `epoch` with a state after each k in ks:
+    (batches, {k: state}, loader, the next epoch's batches when END is in ks)."""
+    torch.manual_seed(0)  # a script's `torch.manual_seed` before it builds its loader
     loader = make_loader()
     for _ in range(epoch):
         list(loader)
@@ -70,11 +81,18 @@ def _pass(make_loader: Callable[[], Any], epoch: int, ks: Sequence[int]) -> tupl
         batches.append(b)
         if len(batches) in ks:
             states[len(batches)] = loader.state_dict()
-    return batches, states, loader
+    following: list = []
+    if END in ks:
+        states[END] = loader.state_dict()
+        torch.manual_seed(END_SEED)
+        following = list(loader)
+    return batches, states, loader, following
 
 
-def _resume(make_loader: Callable[[], Any], state: dict, *, check_echo: bool = False) -> list:
+def _resume(make_loader: Callable[[], Any], state: dict, *, check_echo: bool = False, finished: bool = False) -> list:
+    torch.manual_seed(0)
     loader = make_loader()
+    torch.manual_seed(END_SEED if finished else RESTART_SEED)
     loader.load_state_dict(state)
     if check_echo:
         echo = loader.state_dict()
@@ -106,7 +124,7 @@ def check_resume(
     make_kwargs: Callable[[], dict],
     *,
     num_workers: int,
-    ks: Sequence[int] = (0, 1, 3),
+    ks: Sequence = (0, 1, 3),
     epoch: int = 0,
     td_resume_exact: bool = True,
     cross: bool = True,
@@ -133,17 +151,21 @@ def check_resume(
     def make_rd() -> raydl.DataLoader:
         return raydl.DataLoader(make_dataset(), num_workers=num_workers, **extra, **make_kwargs())
 
-    rd_batches, rd_states, rd_loader = _pass(make_rd, epoch, ks)
+    rd_batches, rd_states, rd_loader, rd_next = _pass(make_rd, epoch, ks)
     rd_loader.shutdown()
     if cross:
-        td_batches, td_states, _ = _pass(make_td, epoch, ks)
+        td_batches, td_states, _, td_next = _pass(make_td, epoch, ks)
         if same_uninterrupted:
             _same(td_batches, rd_batches, "uninterrupted raydl vs torchdata")
-    for k in sorted(rd_states):
+    for k in sorted(rd_states, key=str):
         rd_state = rd_states[k]
         if cross and _json_ok(td_states[k]):
             assert _json_ok(rd_state), f"raydl's state after {k} batches is not JSON though torchdata's is"
         rd_state = _roundtrip(rd_state)
+        if k == END:
+            _check_end(make_rd, make_td, rd_state, _roundtrip(td_states[k]) if cross else None, rd_next,
+                       td_next if cross else [], same_uninterrupted)
+            continue
         _same(rd_batches[k:], _resume(make_rd, rd_state, check_echo=True), f"raydl resumed from raydl's state at {k}")
         if not cross:
             continue
@@ -152,3 +174,22 @@ def check_resume(
         _same(td_own, _resume(make_rd, td_state), f"raydl resumed from torchdata's state at {k}")
         rd_expected = rd_batches[k:] if td_resume_exact else td_own
         _same(rd_expected, _resume(make_td, rd_state), f"torchdata resumed from raydl's state at {k}")
+
+
+def _check_end(make_rd, make_td, rd_state: dict, td_state: Any, rd_next: list, td_next: list, same: bool) -> None:
+    """A state taken after StopIteration resumes into the next epoch: raydl's own exactly (the global RNG
+    restored); across loaders, each goes on with a whole new epoch of its own order (their orders differ by
+    design unless the uninterrupted runs are the same)."""
+    assert rd_state["_iterator_finished"], "a state taken after StopIteration must say the iterator finished"
+    _same(rd_next, _resume(make_rd, rd_state, finished=True), "raydl resumed from raydl's end-of-epoch state")
+    if td_state is None:
+        return
+    from_td = _resume(make_rd, td_state, finished=True)
+    from_rd = _resume(make_td, rd_state, finished=True)
+    if same:
+        _same(rd_next, from_td, "raydl resumed from torchdata's end-of-epoch state")
+        _same(td_next, from_rd, "torchdata resumed from raydl's end-of-epoch state")
+    assert len(from_td) == len(rd_next) and len(from_rd) == len(td_next), (
+        f"after an end-of-epoch state a whole epoch comes next: {len(from_td)}/{len(rd_next)} (raydl), "
+        f"{len(from_rd)}/{len(td_next)} (torchdata)"
+    )

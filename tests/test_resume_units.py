@@ -25,7 +25,7 @@ class _Loader:
 def _tracker(n=40, bs=2, workers=2):
     loader = _Loader(n, bs, workers)
     t = Tracker(loader, loader.batch_sampler, None)
-    it = t.sampler_iter(first_iter=True)
+    it = t.sampler_iter()
     it, _ = t.resume_main(it, 123, None)
     t.start_epoch(it, first_iter=True, epoch=0)
     return t, it
