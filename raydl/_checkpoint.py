@@ -21,8 +21,8 @@ loader loads the other's state for the same dataset, sampler and num_workers:
      "_iterator_finished", "_raydl": {...}}
 
 `_raydl` (ignored by torchdata) holds what validates a state against a loader (dataset kind and
-length, batch size, sampler types, num_workers), the epoch-start state of a torch
-`RandomSampler`'s generator, and the batches handed out ahead of the first missing one
+length, batch size, sampler types, num_workers), a random sampler's epoch record when it is not
+under torchdata's keys (below), and the batches handed out ahead of the first missing one
 (in_order=False). A worker snapshot is None when the worker starts fresh from its seed.
 
 Where each part comes from, with no call to any worker:
@@ -31,10 +31,23 @@ Where each part comes from, with no call to any worker:
     samplers; raydl iterates torch's `BatchSampler` with `BatchIter`, which has torchdata's
     batch-iterator state) has its state recorded at each draw, and the state at that position is
     saved. Otherwise resume fast-forwards: it draws and discards the indices of the batches
-    already handed out, fetching nothing. A torch `RandomSampler` with a `generator` also gets
-    that generator's state just before the epoch's first draw from it saved, and restored after
-    the resumed iterator's base seed draw, so a resume in any epoch draws that epoch's
-    permutation (torchdata only restores its own samplers).
+    already handed out, fetching nothing.
+  * random samplers: torch's RandomSampler, SubsetRandomSampler and WeightedRandomSampler draw
+    from their generator or, without one (what shuffle=True makes), from the global RNG when
+    their epoch starts. `RngSamplerIter` runs the sampler's own `__iter__` with that generator
+    made explicit and records its state before the epoch's first draw: `{"yielded",
+    "generator"}`, the record of torchdata's own RandomSampler iterator, so each loader rebuilds
+    the other's epoch. It goes under torchdata's `_sampler_iter_state` for the sampler
+    shuffle=True made and for one without a generator (where StatefulDataLoader cannot rebuild
+    the epoch, it then fails on the record instead of fast-forwarding through another order);
+    a sampler given with its own generator keeps it in `_raydl` as text, and StatefulDataLoader
+    fast-forwards it as it does its own states. `validate` refuses a state without the record
+    when the loader's sampler would draw from the global RNG; `inexact_sampler` names, at
+    `state_dict()`, the samplers drawing from the global RNG that raydl cannot record.
+  * draws: a resumed iterator draws nothing from the caller's generators (no base seed, no
+    epoch seed: they belong to the saved run), so a job that restores torch's RNG with its
+    checkpoint continues the uninterrupted run's later epochs too. A state taken after the
+    epoch ended drains the restored sampler, so its last draws are made before the next epoch's.
   * workers: each `fetch` returns the worker's state after the task in its `BatchMeta` (the
     dataset's and the iterable iterator's `state_dict()`, and the random/torch/NumPy states,
     sent only when they changed: see _worker_state.py). The driver keeps, per worker, the state as

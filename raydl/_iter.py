@@ -191,7 +191,8 @@ class _RayLoaderIter(Iterator[Any]):
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
         # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
-        self.stats_recorder = make_recorder(payload.stats_name, self, options.threads_per_worker)
+        self.stats_recorder = make_recorder(payload.stats_name, self, options.threads_per_worker,
+                                            loader.__dict__.setdefault("_hint_given", [False]))
         self._reset(loader, first_iter=True)
 
     # ------------------------------------------------------------------ public surface

@@ -274,10 +274,12 @@ class StatsRecorder:
 
     enabled = True
 
-    def __init__(self, name: str, iterator: Any, threads_per_worker: int = 1) -> None:
+    def __init__(self, name: str, iterator: Any, threads_per_worker: int = 1, hint_given: Optional[list] = None) -> None:
         import ray
 
         self.name = name
+        # [bool], shared by the recorders of one loader's iterators: the stall hint comes once per loader
+        self._hint_given = hint_given if hint_given is not None else [False]
         self._iter_ref = weakref.ref(iterator)
         self._threads_per_worker = threads_per_worker
         self._ray = ray
@@ -384,7 +386,8 @@ class StatsRecorder:
         self._refresh_pool()
         stats = self.snapshot()
         try:
-            hint(stats, self._threads_per_worker, self._cluster_cpus)
+            if not self._hint_given[0]:
+                self._hint_given[0] = hint(stats, self._threads_per_worker, self._cluster_cpus)
         except Exception as e:  # a hint must never break an epoch (e.g. Ray going away)
             logger.debug("raydl: no hint: %s", e)
         self._flush_metrics(time.perf_counter(), share=stats.wait_share)
@@ -560,6 +563,7 @@ class _Off:
         return None
 
 
-def make_recorder(name: Optional[str], iterator: Any, threads_per_worker: int) -> StatsRecorder | _Off:
+def make_recorder(name: Optional[str], iterator: Any, threads_per_worker: int, hint_given: Optional[list] = None,
+                  ) -> StatsRecorder | _Off:
     """The iterator's recorder: a `StatsRecorder` named `name`, or a no-op one for None (ray_stats=False)."""
-    return StatsRecorder(name, iterator, threads_per_worker) if name is not None else _Off()
+    return StatsRecorder(name, iterator, threads_per_worker, hint_given) if name is not None else _Off()

@@ -19,8 +19,12 @@ logger = logging.getLogger("raydl.stats")
 if logger.level == logging.NOTSET:
     logger.setLevel(logging.INFO)
 
-# An epoch whose loop waited longer than this share of its wall time gets a hint.
+# An epoch whose loop waited longer than this share of its wall time gets a hint ...
 HINT_WAIT_SHARE = 0.2
+# ... if it was long enough to mean something (a half-second first epoch is mostly start-up) ...
+HINT_MIN_BATCHES = 100
+HINT_MIN_EPOCH_S = 5.0
+# ... and no hint was given for this loader yet in this process (the recorder keeps that).
 # A worker "stands out" when its median batch time exceeds the others' by this factor.
 HINT_SLOW_WORKER_FACTOR = 1.5
 # ... and by at least this many seconds per batch (1 ms vs 0.5 ms is noise, not a slow node).
@@ -91,8 +95,9 @@ def driver_metrics() -> dict:
 # --------------------------------------------------------------------------- the hint
 
 
-def hint(stats: LoaderStats, threads_per_worker: int, cluster_cpus: Callable[[], tuple[float, float]]) -> None:
-    """One INFO line when the loop waited > HINT_WAIT_SHARE of the epoch, with what would help.
+def hint(stats: LoaderStats, threads_per_worker: int, cluster_cpus: Callable[[], tuple[float, float]]) -> bool:
+    """One INFO line when the loop waited > HINT_WAIT_SHARE of an epoch of at least HINT_MIN_BATCHES batches
+    and HINT_MIN_EPOCH_S seconds, with what would help; returns whether it gave one.
 
     What helps depends on where the time goes. Workers busy for a small share of the epoch are
     not what the loop waits for (start-up of a worker, the transfer, this process's own load).
@@ -104,9 +109,11 @@ def hint(stats: LoaderStats, threads_per_worker: int, cluster_cpus: Callable[[],
     """
     share = stats.steady_wait_share  # start-up is not a data stall that more workers or threads would fix
     if share <= HINT_WAIT_SHARE or not stats.workers:
-        return
+        return False
+    if stats.batches < HINT_MIN_BATCHES or stats.wall_s < HINT_MIN_EPOCH_S:
+        return False
     if not logger.isEnabledFor(logging.INFO):
-        return
+        return False
     parts = [
         f"raydl loader {stats.name!r}: the training loop waited for data {share:.0%} of epoch {stats.epoch} "
         f"after its first batch ({stats.wait_s:.1f} s of {stats.wall_s:.1f} s in all)"
@@ -153,3 +160,4 @@ def hint(stats: LoaderStats, threads_per_worker: int, cluster_cpus: Callable[[],
         logger.info(message)
     else:  # no logging configured: Python would drop an INFO record
         print(message, file=sys.stderr)
+    return True

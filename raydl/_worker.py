@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import os
 import random
+import sys
 import time
 import traceback
 from dataclasses import dataclass
@@ -128,6 +129,21 @@ def _describe_process() -> dict:
     return {"pid": os.getpid(), "node_id": ctx.get_node_id(), "node_ip": ray.util.get_node_ip_address()}
 
 
+# Ray's log monitor names an actor's log lines after the last line starting with this in its
+# stdout or stderr (Ray writes one with the actor's repr when the actor starts; ray_constants
+# LOG_PREFIX_ACTOR_NAME). A worker learns its id later, at configure, and a warm worker changes it.
+_LOG_NAME_PREFIX = ":actor_name:"
+
+
+def _announce_name(worker: Any) -> None:
+    """Name this actor's later log lines after its current repr (its worker id)."""
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            print(f"{_LOG_NAME_PREFIX}{worker!r}", file=stream, flush=True)
+        except (OSError, ValueError):  # a closed stream: no log lines to name either
+            pass
+
+
 class Worker:
     """Body of the raydl worker actor (`ray.remote` is applied by the pool, with the user's options).
 
@@ -177,6 +193,7 @@ class Worker:
         self.reset()
         self._epoch = epoch
         self._worker_id = worker_id
+        _announce_name(self)
         self._base_seed = base_seed
         try:
             # bytes by default: a private, writable copy, as torch's workers get (NOTE [ raydl shared memory ])

@@ -122,3 +122,14 @@ def test_resume_example_restarted_job_matches_the_uninterrupted_one(ray_session)
                _session_ray_env(ray_session))
     assert "resumed run matches the uninterrupted one, augmentation included: True" in out, out[-3000:]
     assert "same final weights: True" in out, out[-3000:]
+
+
+def test_quickstart_as_shipped_starts_its_own_ray_and_says_only_what_helps():
+    """The README's first command: no Ray running, default arguments. Its output holds no stall hint (its epochs are
+    short: the hint needs 100 batches and 5 s) and each worker's log lines carry that worker's id."""
+    out = _run(["examples/quickstart.py"], {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    assert "epoch 1:" in out, out[-3000:]
+    assert "waited for data" not in out and "raydl loader" not in out, out[-3000:]
+    assert "id=-1" not in out, out[-3000:]
+    for w in (0, 1):
+        assert re.search(rf"raydl\.Worker\(id={w}\) pid=\d+\)\S*\s+worker {w}/2 started", out), out[-3000:]

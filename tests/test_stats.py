@@ -8,6 +8,7 @@ factor) fails.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -80,9 +81,19 @@ def test_slow_loop_shows_no_stall_and_per_worker_figures(caplog):
     assert "median ms" in table and table.count("127.0.0.1") == 2
 
 
-@pytest.mark.usefixtures("ray_session")
+@pytest.fixture
+def short_epochs_hint(monkeypatch):
+    """The hint's minimum epoch (100 batches, 5 s) lowered, so a test's short epochs can show it."""
+    from raydl import _stats_report
+
+    monkeypatch.setattr(_stats_report, "HINT_MIN_BATCHES", 2)
+    monkeypatch.setattr(_stats_report, "HINT_MIN_EPOCH_S", 0.0)
+
+
+@pytest.mark.usefixtures("ray_session", "short_epochs_hint")
 def test_fast_loop_stall_matches_and_hint_is_logged(caplog):
-    """A loop faster than the data waits ~(data - loop) / data of the epoch, and one hint line says what would help."""
+    """A loop faster than the data waits ~(data - loop) / data of the epoch, and one hint line says what would help;
+    a later epoch of the same loader stalling as much gives none (once per loader)."""
     caplog.set_level(logging.INFO, logger="raydl.stats")
     n_batches, loop_s = 12, 0.02
     loader = raydl.DataLoader(
@@ -98,9 +109,24 @@ def test_fast_loop_stall_matches_and_hint_is_logged(caplog):
     assert len(hints) == 1, [r.getMessage() for r in caplog.records]
     msg = hints[0].getMessage()
     assert "'fast_loop'" in msg and "ray_threads_per_worker" in msg  # sleeping workers: threads help
+    caplog.clear()
+    assert _run_epoch(loader, loop_s) == n_batches
+    assert loader.stats().steady_wait_share > 0.4 and not _hint_records(caplog)
 
 
-@pytest.mark.usefixtures("ray_session")
+def test_no_hint_after_a_short_epoch(caplog):
+    """With the shipped thresholds an epoch under 100 batches or 5 s gives no hint, however much the loop waited."""
+    from raydl._stats_report import hint
+
+    caplog.set_level(logging.INFO, logger="raydl.stats")
+    stats = _fake_stats(busy_s=0.9, cpu_s=0.1)
+    assert stats.steady_wait_share > 0.2
+    assert hint(stats, 1, lambda: (2.0, 0.0)) is False and not caplog.records
+    long = dataclasses.replace(stats, batches=100, wall_s=5.0, wait_s=3.0)
+    assert hint(long, 1, lambda: (2.0, 0.0)) is True and len(caplog.records) == 1
+
+
+@pytest.mark.usefixtures("ray_session", "short_epochs_hint")
 def test_hint_names_a_slow_worker_and_can_be_silenced(caplog):
     """One worker much slower than the others is named in the hint; setLevel(WARNING) on raydl.stats silences it."""
     caplog.set_level(logging.INFO, logger="raydl.stats")
@@ -293,6 +319,7 @@ def _fake_stats(busy_s: float, cpu_s: float, medians=(0.05, 0.05)) -> "raydl.Loa
                        total=StatsTotals(1, 20, 160, 1.0, 0.6), first_batch_s=0.1, _first_wait_s=0.1)
 
 
+@pytest.mark.usefixtures("short_epochs_hint")
 def test_hint_branches_and_stderr_fallback(caplog, capsys):
     """The hint's advice follows where the time goes; without any logging handler it is printed to stderr."""
     from raydl._stats_report import hint, logger
