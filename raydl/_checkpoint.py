@@ -85,6 +85,15 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
+from ._global_epoch import (
+    GLOBAL_EPOCH,
+    check_record,
+    distributed_sampler,
+    epoch_record,
+    needs_redeal,
+    rank_length,
+    redealt_iter,
+)
 from ._worker_state import (
     DATASET_ITER_STATE,
     DATASET_STATE,
@@ -456,12 +465,20 @@ def validate(state: Any, loader: Any) -> None:
         state_nw = 0
     else:
         raise _not_a_state(state, f"it has neither {SNAPSHOT!r} (num_workers > 0) nor {NUM_YIELDED!r} (num_workers=0)")
+    facts = state.get(RAYDL)
+    record = facts.get(GLOBAL_EPOCH) if isinstance(facts, Mapping) else None
+    if record is not None:  # NOTE [ raydl global epoch ]
+        index_sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+        dist = distributed_sampler(index_sampler)
+        check_record(record, dist)
+        same = state_nw == nw and facts.get("batch_size") == loader.batch_size
+        if needs_redeal(record, dist, same):  # type: ignore[arg-type]
+            return  # re-dealt: another world size, batch size or num_workers is the point
     if state_nw != nw:
         raise ValueError(
             f"DataLoader.load_state_dict: num_workers mismatch: the state was saved with num_workers={state_nw}, "
             f"this loader has num_workers={nw}. Build the loader with num_workers={state_nw} to resume exactly."
         )
-    facts = state.get(RAYDL)
     if isinstance(facts, Mapping):
         mine = loader_facts(loader)
         names = {"dataset": "dataset kind", "dataset_len": "dataset length", "batch_size": "batch size",
@@ -504,6 +521,56 @@ def _check_permutation(main: Mapping, loader: Any) -> None:
     )
 
 
+def saved_base_seed(state: Mapping) -> int:
+    """The base seed a state was saved with (where each layout keeps it)."""
+    if SNAPSHOT in state:
+        return int(state[SNAPSHOT][MAIN_SNAPSHOT][BASE_SEED])
+    saved = (state.get(RAYDL) or {}).get("base_seed")
+    return int(saved) if saved is not None else draw_base_seed(None)
+
+
+class Deal:
+    """This rank's deal of the job's epoch (NOTE [ raydl global epoch ]): where it started in the
+    permutation, how many samples it holds, and the state's record of the job's position."""
+
+    def __init__(self, loader: Any, index_sampler: Any, loaded: Optional[Mapping]) -> None:
+        self.sampler = distributed_sampler(index_sampler)
+        self._index_sampler = index_sampler
+        self._batch = loader.batch_size if loader.batch_sampler is not None and loader.batch_size else 1
+        self.loaded = loaded
+        self.start = 0
+        self.rank_total: Optional[int] = None  # samples of this rank's deal (None: the sampler's own epoch)
+        self._epoch: Optional[int] = None  # the re-dealt epoch (None: the sampler's)
+        record = (loaded.get(RAYDL) or {}).get(GLOBAL_EPOCH) if loaded is not None else None
+        self._record = record
+        same = loaded is not None and (loaded[SNAPSHOT][MAIN_SNAPSHOT].get(NUM_WORKERS) if SNAPSHOT in loaded else 0) \
+            == loader.num_workers and (loaded.get(RAYDL) or {}).get("batch_size") == loader.batch_size
+        self.redeal = bool(record is not None and self.sampler is not None and needs_redeal(record, self.sampler, same))
+
+    def iterator(self) -> Iterator:
+        """The re-dealt epoch's iterator over this rank's (batches of) indices."""
+        it, self.start, self.rank_total = redealt_iter(self._record, self._index_sampler)  # type: ignore[arg-type]
+        self._epoch = int(self._record["epoch"])  # type: ignore[index]
+        return it
+
+    def new_epoch(self) -> None:
+        self.start, self.rank_total, self._epoch = 0, None, None
+
+    def sample_key(self, base_seed: int, epoch: int) -> tuple[int, int]:
+        """(key, epoch) of this epoch's per-sample seeds (NOTE [ raydl sample seeding ]): the DistributedSampler's
+        seed and epoch (the re-dealt one's), else the iterator's base seed and epoch."""
+        if self.sampler is None:
+            return base_seed, epoch
+        return int(self.sampler.seed), int(self.sampler.epoch if self._epoch is None else self._epoch)
+
+    def record(self, batches_handed_out: int) -> Optional[dict]:
+        """The job's position after this rank handed out `batches_handed_out` batches (None without a DistributedSampler)."""
+        if self.sampler is None:
+            return None
+        total = self.rank_total if self.rank_total is not None else rank_length(self.sampler, 0)
+        return epoch_record(self.sampler, self.start, min(total, batches_handed_out * self._batch), self._epoch)
+
+
 # ----------------------------------------------------------------------------------------- tracker
 
 
@@ -522,6 +589,9 @@ class Tracker:
         self._facts = loader_facts(loader)
         self._rng_for_td = rng_record_for_torchdata(loader, index_sampler)
         self._loaded = loaded
+        self.deal = Deal(loader, index_sampler, loaded)  # NOTE [ raydl global epoch ]
+        if self.deal.redeal:  # the old job's position is re-dealt: nothing of its per-rank layout applies
+            loaded = None
         snaps = (loaded[SNAPSHOT].get(WORKER_SNAPSHOTS) or {}) if loaded is not None else {}
         self._loaded_workers = [snaps.get(worker_key(w)) for w in range(self.num_workers)]
         # A stream without state_dict() cannot be positioned: its loader replays the batches instead.
@@ -537,6 +607,7 @@ class Tracker:
         self.base_seed = 0
         # the iterator's epoch (persistent workers count them; ray_seed="batch" seeds from it)
         self.epoch = int((loaded.get(RAYDL) or {}).get("epoch", 0)) if loaded is not None and not self.replay else 0
+        self._loaded = loaded
         self.len_called: Optional[int] = None
         self._pending: deque = deque()
         self._sampler_at: dict[int, tuple] = {}  # task idx -> sampler state after its draw
@@ -574,6 +645,9 @@ class Tracker:
         """First epoch: position the sampler and take the base seed from a loaded state (`base_seed` None then:
         a resumed iterator draws nothing from the caller's generators, NOTE [ raydl checkpoint ])."""
         self.len_called = len_called
+        if self.deal.redeal:
+            self.base_seed = saved_base_seed(self.deal.loaded)
+            return self.deal.iterator(), self.base_seed
         if self._loaded is None:
             assert base_seed is not None
             self.base_seed = base_seed
@@ -591,6 +665,8 @@ class Tracker:
         self._pending.clear()
         self._sampler_at = {}
         self._reset_position()
+        if not first_iter:
+            self.deal.new_epoch()
         if not first_iter:
             if self.is_iterable:  # persistent workers restart their streams each epoch
                 self.committed = [self._fresh_stream(s) for s in self.latest]
@@ -718,6 +794,7 @@ class Tracker:
             },
             STEPS_SINCE_SNAPSHOT: 0,
             FINISHED: self.finished,
-            RAYDL: {**self._facts, SAMPLER_EPOCH: record, "done_ahead": sorted(self._done_ahead),
+            RAYDL: {**self._facts, SAMPLER_EPOCH: record, GLOBAL_EPOCH: self.deal.record(self._frontier),
+                    "done_ahead": sorted(self._done_ahead),
                     "epoch": self.epoch},
         }

@@ -11,7 +11,7 @@ raydl's own fetchers: torch's are private. Their behaviour is torch's, to the bi
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Optional
 
 __all__ = ["MapFetcher", "IterableFetcher", "StreamEnd", "StartFailed", "warn_if_length_exceeded"]
 
@@ -82,7 +82,17 @@ class MapFetcher:
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
 
-    def fetch(self, index: Any) -> Any:
+    def fetch(self, index: Any, before_item: Optional[Callable[[Any], None]] = None) -> Any:
+        """The batch for `index`; `before_item(i)` runs right before each `dataset[i]` (one at a time then)."""
+        if before_item is not None:
+            if not self.auto_collation:
+                before_item(index)
+                return self.collate_fn(self.dataset[index])
+            data = []
+            for i in index:
+                before_item(i)
+                data.append(self.dataset[i])
+            return self.collate_fn(data)
         if self.auto_collation:
             getitems = getattr(self.dataset, "__getitems__", None)
             if getitems:

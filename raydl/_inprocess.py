@@ -25,9 +25,11 @@ from ._checkpoint import (
     SAMPLER_ITER_YIELDED,
     SHARED_SEED,
     SAMPLER_EPOCH,
+    Deal,
     draw_base_seed,
     export_sampler_state,
     rng_record_for_torchdata,
+    saved_base_seed,
     loader_facts,
     new_sampler_iter,
     restore_sampler,
@@ -35,7 +37,8 @@ from ._checkpoint import (
 )
 from ._device import pin_memory, pin_memory_target, warn_pin_memory_args
 from ._fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
-from ._seeding import _SavedRNG, seed_batch
+from ._global_epoch import GLOBAL_EPOCH
+from ._seeding import _SavedRNG, seed_batch, seed_sample
 from ._worker_state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
 
 __all__ = ["_InProcessIter"]
@@ -63,6 +66,13 @@ class _InProcessIter(Iterator[Any]):
         # a resumed iterator draws nothing from the caller's generators (NOTE [ raydl checkpoint ])
         self._base_seed = int(saved_seed) if saved_seed is not None else draw_base_seed(loader.generator)
         self._seed_per_batch = getattr(loader, "ray_seed", "worker") == "batch"
+        self._deal = Deal(loader, self._index_sampler, state)  # NOTE [ raydl global epoch ]
+        if self._deal.redeal:  # the saved job's position, re-dealt: nothing else of its layout applies
+            self._base_seed = saved_base_seed(state)  # type: ignore[arg-type]
+            self._sampler_iter = self._deal.iterator()
+            state = None
+        seed_mode = getattr(loader, "ray_seed", "worker")
+        self._sample_key = self._deal.sample_key(self._base_seed, 0) if seed_mode == "sample" else None
         self._sampler_iter_yielded = 0
         self._num_yielded = 0
         self._finished = False
@@ -113,6 +123,13 @@ class _InProcessIter(Iterator[Any]):
                     data = self._fetcher.fetch(work)
                 finally:
                     saved.restore()
+            elif self._sample_key is not None:  # NOTE [ raydl sample seeding ]; the caller's generators restored after
+                key, epoch = self._sample_key
+                saved = _SavedRNG()
+                try:
+                    data = self._fetcher.fetch(work, lambda i: seed_sample(key, epoch, i))
+                finally:
+                    saved.restore()
             else:
                 data = self._fetcher.fetch(work)
         except StopIteration:
@@ -153,5 +170,6 @@ class _InProcessIter(Iterator[Any]):
             FETCHER_STATE: fetcher_state,
             DATASET_STATE: dataset_state,
             FINISHED: self._finished,
-            RAYDL: {**self._facts, SAMPLER_EPOCH: record, "done_ahead": [], "base_seed": self._base_seed},
+            RAYDL: {**self._facts, SAMPLER_EPOCH: record, GLOBAL_EPOCH: self._deal.record(self._sampler_iter_yielded),
+                    "done_ahead": [], "base_seed": self._base_seed},
         }

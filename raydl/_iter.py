@@ -145,6 +145,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._sampler_iter, base_seed, self._IterableDataset_len_called
         )
         self._epoch = self._ckpt.epoch
+        self._seed_per_sample = options.seed == "sample"
 
         ensure_ray_initialized(options.address)
         wait_for_early_start()  # a raydl.start() in progress hands its workers over first (NOTE [ raydl early start ])
@@ -161,6 +162,7 @@ class _RayLoaderIter(Iterator[Any]):
             worker_init_fn=loader.worker_init_fn,
             threads_per_worker=options.threads_per_worker,
             seed_per_batch=options.seed == "batch",
+            seed_per_sample=options.seed == "sample",
             stats_name=(options.name or type(loader.dataset).__name__) if options.stats else None,
         )
         actor_options = worker_actor_options(options.remote_args)
@@ -264,6 +266,7 @@ class _RayLoaderIter(Iterator[Any]):
         self.stats_recorder.begin_epoch()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
         start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
+        self._sample_key = self._ckpt.deal.sample_key(self._base_seed, self._epoch) if self._seed_per_sample else None
         self._num_yielded = self._ckpt.num_yielded
         self._stall_reported: set[int] = set()  # task idxs already reported as stalled
         self._send_idx = start  # idx of the next task to be sent to workers
@@ -291,6 +294,8 @@ class _RayLoaderIter(Iterator[Any]):
             return
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
+        if self._sample_key is not None:  # NOTE [ raydl sample seeding ]
+            work = (self._sample_key, work)
         self._sched.add(self._send_idx, worker_id, index, work)
         self._send_idx += 1
 

@@ -56,8 +56,14 @@ class RayOptions:
             raise ValueError(f"ray_threads_per_worker should be a positive int (1: no threads), got {n!r}")
         if not isinstance(self.seed, str) or self.seed not in SEED_MODES:
             raise ValueError(
-                f"ray_seed should be 'worker' (torch's seeding: each worker seeded once, the default) or 'batch' "
-                f"(each batch seeded from its position in the epoch, whatever worker makes it), got {self.seed!r}"
+                f"ray_seed should be 'worker' (torch's seeding: each worker seeded once, the default), 'batch' "
+                f"(each batch seeded from its position in the epoch, whatever worker makes it) or 'sample' (each "
+                f"sample seeded from its index, whatever batch, worker or rank makes it), got {self.seed!r}"
+            )
+        if self.seed == "sample" and n > 1:
+            raise ValueError(
+                f"ray_seed='sample' seeds the worker's global generators before each sample, which threads would "
+                f"share: use ray_threads_per_worker=1 with it (got {n})"
             )
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")

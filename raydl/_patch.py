@@ -114,7 +114,7 @@ def _source(loader: Any) -> Any:
 def _patched_get_iterator(self):
     """torch's `_get_iterator`, with raydl's Ray-actor iterator when num_workers > 0 (see raydl.patch)."""
     originals = _originals
-    if self.num_workers == 0 and originals is not None and getattr(_source(self), "ray_seed", "worker") == "batch":
+    if self.num_workers == 0 and originals is not None and getattr(_source(self), "ray_seed", "worker") in ("batch", "sample"):
         from ._inprocess import _InProcessIter  # imported late: it pulls in the checkpoint machinery
 
         return _InProcessIter(_source(self))  # NOTE [ raydl batch seeding ], in-process

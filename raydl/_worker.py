@@ -37,7 +37,7 @@ from torch.utils.data import default_collate
 from ._errors import annotate_traceback
 from ._share import open_payload
 from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
-from ._seeding import seed_batch
+from ._seeding import seed_batch, seed_sample
 from ._stats import batch_nbytes
 from ._stats_report import observe_batch_time
 from ._transfer import encode
@@ -67,6 +67,7 @@ class WorkerPayload:
     worker_init_fn: Optional[Callable[[int], None]]
     threads_per_worker: int = 1
     seed_per_batch: bool = False  # ray_seed="batch" (NOTE [ raydl batch seeding ])
+    seed_per_sample: bool = False  # ray_seed="sample": tasks come as ((key, epoch), indices) (NOTE [ raydl sample seeding ])
     stats_name: Optional[str] = None  # the loader's name for Ray metrics; None: ray_stats=False
 
 
@@ -261,9 +262,12 @@ class Worker:
         stream, as torch's worker does when it is told to resume.
         """
         started_s, t0, c0 = time.time(), time.perf_counter(), time.process_time()
+        key = None
         if self._payload is not None and self._payload.seed_per_batch:
             seed_batch(self._base_seed, epoch, idx)
-        batch = self._fetch(epoch, index)
+        elif self._payload is not None and self._payload.seed_per_sample:
+            key, index = index
+        batch = self._fetch(epoch, index, key)
         fetch_s = time.perf_counter() - t0
         p = self._payload
         state = rng = None
@@ -287,7 +291,7 @@ class Worker:
             return fetcher.last_count
         return len(index) if fetcher is not None and fetcher.auto_collation else 1
 
-    def _fetch(self, epoch: int, index: Any) -> Any:
+    def _fetch(self, epoch: int, index: Any, key: Optional[tuple] = None) -> Any:
         if self._init_error is not None:
             return StartFailed(self._worker_id)
         if self._payload is None:
@@ -299,6 +303,9 @@ class Worker:
                 if self._payload.is_iterable:
                     self._fetcher = self._make_fetcher()
             assert self._fetcher is not None
+            if key is not None:  # NOTE [ raydl sample seeding ]
+                base, key_epoch = key
+                return encode(self._fetcher.fetch(index, lambda i: seed_sample(base, key_epoch, i)))
             return encode(self._fetcher.fetch(index))
         except StopIteration:
             if self._payload.is_iterable:

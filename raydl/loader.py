@@ -108,7 +108,12 @@ class DataLoader(_TorchDataLoader[T_co]):
             SeedSequence, so a batch's random draws do not depend on which worker makes it (the
             same with 1 or 64 workers, after a replacement); num_workers=0 seeds each batch the
             same way in the calling process and restores the caller's generators after it. See
-            NOTE [ raydl batch seeding ]. Defaults to ``"worker"``.
+            NOTE [ raydl batch seeding ]. ``"sample"`` (map-style datasets): right before each
+            `dataset[i]`, `random`, torch and NumPy are seeded from (key, epoch, i), the key and
+            epoch being a `DistributedSampler`'s seed and epoch when there is one (else the base
+            seed's and the iterator's): a sample's draws depend only on its index, not on its
+            batch, worker, rank or the world size (8 us per sample; NOTE [ raydl sample
+            seeding ]). Defaults to ``"worker"``.
         ray_max_workers (int, optional): autoscale between `num_workers` and this many workers
             while iterating: a worker is added while the loop waits for data more than 10% of
             its time (and the cluster has room for one now), and extra workers are retired when
@@ -226,6 +231,11 @@ class DataLoader(_TorchDataLoader[T_co]):
                 )
             if isinstance(dataset, IterableDataset):
                 raise ValueError(_ITERABLE_RESIZE_ERROR.format(what="ray_max_workers is not supported"))
+        if self.ray_seed == "sample" and isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "ray_seed='sample' seeds each sample from its index, and an IterableDataset's samples have none: "
+                "use ray_seed='batch' (each batch seeded from its position) or a map-style dataset"
+            )
 
     def check_worker_number_rationality(self) -> None:
         """torch's warning about more workers than this host's CPUs, given only when every worker runs on this host.
@@ -239,7 +249,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         # Kept for code that calls torch's private factory directly.
         if self.num_workers == 0:
             state, self._next_iter_state = self._next_iter_state, None
-            if isinstance(self.dataset, (IterDataPipe, MapDataPipe)) and self.ray_seed != "batch":
+            if isinstance(self.dataset, (IterDataPipe, MapDataPipe)) and self.ray_seed == "worker":
                 return super()._get_iterator()  # torch's own path (sharding, shared seed)
             it = _InProcessIter(self, state)
             self._state_source = it
