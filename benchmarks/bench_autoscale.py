@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The autoscaler (`ray_max_workers`, NOTE [ raydl elastic pool ] in raydl/_elastic.py) against fixed pools.
+"""The autoscaler (`ray_max_workers`, NOTE [ raydl elastic pool ] in raydl/cluster/elastic.py) against fixed pools.
 
     python benchmarks/bench_autoscale.py            # ~2-3 min on an idle 2-core machine
     python benchmarks/bench_autoscale.py --quick    # shorter windows
@@ -154,7 +154,7 @@ def main() -> int:
     warnings.filterwarnings("ignore", message="This DataLoader will create")  # 8 workers on 2 cores: sleeping ones
     measure_s = args.measure_s or (4.0 if args.quick else 8.0)
     logging.basicConfig(level=logging.WARNING)
-    logging.getLogger("raydl._elastic").setLevel(logging.INFO)  # the autoscaler's decisions, with figures
+    logging.getLogger("raydl.cluster.elastic").setLevel(logging.INFO)  # the autoscaler's decisions, with figures
 
     import ray
 

@@ -7,7 +7,7 @@ Every measurement is a fresh Python process (`--child MODE`), so each raydl run 
 local Ray with the niceness setting under test:
   * torch: torch's DataLoader, workers forked at the driver's niceness;
   * raydl: raydl's default for the Ray it starts itself: workers at the driver's niceness
-    (NOTE [ raydl worker niceness ] in raydl/_ray_utils.py);
+    (NOTE [ raydl worker niceness ] in raydl/cluster/connect.py);
   * raydl-nice15: the same with RAY_worker_niceness=15 (Ray's own default: workers 15 below).
 Workload: the CPU-bound samples of bench_throughput.py (~1 ms of NumPy/Python each, 3x64x64 f32,
 batch 64) with as many workers as cores, while the driver runs a CPU-bound "training step" per

@@ -4,7 +4,7 @@
     python benchmarks/bench_resume.py            # full run
     python benchmarks/bench_resume.py --quick    # smoke run
 
-Measures (NOTE [ raydl checkpoint ] in raydl/_checkpoint.py):
+Measures (NOTE [ raydl checkpoint ] in raydl/driver/checkpoint.py):
   (a) `DataLoader.state_dict()` in the driver, mid-epoch, map-style, with 2 and 32 workers,
       for a dataset whose workers' RNG never moves and for one that draws from torch's RNG in
       every sample (every worker snapshot then carries ~13 KB of generator states);
@@ -36,8 +36,8 @@ from torch.utils.data import Dataset  # noqa: E402
 
 import raydl  # noqa: E402
 from benchmarks import _common as C  # noqa: E402
-from raydl._checkpoint import Tracker  # noqa: E402
-from raydl._worker import BatchMeta  # noqa: E402
+from raydl.driver.checkpoint import Tracker  # noqa: E402
+from raydl.worker.actor import BatchMeta  # noqa: E402
 
 
 class NoisyWorkload(C.WorkloadDataset):
@@ -118,7 +118,7 @@ def bench_bookkeeping(res: C.Results) -> float:
 
 def bench_worker_capture(res: C.Results) -> list:
     """(e) What a worker adds to each batch (no Ray): reading the generators, unchanged and changed."""
-    from raydl._worker_state import RngTracker
+    from raydl.worker.state import RngTracker
 
     tracker = RngTracker()
     tracker.changed()

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-batch cost of `ray_seed="batch"` (NOTE [ raydl batch seeding ] in raydl/_seeding.py).
+"""Per-batch cost of `ray_seed="batch"` (NOTE [ raydl batch seeding ] in raydl/worker/seeding.py).
 
     python benchmarks/bench_seeding.py            # ~20 s
     python benchmarks/bench_seeding.py --quick    # ~5 s
@@ -32,7 +32,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from raydl._seeding import _SavedRNG, batch_seed_words, seed_batch  # noqa: E402
+from raydl.worker.seeding import _SavedRNG, batch_seed_words, seed_batch  # noqa: E402
 
 
 def timed_us(fn, calls: int, reps: int) -> tuple[list[float], list[float]]:

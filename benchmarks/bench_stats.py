@@ -66,10 +66,10 @@ def micro(n: int = 20000) -> dict:
     """
     import torch
 
-    from raydl._stats import StatsRecorder, batch_nbytes
-    from raydl._stats_report import observe_batch_time
-    from raydl._transfer import encode
-    from raydl._worker import BatchMeta
+    from raydl.driver.stats import StatsRecorder, batch_nbytes
+    from raydl.driver.stats_report import observe_batch_time
+    from raydl.worker.transfer import encode
+    from raydl.worker.actor import BatchMeta
 
     class Owner:
         pass

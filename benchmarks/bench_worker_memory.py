@@ -43,8 +43,8 @@ def _pss(pid: int) -> float:
 
 def _pre_fix_imports(worker_id: int) -> None:
     """What a worker imported before raydl's names became lazy: the driver's modules and pyarrow."""
-    import raydl._patch  # noqa: F401
-    import raydl.arrow  # noqa: F401
+    import raydl.driver.patch  # noqa: F401
+    import raydl.data.arrow  # noqa: F401
     import raydl.loader  # noqa: F401
 
 

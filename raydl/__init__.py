@@ -6,9 +6,9 @@ actors instead of worker processes: on a laptop with no set-up, or across a Ray 
 Reuse policy: raydl subclasses the public `torch.utils.data.DataLoader` (trainers check
 `isinstance` and re-instantiate it; torch's constructor also gives its argument checks and
 messages). It uses public torch APIs otherwise, with two private touches, each confined to one
-module and checked against torch 2.13: torch's pin helper (`_device.py`) and torch's worker-info
-global (`_worker.py`). The epoch iterator is raydl's own; nothing builds on torch's private
-iterator classes. One private Ray constant is touched, in `_ray_utils.py` (loopback start-up).
+module and checked against torch 2.13: torch's pin helper (`driver/device.py`) and torch's worker-info
+global (`worker/actor.py`). The epoch iterator is raydl's own; nothing builds on torch's private
+iterator classes. One private Ray constant is touched, in `cluster/connect.py` (loopback start-up).
 """
 
 from __future__ import annotations
@@ -18,23 +18,23 @@ from typing import Any
 
 from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
 
-# Imported on first use (PEP 562): a worker process imports `raydl._worker`, hence this package,
+# Imported on first use (PEP 562): a worker process imports `raydl.worker.actor`, hence this package,
 # and needs none of the driver's modules (the loader, the patch, pyarrow through ArrowDataset);
-# importing them there took `import raydl._worker` from 1 to 6 MiB USS (benchmarks/README.md).
+# importing them there took `import raydl.worker.actor` (then `raydl._worker`) from 1 to 6 MiB USS (benchmarks/README.md).
 _LAZY = {
     "DataLoader": ".loader",
-    "ArrowDataset": ".arrow",
-    "get_worker_info": "._worker",
-    "release_idle_workers": "._warm",
-    "start": "._startup",
-    "Startup": "._startup",
-    "patch": "._patch",
-    "unpatch": "._patch",
-    "patched": "._patch",
-    "is_patched": "._patch",
-    "LoaderStats": "._stats",
-    "WorkerStats": "._stats",
-    "StatsTotals": "._stats",
+    "ArrowDataset": ".data.arrow",
+    "get_worker_info": ".worker.actor",
+    "release_idle_workers": ".cluster.warm",
+    "start": ".cluster.startup",
+    "Startup": ".cluster.startup",
+    "patch": ".driver.patch",
+    "unpatch": ".driver.patch",
+    "patched": ".driver.patch",
+    "is_patched": ".driver.patch",
+    "LoaderStats": ".driver.stats",
+    "WorkerStats": ".driver.stats",
+    "StatsTotals": ".driver.stats",
 }
 
 __all__ = [

@@ -29,7 +29,7 @@ PIN_LOOKAHEAD_BATCHES = 2
 # validation loader beside a training loader). Ask for CPUs with ray_remote_args to have
 # Ray reserve them (and an autoscaler add nodes for them).
 # No scheduling strategy: with no placement hint raydl gives each worker its node itself
-# (NOTE [ raydl placement ] in _placement.py); with resources or labels but no strategy, the
+# (NOTE [ raydl placement ] in cluster/placement.py); with resources or labels but no strategy, the
 # workers get "SPREAD" (_ray_utils.worker_actor_options).
 DEFAULT_WORKER_OPTIONS: dict = {"num_cpus": 0}
 
@@ -60,7 +60,7 @@ LOCAL_FREE_OBJECTS_PERIOD_MS = 100
 # workers to start, because its planned node left before the worker was placed there.
 PLACEMENT_RETRIES = 3
 
-# Autoscaler (NOTE [ raydl elastic pool ] in _elastic.py): a decision is taken over a window of at
+# Autoscaler (NOTE [ raydl elastic pool ] in cluster/elastic.py): a decision is taken over a window of at
 # least this many batches (and twice the pool's size) and this many seconds of the loop.
 AUTOSCALE_WINDOW_BATCHES = 16
 AUTOSCALE_WINDOW_MIN_S = 1.0

@@ -25,7 +25,7 @@ class WorkerStartDied(WorkerDiedError):
     """Internal: worker `worker_id`'s process died before it reported it had started.
 
     Tasks may already have been queued behind its start (a pool's first start), so the driver
-    treats this as any other death of that worker (NOTE [ raydl recovery ] in _recovery.py).
+    treats this as any other death of that worker (NOTE [ raydl recovery ] in driver/recovery.py).
     """
 
     def __init__(self, worker_id: int, message: str) -> None:

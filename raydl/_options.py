@@ -9,7 +9,7 @@ from typing import Any, Mapping, Optional
 import torch
 
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
-from ._seeding import SEED_MODES
+from .worker.seeding import SEED_MODES
 
 __all__ = ["RayOptions"]
 

@@ -13,14 +13,14 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from ._checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, inexact_sampler, validate
+from .driver.checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, inexact_sampler, validate
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
-from ._inprocess import _InProcessIter
-from ._iter import _RayLoaderIter
-from ._locality import warn_if_workers_oversubscribe
+from .driver.inprocess import _InProcessIter
+from .driver.iter import _RayLoaderIter
+from .cluster.locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
-from ._ray_utils import worker_actor_options
-from ._stats import LoaderStats
+from .cluster.connect import worker_actor_options
+from .driver.stats import LoaderStats
 
 __all__ = ["DataLoader"]
 
@@ -241,7 +241,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         """torch's warning about more workers than this host's CPUs, given only when every worker runs on this host.
 
         Workers that can go to other nodes do not share this host's CPUs: no warning then. See
-        NOTE [ raydl worker-count warning ] in _locality.py.
+        NOTE [ raydl worker-count warning ] in cluster/locality.py.
         """
         warn_if_workers_oversubscribe(self, worker_actor_options(self.ray_remote_args), at_construction=True)
 
@@ -384,7 +384,7 @@ class DataLoader(_TorchDataLoader[T_co]):
 
         Returns a `raydl.LoaderStats` (`print(loader.stats())` shows a table;
         `loader.stats().timeline("epoch.json")` writes a Chrome trace and a PNG), or None before
-        the first iteration. See NOTE [ raydl stats ] in _stats.py.
+        the first iteration. See NOTE [ raydl stats ] in driver/stats.py.
 
         Raises:
             RuntimeError: num_workers=0 (torch's in-process loading, nothing to measure here), or

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-# Before Ray is imported: a local Ray then binds 127.0.0.1 only (see raydl/_ray_utils.py).
+# Before Ray is imported: a local Ray then binds 127.0.0.1 only (see raydl/cluster/connect.py).
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Ray exports metrics every 10 s by default; tests/test_stats.py reads raydl's back from Ray's
 # Prometheus endpoint, with a bounded wait.

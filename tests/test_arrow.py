@@ -25,8 +25,8 @@ from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 import raydl  # noqa: E402
-from raydl._share import Shipped, pack  # noqa: E402
-from raydl._worker import WorkerPayload  # noqa: E402
+from raydl.data.share import Shipped, pack  # noqa: E402
+from raydl.worker.actor import WorkerPayload  # noqa: E402
 from tests import _arrow_helpers as H  # noqa: E402
 from tests._parity import assert_same_batches  # noqa: E402
 
@@ -392,7 +392,7 @@ def test_files_missing_on_another_node_come_through_the_object_store(multinode_f
 
 def test_file_of_another_size_is_not_mapped(tmp_path):
     """A worker maps a file by path only if its size is the driver's; otherwise the shipped copy, or an error naming it."""
-    from raydl._share import files_here
+    from raydl.data.share import files_here
 
     path = tmp_path / "f.arrow"
     path.write_bytes(b"x" * 10)

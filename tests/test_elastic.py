@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import raydl
-from raydl._elastic import ElasticPool
-from raydl._schedule import Schedule
+from raydl.cluster.elastic import ElasticPool
+from raydl.driver.schedule import Schedule
 from tests import _datasets as D
 from tests import _elastic_helpers as E
 
@@ -137,7 +137,7 @@ def _warm_up(n: int) -> None:
 
 def _make_replacements_unplaceable(it) -> None:
     """From now on, a replacement actor asks for a resource no node has: it can never be placed."""
-    from raydl._pool import _worker_actor_class
+    from raydl.cluster.pool import _worker_actor_class
 
     options = {**it._pool.actor_options, "resources": {"raydl_test_nowhere": 1}}
     it._pool._configured = _worker_actor_class().options(**options)
@@ -213,7 +213,7 @@ def test_autoscaler_adds_a_worker_when_the_loop_waits(caplog):
         D.SlowDataset(600, {i: 0.01 for i in range(600)}), batch_size=2, num_workers=1, ray_max_workers=2, timeout=TIMEOUT_S
     )
     it = iter(loader)
-    with caplog.at_level(logging.INFO, logger="raydl._elastic"):
+    with caplog.at_level(logging.INFO, logger="raydl.cluster.elastic"):
         for k, _ in enumerate(it):
             if len(it._sched.active) == 2:
                 break

@@ -65,7 +65,7 @@ def test_construction_has_no_side_effects_and_num_workers_zero_never_starts_ray(
         zero = raydl.DataLoader(D.RangeDataset(6), batch_size=2)
         assert [b.tolist() for b in zero] == [[[0], [1]], [[2], [3]], [[4], [5]]]
         # raydl's own in-process iterator (torch's batches, plus state_dict and ray_seed), never Ray
-        assert type(iter(zero)).__module__ == "raydl._inprocess"
+        assert type(iter(zero)).__module__ == "raydl.driver.inprocess"
         assert not ray.is_initialized(), "num_workers=0 started Ray"
         print("OK")
         """
@@ -238,12 +238,12 @@ class TestWarmPool:
         base = _alive_worker_actors()
         kwargs = dict(batch_size=1, num_workers=2, timeout=TIMEOUT_S)
         list(raydl.DataLoader(D.PidDataset(2), ray_reuse_workers=False, **kwargs))
-        assert raydl._warm.WARM_POOL.idle_count() == 0
+        assert raydl.cluster.warm.WARM_POOL.idle_count() == 0
         a = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(2), **kwargs)}
-        kept = raydl._warm.WARM_POOL.idle_count()
+        kept = raydl.cluster.warm.WARM_POOL.idle_count()
         b = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(2), ray_remote_args={"num_cpus": 0.01}, **kwargs)}
         assert not (a & b)
-        assert raydl._warm.WARM_POOL.idle_count() == kept, "workers reserving CPUs must not be kept idle"
+        assert raydl.cluster.warm.WARM_POOL.idle_count() == kept, "workers reserving CPUs must not be kept idle"
         assert _wait_until(lambda: _alive_worker_actors() == base)
 
     def test_idle_workers_released_after_timeout(self, monkeypatch):
@@ -255,6 +255,6 @@ class TestWarmPool:
         def alive():
             return _alive_worker_actors(release_warm=False)
 
-        assert raydl._warm.WARM_POOL.idle_count() == 2
-        assert _wait_until(lambda: raydl._warm.WARM_POOL.idle_count() == 0 and alive() == 0, timeout_s=20)
+        assert raydl.cluster.warm.WARM_POOL.idle_count() == 2
+        assert _wait_until(lambda: raydl.cluster.warm.WARM_POOL.idle_count() == 0 and alive() == 0, timeout_s=20)
         assert _wait_until(lambda: not [t for t in threading.enumerate() if t.name == "raydl_warm_reaper"], timeout_s=5)

@@ -9,7 +9,7 @@ import torch
 from torch.utils.data import Dataset
 
 import raydl
-from raydl._mp_objects import dumps_checked, mp_kind
+from raydl.data.mp_objects import dumps_checked, mp_kind
 from tests import _datasets as D
 
 TIMEOUT_S = 60

@@ -11,7 +11,7 @@ import torch.utils.data.dataloader
 from torch.utils.data import DataLoader as TorchDataLoader
 
 import raydl
-from raydl._iter import _RayLoaderIter
+from raydl.driver.iter import _RayLoaderIter
 from tests import _integration_helpers as H
 
 TIMEOUT_S = 60
@@ -49,7 +49,7 @@ def _assert_same_batches(a: list, b: list) -> None:
 
 def test_public_api_is_exported():
     """patch, unpatch, patched and is_patched are raydl's public names for the _patch module's functions."""
-    from raydl import _patch
+    from raydl.driver import patch as _patch
 
     for name in ("patch", "unpatch", "patched", "is_patched"):
         assert getattr(raydl, name) is getattr(_patch, name)

@@ -7,8 +7,8 @@ import random
 import pytest
 
 import raydl
-from raydl._placement import NodeWeight, Placement, apportion, has_placement_hints
-from raydl._ray_utils import worker_actor_options
+from raydl.cluster.placement import NodeWeight, Placement, apportion, has_placement_hints
+from raydl.cluster.connect import worker_actor_options
 from tests import _datasets as D
 
 

@@ -12,8 +12,8 @@ import weakref
 import pytest
 
 import raydl
-from raydl._pool import WorkerPool
-from raydl._warm import WARM_POOL
+from raydl.cluster.pool import WorkerPool
+from raydl.cluster.warm import WARM_POOL
 from tests import _datasets as D
 from tests._session import wait_until, worker_actors
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import raydl
-from raydl._seeding import batch_seed_words
+from raydl.worker.seeding import batch_seed_words
 from tests import _datasets as D
 
 TIMEOUT_S = 60
@@ -39,11 +39,13 @@ def _run(num_workers: int, seed_mode: str = "batch", **kwargs) -> tuple[list, se
 
 
 def test_ray_seed_is_validated_and_kept():
-    """ray_seed accepts 'worker' (default) and 'batch', is kept as an attribute, and anything else is a clear error."""
+    """ray_seed accepts 'worker' (default), 'batch' and 'sample', is kept as an attribute, and anything else is a
+    clear error."""
     assert raydl.DataLoader(D.RangeDataset(4)).ray_seed == "worker"
     assert raydl.DataLoader(D.RangeDataset(4), ray_seed="batch").ray_seed == "batch"
-    for bad in ("sample", None, 1):
-        with pytest.raises(ValueError, match="ray_seed should be 'worker'.* or 'batch'"):
+    assert raydl.DataLoader(D.RangeDataset(4), ray_seed="sample").ray_seed == "sample"
+    for bad in ("samples", None, 1):
+        with pytest.raises(ValueError, match="ray_seed should be 'worker'.*'batch'.* or 'sample'"):
             raydl.DataLoader(D.RangeDataset(4), ray_seed=bad)
 
 

@@ -39,9 +39,9 @@ _SCRIPT = r"""
 import json, os, time
 import ray
 import raydl
-from raydl._startup import _warm_key
-from raydl._ray_utils import worker_actor_options
-from raydl._warm import WARM_POOL
+from raydl.cluster.startup import _warm_key
+from raydl.cluster.connect import worker_actor_options
+from raydl.cluster.warm import WARM_POOL
 from tests import _datasets as D
 
 os.nice(1)  # the workers of raydl's own Ray keep the driver's niceness (NOTE [ raydl worker niceness ])
@@ -98,10 +98,10 @@ def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
 
 
 def test_worker_process_imports_none_of_the_driver_modules():
-    """A worker imports raydl._worker only: not the loader, the patch or pyarrow (each idle worker's memory)."""
+    """A worker imports raydl.worker.actor only: not the loader, the patch or pyarrow (each idle worker's memory)."""
     code = (
-        "import sys, raydl._worker; "
-        "print(sorted(m for m in ('raydl.loader', 'raydl._iter', 'raydl._patch', 'raydl.arrow', 'pyarrow') "
+        "import sys, raydl.worker.actor; "
+        "print(sorted(m for m in ('raydl.loader', 'raydl.driver.iter', 'raydl.driver.patch', 'raydl.data.arrow', 'pyarrow') "
         "if m in sys.modules))"
     )
     env = dict(os.environ, PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""))

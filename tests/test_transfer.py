@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import raydl
-from raydl._transfer import _TensorView, decode, encode
+from raydl.worker.transfer import _TensorView, decode, encode
 from tests import _datasets as D
 from tests._parity import assert_same_batches
 

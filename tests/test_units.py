@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import raydl
-from raydl._device import PinStage
-from raydl._worker import numpy_seed_state
+from raydl.driver.device import PinStage
+from raydl.worker.actor import numpy_seed_state
 from tests import _datasets as D
 
 
@@ -38,7 +38,7 @@ class _Pinnable:
 
 
 def _fake_pin(data):
-    from raydl._device import pin_memory as real_pin
+    from raydl.driver.device import pin_memory as real_pin
 
     # Without an accelerator, tensors cannot be pinned here: mark them instead, and let
     # torch's recursive helper handle containers and custom types.
@@ -133,7 +133,7 @@ def test_ray_device_without_cuda_is_a_clear_error(ray_session):
 @pytest.mark.gpu
 def test_device_copier_overlaps_and_synchronises():
     """DeviceCopier copies pinned batches on a side stream; finish() makes the current stream wait; values intact."""
-    from raydl._device import DeviceCopier, PinStage, pin_memory
+    from raydl.driver.device import DeviceCopier, PinStage, pin_memory
 
     copier = DeviceCopier(torch.device("cuda", 0))
     stage = PinStage(lambda data: copier(pin_memory(data)))

@@ -12,7 +12,7 @@ import warnings
 import torch
 
 import raydl
-from raydl._locality import confined_nodes
+from raydl.cluster.locality import confined_nodes
 from tests import _datasets as D
 from tests._session import read_facts, run_python
 
@@ -60,7 +60,7 @@ def test_suite_filter_does_not_hide_the_warning_from_recwarn(ray_session, recwar
 
 def test_construction_before_ray_warns_only_for_a_local_start(monkeypatch, recwarn):
     """Ray not connected: no address means a local Ray on this host (warn); an address may lead anywhere (silent)."""
-    import raydl._locality as locality
+    import raydl.cluster.locality as locality
 
     monkeypatch.setattr(locality, "_ray_connected", lambda: False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)

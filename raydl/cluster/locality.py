@@ -27,7 +27,7 @@ import os
 import sys
 from typing import Any, Mapping, Optional
 
-from ._ray_utils import resource_request
+from .connect import resource_request
 
 __all__ = ["workers_confined_to_driver_node", "confined_nodes", "warn_if_workers_oversubscribe", "local_start_expected"]
 

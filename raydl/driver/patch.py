@@ -17,7 +17,7 @@ one import is not possible:
 NOTE [ raydl patch design ]
 The patch is at the iterator level: while patched, `torch.utils.data.DataLoader._get_iterator`
 and `DataLoader.__iter__` are replaced, on torch's class itself, by versions that return
-`raydl._iter._RayLoaderIter(loader)` when `loader.num_workers > 0`; with `num_workers == 0`
+`raydl.driver.iter._RayLoaderIter(loader)` when `loader.num_workers > 0`; with `num_workers == 0`
 they call torch's originals (in-process loading, no Ray). Nothing else changes:
   * every torch DataLoader is covered, whoever built it and whenever: an instance made before
     `patch()` loads with Ray workers while patched, and with torch's processes again after
@@ -40,7 +40,7 @@ that does carry `ray_*` attributes keeps its own, option by option. torch's argu
 their meaning (same batches for the same generator, same worker seeding and worker info);
 `multiprocessing_context` is ignored, as by `raydl.DataLoader`, and torch's warning about more
 workers than this host has CPUs is given at `iter()` only when every worker runs on this host
-(NOTE [ raydl worker-count warning ] in _locality.py; torch's constructor still warns as torch does).
+(NOTE [ raydl worker-count warning ] in cluster/locality.py; torch's constructor still warns as torch does).
 
 Persistent workers: a persistent torch loader keeps its `_RayLoaderIter` in torch's own slot,
 `loader._iterator`, so libraries that reset that slot (Lightning does at the end of a fit)
@@ -66,8 +66,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
-from ._iter import _RayLoaderIter
-from ._options import RayOptions
+from .iter import _RayLoaderIter
+from .._options import RayOptions
 
 __all__ = ["patch", "unpatch", "patched", "is_patched"]
 
@@ -115,7 +115,7 @@ def _patched_get_iterator(self):
     """torch's `_get_iterator`, with raydl's Ray-actor iterator when num_workers > 0 (see raydl.patch)."""
     originals = _originals
     if self.num_workers == 0 and originals is not None and getattr(_source(self), "ray_seed", "worker") in ("batch", "sample"):
-        from ._inprocess import _InProcessIter  # imported late: it pulls in the checkpoint machinery
+        from .inprocess import _InProcessIter  # imported late: it pulls in the checkpoint machinery
 
         return _InProcessIter(_source(self))  # NOTE [ raydl batch seeding ], in-process
     if self.num_workers == 0 or originals is None:

@@ -20,7 +20,7 @@ import warnings
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from ._stats import LoaderStats
+    from .stats import LoaderStats
 
 __all__ = ["write_trace", "write_png"]
 

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
-from ._constants import DEFAULT_STARTUP_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
+from .._constants import DEFAULT_STARTUP_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
 
 __all__ = ["start", "Startup", "wait_for_early_start"]
 
@@ -47,7 +47,7 @@ _runner: Optional[threading.Thread] = None
 
 def _warm_key(options: Mapping[str, Any], node_id: Optional[str] = None) -> str:
     """The warm pool's key for a set of actor options (the one WorkerPool uses), per node when raydl places them."""
-    from ._warm import warm_key
+    from .warm import warm_key
 
     return warm_key(options, node_id)
 
@@ -66,16 +66,16 @@ class Startup:
 
     def _run(self) -> None:
         try:
-            from ._pool import _worker_actor_class
-            from ._ray_utils import ensure_ray_initialized
-            from ._warm import WARM_POOL
+            from .pool import _worker_actor_class
+            from .connect import ensure_ray_initialized
+            from .warm import WARM_POOL
 
             t0 = time.monotonic()
             ensure_ray_initialized(self._address)
             logger.debug("raydl.start: Ray up after %.2f s", time.monotonic() - t0)
             import ray
 
-            from ._placement import Placement, worker_placement
+            from .placement import Placement, worker_placement
 
             # Where a loader with these options would put its workers (NOTE [ raydl placement ]): the
             # warm pool hands a placed worker only to a loader whose plan wants it on that node.
@@ -168,8 +168,8 @@ def start(
     Raises:
         ValueError: `num_workers` is not an int in [0, 16], or `ray_remote_args` reserves resources.
     """
-    from ._options import RayOptions
-    from ._ray_utils import resource_request, worker_actor_options
+    from .._options import RayOptions
+    from .connect import resource_request, worker_actor_options
 
     if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 0 <= num_workers <= WARM_MAX_IDLE_PER_KEY:
         raise ValueError(

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from ._mp_objects import MultiprocessingObjectError, dumps_checked, mp_kind, mp_object_message
-from ._worker import WorkerPayload
+from .mp_objects import MultiprocessingObjectError, dumps_checked, mp_kind, mp_object_message
+from ..worker.actor import WorkerPayload
 
 __all__ = ["put_payload", "find_unpicklable"]
 
@@ -53,12 +53,12 @@ def put_payload(payload: WorkerPayload, share_memory: bool = False) -> Any:
     travel out of band: NumPy arrays and pyarrow data inside are then mapped read-only from the
     object store, shared by every worker of a node instead of copied (less memory; writes to
     them fail). `raydl.ArrowDataset` and Hugging Face `datasets` tables are shared either way
-    (NOTE [ raydl shared memory ] in _share.py).
+    (NOTE [ raydl shared memory ] in data/share.py).
     """
     import ray
     from ray import cloudpickle
 
-    from ._share import pack
+    from .share import pack
 
     # A script relaunched by multiprocessing's spawn (Lightning's ddp_spawn) runs as
     # `__mp_main__`, a module no Ray worker can import: ship its classes by value, as cloudpickle

@@ -1,7 +1,7 @@
 """`ray_seed="batch"`: each batch seeded from its position in the epoch, not from the worker making it.
 
 NOTE [ raydl batch seeding ]
-With torch's seeding (`ray_seed="worker"`, the default; NOTE [ raydl seeding ] in _worker.py)
+With torch's seeding (`ray_seed="worker"`, the default; NOTE [ raydl seeding ] in worker/actor.py)
 worker `i` is seeded once, from `base_seed + i`, and every batch it makes draws from where the
 previous one left its generators: a random augmentation depends on which worker made the batch
 and on what that worker made before. Change the pool (1 worker instead of 5, a replacement after
@@ -34,7 +34,7 @@ IterableDataset: each batch is seeded the same way, but a replica's content depe
 worker (torch's sharding by `get_worker_info()`), so the pool independence holds for map-style
 datasets only.
 
-The in-process path is raydl's own iterator (`_InProcessIter` in _inprocess.py), not torch's: the
+The in-process path is raydl's own iterator (`_InProcessIter` in driver/inprocess.py), not torch's: the
 seeding must happen between the sampler draw and the fetch (a RandomSampler without a generator
 draws its permutation's seed from torch's global generator on its first draw), and torch's
 iterator does both in one private method.

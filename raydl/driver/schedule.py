@@ -7,11 +7,11 @@ its batch is handed out or dropped. It decides, and records:
     num_workers-1 for a pool that is never resized), skipping iterable workers whose stream has
     ended; with in_order=False also skipping workers that already hold their share
     (`max_tasks // active workers`) of the tasks in flight. A resize (NOTE [ raydl elastic
-    pool ] in _elastic.py) adds a joined worker at the end of the cycle, or takes a retiring
+    pool ] in cluster/elastic.py) adds a joined worker at the end of the cycle, or takes a retiring
     one out of it while its tasks stay where they are;
   * whether the task is sent now or held (or sent again: `resend`, when a dead warm actor was
     swapped for a new one at start-up, which is no death of the worker); a worker on probation
-    (NOTE [ raydl recovery ] in _recovery.py) has exactly one task in flight, its oldest; its other tasks are held
+    (NOTE [ raydl recovery ] in driver/recovery.py) has exactly one task in flight, its oldest; its other tasks are held
     (`Task.ref is None`) and sent one at a time as the one before is handed out, then all at
     once when the batches lost with its last process have been re-made;
   * which finished tasks may be handed out first with in_order=False: only each worker's oldest
@@ -30,7 +30,7 @@ A Schedule talks to no actor: sending is the `submit(worker_id, idx, work)` call
 which returns the task's (batch ref, meta ref). It holds that callable weakly when it is a bound
 method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, so
 every dropped iterator would wait for the cyclic garbage collector to free it and its buffered
-batches (what a collection of such garbage did to the warm pool: NOTE [ raydl shutdown ] in _iter.py).
+batches (what a collection of such garbage did to the warm pool: NOTE [ raydl shutdown ] in driver/iter.py).
 """
 
 from __future__ import annotations

@@ -14,7 +14,7 @@ large immutable buffers and no per-row Python objects, so it can be shared inste
     the files again, and the OS page cache is the one copy. A worker on a node where a file is
     missing (or has another size) reads the table from the object store instead, when raydl put
     it there: it does when the cluster has more than one node (see NOTE [ raydl shared memory ]
-    in _share.py, which also covers Hugging Face `datasets` cache files);
+    in data/share.py, which also covers Hugging Face `datasets` cache files);
   * a Hugging Face `datasets.Dataset` keeps its own tables, pickled the way `datasets` pickles
     them (cache files by path, in-memory tables by value), with the same sharing rules.
 With plain pickle (torch's spawn start method, copy.deepcopy) an in-memory table is copied and
@@ -189,7 +189,7 @@ class ArrowDataset(Dataset):
         return _from_table, (self._table, self._transform)
 
     def _raydl_ship_reduce(self, ctx: Any) -> Any:
-        """How raydl's payload pickler ships this dataset (NOTE [ raydl shared memory ] in _share.py)."""
+        """How raydl's payload pickler ships this dataset (NOTE [ raydl shared memory ] in data/share.py)."""
         if self._mapped is not None:
             fallback = ctx.fallback_ref(self, lambda: self._table)
             return _reopen_or_shared, (self._mapped, ctx.fingerprints(self._mapped), fallback, self._columns, self._transform)
@@ -248,7 +248,7 @@ def _reopen(paths: tuple, columns: Optional[list], transform: Optional[Callable]
 
 
 def _reopen_or_shared(paths: tuple, fingerprints: list, fallback: Any, columns: Optional[list], transform: Optional[Callable]) -> ArrowDataset:
-    from ._share import files_here
+    from .share import files_here
 
     if files_here(paths, fingerprints, fallback, "ArrowDataset"):
         return _reopen(paths, columns, transform)

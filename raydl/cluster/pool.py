@@ -8,12 +8,12 @@ import time
 import weakref
 from typing import Any, Callable, Mapping, Optional
 
-from ._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT_RETRIES, STATUS_CHECK_INTERVAL_S
-from ._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
-from ._placement import Placement
-from ._ray_utils import describe_placement, resource_request
-from ._warm import WARM_POOL, warm_key
-from ._worker import Worker
+from .._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT_RETRIES, STATUS_CHECK_INTERVAL_S
+from .._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
+from .placement import Placement
+from .connect import describe_placement, resource_request
+from .warm import WARM_POOL, warm_key
+from ..worker.actor import Worker
 
 __all__ = ["WorkerPool"]
 
@@ -49,11 +49,11 @@ class WorkerPool:
     `wait_ready()` blocks, bounded, until every worker reports where it runs. A warm actor
     found dead there (it died while idle) is swapped for a new one before it made anything:
     that is no restart, and the owner resends the tasks it had queued on it (`take_swapped`).
-    `shutdown()` is idempotent (NOTE [ raydl shutdown ] in _iter.py); it returns clean workers
+    `shutdown()` is idempotent (NOTE [ raydl shutdown ] in driver/iter.py); it returns clean workers
     to the warm pool. Its owner releases it through `release_when_collected`, never from a
     `__del__`.
 
-    Resizing (NOTE [ raydl elastic pool ] in _elastic.py): `add_worker()` starts a worker under
+    Resizing (NOTE [ raydl elastic pool ] in cluster/elastic.py): `add_worker()` starts a worker under
     a new id (ids are never reused; per-worker lists are indexed by id and only grow), on the
     node the placement plan picks for one more worker; `poll_joining()` reports it once
     started, without blocking; `release()` ends one worker early. `wait_ready()` never waits
@@ -104,7 +104,7 @@ class WorkerPool:
         self._info_num_workers = [num_workers] * num_workers
         self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
-        # replacements made for each worker id (NOTE [ raydl recovery ] in _recovery.py)
+        # replacements made for each worker id (NOTE [ raydl recovery ] in driver/recovery.py)
         self.restarts = [0] * num_workers
         # refs of tasks the driver gave up on, per worker: a worker goes back to the warm pool
         # only once all of them have finished (never with an unresolved task on it)
@@ -400,7 +400,7 @@ class WorkerPool:
     def release_when_collected(self, owner: Any) -> Callable[[], None]:
         """A callable that shuts this pool down once; it also runs when `owner` is garbage collected.
 
-        NOTE [ raydl shutdown ] in _iter.py: the finalizer holds the pool, so the pool and its
+        NOTE [ raydl shutdown ] in driver/iter.py: the finalizer holds the pool, so the pool and its
         actor handles stay reachable from it and never join `owner` in a garbage cycle. In such
         a cycle Python runs every member's finalizer, the handles' included, and Ray then kills
         their actors, even ones handed to the warm pool a moment before.

@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Any, Mapping, Optional
 
-from ._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
+from .._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
 
 __all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement", "fits_available"]
 
@@ -125,7 +125,7 @@ def _start_local_ray() -> None:
 
 def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:
     """raydl's default worker options overridden, key by key, by the user's `ray_remote_args` (no per-node strategy)."""
-    from ._placement import has_placement_hints
+    from .placement import has_placement_hints
 
     options = dict(DEFAULT_WORKER_OPTIONS)
     if ray_remote_args:

@@ -1,7 +1,7 @@
 """A worker pool that grows and shrinks mid-epoch: `loader.set_num_workers(n)`, the autoscaler, lost nodes.
 
 NOTE [ raydl elastic pool ]
-The driver owns the sampler order and every task (NOTE [ raydl ordering ] in _iter.py), so which
+The driver owns the sampler order and every task (NOTE [ raydl ordering ] in driver/iter.py), so which
 worker makes a batch never changes which batch comes out next: the pool may change under an
 epoch. An `ElasticPool` changes it, one worker at a time, between two batches:
   * growing: `WorkerPool.add_worker` starts an actor under a new worker id (ids are never
@@ -69,7 +69,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional
 
-from ._constants import (
+from .._constants import (
     AUTOSCALE_ADD_BUSY_FRACTION,
     AUTOSCALE_ADD_WAIT_FRACTION,
     AUTOSCALE_RETIRE_BUSY_FRACTION,
@@ -78,8 +78,8 @@ from ._constants import (
     AUTOSCALE_WINDOW_BATCHES,
     AUTOSCALE_WINDOW_MIN_S,
 )
-from ._errors import WorkerDiedError, WorkerPlacementError
-from ._ray_utils import fits_available, resource_request
+from .._errors import WorkerDiedError, WorkerPlacementError
+from .connect import fits_available, resource_request
 
 __all__ = ["ElasticPool", "AutoscaleDecision"]
 

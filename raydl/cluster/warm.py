@@ -18,7 +18,7 @@ actor holding CPUs, GPUs or custom resources would starve other Ray work. Bounds
   * a worker that failed, or one from another Ray session, is never reused.
 Workers come back here from a finalizer too (an iterator garbage collected): the pool that gives
 them is held by a `weakref.finalize`, so its actor handles stay reachable and are never
-finalized with the iterator (NOTE [ raydl shutdown ] in _iter.py); a handle Python has
+finalized with the iterator (NOTE [ raydl shutdown ] in driver/iter.py); a handle Python has
 finalized no longer keeps its actor alive, and Ray kills it. Since a collection can start at
 any allocation, also inside this pool's own critical sections, the lock is re-entrant and every
 scan runs over a copy: a `give` from a finalizer in the middle of a `take` must not deadlock.
@@ -38,7 +38,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
-from ._constants import WARM_DRAIN_TIMEOUT_S, WARM_IDLE_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
+from .._constants import WARM_DRAIN_TIMEOUT_S, WARM_IDLE_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
 
 __all__ = ["WARM_POOL", "release_idle_workers", "warm_key"]
 

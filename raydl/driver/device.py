@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
-from ._constants import PIN_LOOKAHEAD_BATCHES, PIN_THREAD_JOIN_TIMEOUT_S, STATUS_CHECK_INTERVAL_S
+from .._constants import PIN_LOOKAHEAD_BATCHES, PIN_THREAD_JOIN_TIMEOUT_S, STATUS_CHECK_INTERVAL_S
 
 __all__ = ["pin_memory", "pin_memory_target", "warn_pin_memory_args", "PinStage", "DeviceCopier", "resolve_device"]
 

@@ -35,7 +35,7 @@ import pickle
 import threading
 from typing import Any, Callable, Optional
 
-from ._mp_objects import MultiprocessingObjectError, mp_kind
+from .mp_objects import MultiprocessingObjectError, mp_kind
 
 __all__ = ["pack", "open_payload", "Shipped", "files_here"]
 

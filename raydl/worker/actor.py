@@ -11,7 +11,7 @@ augmentations drawn in workers match torch's batch for batch.
 With `ray_seed="batch"` (`WorkerPayload.seed_per_batch`), the worker also re-seeds `random`,
 torch and NumPy right before each batch, from (base_seed, epoch, task idx): a batch's draws then
 depend on its position in the epoch, not on the worker (NOTE [ raydl batch seeding ] in
-_seeding.py). The per-worker seeding above still runs first (worker_init_fn and `iter(dataset)`
+worker/seeding.py). The per-worker seeding above still runs first (worker_init_fn and `iter(dataset)`
 see torch's seeds), and `get_worker_info().seed` is still `base_seed + worker_id`.
 
 The one private touch of torch in raydl is here: `get_worker_info()` reads the module global
@@ -34,14 +34,14 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
-from ._errors import annotate_traceback
-from ._share import open_payload
-from ._fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
-from ._seeding import seed_batch, seed_sample
-from ._stats import batch_nbytes
-from ._stats_report import observe_batch_time
-from ._transfer import encode
-from ._worker_state import (
+from .._errors import annotate_traceback
+from ..data.share import open_payload
+from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
+from .seeding import seed_batch, seed_sample
+from ..driver.stats import batch_nbytes
+from ..driver.stats_report import observe_batch_time
+from .transfer import encode
+from .state import (
     DATASET_ITER_STATE,
     DATASET_STATE,
     FETCHER_STATE,
@@ -83,11 +83,11 @@ class BatchMeta:
     idx: int  # the task's idx in its epoch (the driver's send order)
     started_s: float  # time.time() in the worker when the fetch began
     fetch_s: float  # seconds spent making the batch (fetch, collate, encode)
-    # NOTE [ raydl stats ] in _stats.py; left at 0 with ray_stats=False. samples == 0: a signal, not a batch.
+    # NOTE [ raydl stats ] in driver/stats.py; left at 0 with ray_stats=False. samples == 0: a signal, not a batch.
     samples: int = 0
     nbytes: int = 0  # bytes of the batch's array data, as encoded
     cpu_s: float = 0.0  # CPU seconds of this process while making it (far below fetch_s: waiting on I/O)
-    # NOTE [ raydl checkpoint ] (_checkpoint.py): the worker's state after this task, so the
+    # NOTE [ raydl checkpoint ] (driver/checkpoint.py): the worker's state after this task, so the
     # driver holds every worker's state as of the last batch it handed out without asking.
     state: Optional[dict] = None  # torchdata's worker snapshot; None: a map-style dataset without state
     rng: Optional[dict] = None  # the random/torch/NumPy states; None: unchanged since this worker's last meta
@@ -151,7 +151,7 @@ class Worker:
     An actor starts blank (its process has imported torch and raydl) and is given a loader's
     payload by `configure()`, which seeds it, sets the worker info and runs worker_init_fn; a
     blank actor can therefore be kept warm and configured for the next loader in milliseconds
-    (see _warm.py). `fetch()` makes one batch; `reset()` drops the loader's state before the
+    (see cluster/warm.py). `fetch()` makes one batch; `reset()` drops the loader's state before the
     actor goes back to the warm pool. An exception in user code escapes `configure`/`fetch`, so
     Ray carries its type and traceback to the driver (NOTE [ raydl errors ]).
     """

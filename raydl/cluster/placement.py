@@ -23,7 +23,7 @@ hint, raydl decides each worker's node itself:
     the pool then re-plans that worker among the alive nodes and starts it again, without
     counting a restart (`WorkerPool.wait_ready`, at most PLACEMENT_RETRIES times per worker);
   * a worker whose planned node left before it started is re-planned the same way;
-  * a replacement of a dead worker (NOTE [ raydl recovery ] in _recovery.py), or any worker added to
+  * a replacement of a dead worker (NOTE [ raydl recovery ] in driver/recovery.py), or any worker added to
     a running pool, goes to the alive node furthest below its share for the pool's new size,
     given where the other workers are (`node_for_new_worker`).
 Same cluster, same free CPUs: same plan, every time, whatever loaders came and went before.
@@ -31,7 +31,7 @@ A hint wins: resources beyond `num_cpus=0` (num_cpus > 0, num_gpus, memory, reso
 `label_selector` or a `scheduling_strategy` in `ray_remote_args` make Ray place the workers as
 asked; raydl adds `scheduling_strategy="SPREAD"` when the user gave resources or labels but no
 strategy (Ray spreads resource-reserving actors well).
-Warm pool (NOTE [ raydl warm pool ] in _warm.py): idle actors placed by this plan are kept under
+Warm pool (NOTE [ raydl warm pool ] in cluster/warm.py): idle actors placed by this plan are kept under
 their options plus the node they run on, and a new pool takes, for each node of its plan, only
 actors on that node: a warm actor is always where the plan wants it.
 `loader.worker_records` shows where each worker actually runs.
@@ -54,7 +54,7 @@ def has_placement_hints(options: Mapping[str, Any]) -> bool:
     raydl's defaults carry none of these, so on the merged options this is a question about the
     user's `ray_remote_args`.
     """
-    from ._ray_utils import resource_request
+    from .connect import resource_request
 
     return bool(resource_request(options) or options.get("label_selector") or options.get("scheduling_strategy") is not None)
 

@@ -2,9 +2,9 @@
 
 torch's in-process iterator is private and has no state; this one makes the same batches (same
 sampler draws, base seed drawn from the loader's generator in torch's order, torch's fetch and
-collate rules via _fetch.py, torch's pinning; with ray_seed="batch" each batch seeded by its
+collate rules via worker/fetch.py, torch's pinning; with ray_seed="batch" each batch seeded by its
 position, NOTE [ raydl batch seeding ]) and has `state_dict()` in StatefulDataLoader's
-num_workers=0 layout (NOTE [ raydl checkpoint ] in _checkpoint.py). Everything happens in the
+num_workers=0 layout (NOTE [ raydl checkpoint ] in driver/checkpoint.py). Everything happens in the
 caller's thread, so the state is simply read when asked for.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Iterator, Optional
 
 from torch.utils.data import IterableDataset
 
-from ._checkpoint import (
+from .checkpoint import (
     FINISHED,
     INDEX_SAMPLER_STATE,
     LEN_CALLED,
@@ -35,11 +35,11 @@ from ._checkpoint import (
     restore_sampler,
     sampler_state,
 )
-from ._device import pin_memory, pin_memory_target, warn_pin_memory_args
-from ._fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
-from ._global_epoch import GLOBAL_EPOCH
-from ._seeding import _SavedRNG, seed_batch, seed_sample
-from ._worker_state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
+from .device import pin_memory, pin_memory_target, warn_pin_memory_args
+from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
+from ..job.global_epoch import GLOBAL_EPOCH
+from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
+from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
 
 __all__ = ["_InProcessIter"]
 

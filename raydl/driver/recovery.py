@@ -18,13 +18,13 @@ to make; the pool swaps it for a new actor and the tasks queued on it are sent a
 one (`Schedule.resend`), with no restart counted and no warning.
 Every batch is handed out exactly once, in order; a deterministic dataset gives identical
 batches. A replacement also takes back its predecessor's state as of the last batch the driver
-read from it (NOTE [ raydl checkpoint ] in _checkpoint.py): its random, torch and NumPy
+read from it (NOTE [ raydl checkpoint ] in driver/checkpoint.py): its random, torch and NumPy
 generators and its dataset's own state, so its re-made batches are the ones the dead worker would
 have made, random augmentation included.
 Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
 next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
 worker meanwhile are held (`Task.ref is None`) and all sent once the lost batches are done
-(NOTE [ raydl scheduling ] in _schedule.py).
+(NOTE [ raydl scheduling ] in driver/schedule.py).
 Why: an actor that dies just after finishing a task may take the task's reply with it, and Ray
 then reports that finished task as failed too. With several tasks in flight a death cannot be
 pinned on one batch; with one in flight it can.
@@ -34,7 +34,7 @@ making (on probation the one batch in flight; otherwise the oldest sent, which a
 first, and the message says a later one may be the cause): a poison batch that kills every
 worker it reaches ends there, after every batch before it, never in an endless loop.
 A replacement that no node can host within ray_startup_timeout_s is given up: the survivors
-make its batches (NOTE [ raydl elastic pool ] in _elastic.py, which also resizes the pool).
+make its batches (NOTE [ raydl elastic pool ] in cluster/elastic.py, which also resizes the pool).
 IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
 point where it died, and restarting it would duplicate samples. Their death raises
 WorkerDiedError at once.
@@ -42,7 +42,7 @@ WorkerDiedError at once.
 `Recovery` holds what recovery needs of the iterator's parts (pool, schedule, checkpoint tracker,
 elastic pool) and no reference to the iterator: the iterator passes itself as the `host` of each
 call (`RecoveryHost`), so no reference cycle keeps an iterator alive (NOTE [ raydl shutdown ] in
-_iter.py).
+driver/iter.py).
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Protocol
 
-from ._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
+from .._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
 
 __all__ = ["Recovery", "RecoveryHost"]
 

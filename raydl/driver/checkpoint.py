@@ -50,7 +50,7 @@ Where each part comes from, with no call to any worker:
     epoch ended drains the restored sampler, so its last draws are made before the next epoch's.
   * workers: each `fetch` returns the worker's state after the task in its `BatchMeta` (the
     dataset's and the iterable iterator's `state_dict()`, and the random/torch/NumPy states,
-    sent only when they changed: see _worker_state.py). The driver keeps, per worker, the state as
+    sent only when they changed: see worker/state.py). The driver keeps, per worker, the state as
     of the last batch *handed to the caller* (`committed`, what `state_dict()` reports; batches
     read ahead by the pin thread are not yet handed out) and as of the last batch read
     (`latest`, what a replacement after a death starts from, so its re-made batches are the
@@ -85,7 +85,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
-from ._global_epoch import (
+from ..job.global_epoch import (
     GLOBAL_EPOCH,
     check_record,
     distributed_sampler,
@@ -94,7 +94,7 @@ from ._global_epoch import (
     rank_length,
     redealt_iter,
 )
-from ._worker_state import (
+from ..worker.state import (
     DATASET_ITER_STATE,
     DATASET_STATE,
     FETCHER_ENDED,

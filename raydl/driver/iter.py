@@ -42,7 +42,7 @@ one `__del__` had just handed to the warm pool (issue 14: the next loader took d
 Held by a finalizer, the pool and its handles stay reachable: the collection frees only the
 iterator, then the finalizer returns clean actors to the warm pool. Buffered refs go with the
 iterator there, unabandoned, so a worker given back that way is reused only after the `reset`
-queued behind all its tasks has run (NOTE [ raydl warm pool ] in _warm.py).
+queued behind all its tasks has run (NOTE [ raydl warm pool ] in cluster/warm.py).
 """
 
 from __future__ import annotations
@@ -57,28 +57,28 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset
 
-from . import _constants
-from ._checkpoint import Tracker, draw_base_seed, track_rng_enabled
-from ._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
-from ._elastic import ElasticPool
-from ._device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
-from ._errors import rebuild_worker_exception, remote_traceback, short_indices
-from ._fetch import StartFailed, StreamEnd, warn_if_length_exceeded
-from ._locality import warn_if_workers_oversubscribe
-from ._startup import wait_for_early_start
-from ._options import RayOptions
-from ._payload import put_payload
-from ._transfer import decode
-from ._placement import worker_placement
-from ._pool import WorkerPool
-from ._recovery import Recovery
-from ._schedule import Schedule, Task
-from ._stats import make_recorder
-from ._ray_utils import ensure_ray_initialized, worker_actor_options
-from ._worker import BatchMeta, WorkerPayload
+from .. import _constants
+from .checkpoint import Tracker, draw_base_seed, track_rng_enabled
+from .._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
+from ..cluster.elastic import ElasticPool
+from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
+from .._errors import rebuild_worker_exception, remote_traceback, short_indices
+from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
+from ..cluster.locality import warn_if_workers_oversubscribe
+from ..cluster.startup import wait_for_early_start
+from .._options import RayOptions
+from ..data.payload import put_payload
+from ..worker.transfer import decode
+from ..cluster.placement import worker_placement
+from ..cluster.pool import WorkerPool
+from .recovery import Recovery
+from .schedule import Schedule, Task
+from .stats import make_recorder
+from ..cluster.connect import ensure_ray_initialized, worker_actor_options
+from ..worker.actor import BatchMeta, WorkerPayload
 
 if TYPE_CHECKING:
-    from .loader import DataLoader
+    from ..loader import DataLoader
 
 __all__ = ["_RayLoaderIter"]
 
@@ -94,7 +94,7 @@ class _State(IntEnum):
 
 
 class _Held(Exception):
-    """Internal: the task waited on was held for its worker's probation (NOTE [ raydl scheduling ] in _schedule.py); pick another."""
+    """Internal: the task waited on was held for its worker's probation (NOTE [ raydl scheduling ] in driver/schedule.py); pick another."""
 
 
 class _RayLoaderIter(Iterator[Any]):
@@ -105,13 +105,13 @@ class _RayLoaderIter(Iterator[Any]):
         in order; `0 <= _rcvd_idx <= _send_idx`.
       * `_sched` (a `Schedule`) holds every task sent and not yet handed out or dropped, keyed by
         idx: its keys lie in `[_rcvd_idx, _send_idx)`; which worker gets a task, probation and
-        held tasks are its business (NOTE [ raydl scheduling ] in _schedule.py, with its own
+        held tasks are its business (NOTE [ raydl scheduling ] in driver/schedule.py, with its own
         invariants).
-    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (_recovery.py), NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
+    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (driver/recovery.py), NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader, state: Optional[dict] = None) -> None:
-        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in _checkpoint.py)."""
+        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in driver/checkpoint.py)."""
         options = RayOptions.from_loader(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
@@ -186,7 +186,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._pool, self._sched, self._prefetch_factor, self._try_put_index, options.startup_timeout_s,
             self._num_workers, options.max_workers, resizable=not self._is_iterable,
         )
-        self._recovery = Recovery(  # NOTE [ raydl recovery ] in _recovery.py
+        self._recovery = Recovery(  # NOTE [ raydl recovery ] in driver/recovery.py
             self._pool, self._sched, self._ckpt, self._elastic, is_iterable=self._is_iterable,
             max_worker_restarts=options.max_worker_restarts, startup_timeout_s=options.startup_timeout_s,
         )

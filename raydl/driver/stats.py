@@ -17,14 +17,14 @@ An epoch runs from `iter()` (the iterator's `_reset`) to the `next()` that raise
   * the hint: if the loop waited more than HINT_WAIT_SHARE of the epoch after its first batch
     (the first batch's wait includes the workers' start-up, which no setting of the loader
     shortens), one INFO line on the `raydl.stats` logger says so, with what would help
-    (`hint` in _stats_report.py). The logger's level is
+    (`hint` in driver/stats_report.py). The logger's level is
     set to INFO here, and without any logging handler configured the line goes to stderr (Python
     would drop an INFO record); `logging.getLogger("raydl.stats").setLevel(logging.WARNING)`
     silences it;
   * figures are exported through `ray.util.metrics` (also every METRICS_FLUSH_S during an
     epoch): counters tagged with the loader's name (`ray_name`) and worker id, so the Ray
     dashboard and Prometheus show them beside Ray's own. The per-batch time histogram is
-    observed by the workers themselves (`observe_batch_time` in _stats_report.py): a Ray histogram costs ~7 us
+    observed by the workers themselves (`observe_batch_time` in driver/stats_report.py): a Ray histogram costs ~7 us
     per observation, which the driver would pay in its critical path.
 `snapshot()` copies the figures into a plain `LoaderStats` (what `DataLoader.stats()` returns),
 with the spans for `LoaderStats.timeline()`. Totals cover every epoch of one iterator, i.e. of
@@ -43,7 +43,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ["LoaderStats", "WorkerStats", "StatsTotals", "StatsRecorder", "make_recorder", "batch_nbytes"]
 
-from ._stats_report import driver_metrics, hint, logger
+from .stats_report import driver_metrics, hint, logger
 
 # How often (seconds) counters are pushed to Ray's metrics during an epoch (and at its end).
 METRICS_FLUSH_S = 2.0
@@ -55,7 +55,7 @@ MAX_SPANS = 200_000
 
 def batch_nbytes(data: Any) -> int:
     """Bytes of the array data in an encoded batch (tensors, NumPy arrays, bytes, str), for stats."""
-    from ._transfer import _TensorView
+    from ..worker.transfer import _TensorView
 
     kind = type(data)
     if kind is _TensorView:
@@ -204,7 +204,7 @@ class LoaderStats:
         Returns:
             the paths written.
         """
-        from ._timeline import write_png, write_trace
+        from .timeline import write_png, write_trace
 
         written = [write_trace(self, path)]
         png = write_png(self, path[:-5] + ".png" if path.endswith(".json") else path + ".png")

@@ -1,4 +1,4 @@
-"""What raydl's stats tell the outside: the data-stall hint and Ray metrics (NOTE [ raydl stats ] in _stats.py).
+"""What raydl's stats tell the outside: the data-stall hint and Ray metrics (NOTE [ raydl stats ] in driver/stats.py).
 
 Imported by the workers too (`observe_batch_time`): stdlib only at module level.
 """
@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
-    from ._stats import LoaderStats
+    from .stats import LoaderStats
 
 __all__ = ["hint", "driver_metrics", "observe_batch_time", "logger"]
 
