@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Per-batch cost of `ray_seed="batch"` (NOTE [ raydl batch seeding ] in raydl/worker/seeding.py).
+"""Per-batch cost of `ray_seed="batch"` and per-sample cost of `ray_seed="sample"` (raydl/worker/seeding.py).
 
     python benchmarks/bench_seeding.py            # ~20 s
     python benchmarks/bench_seeding.py --quick    # ~5 s
@@ -8,6 +8,8 @@ Measures, in this process (no Ray), what a worker does before each batch under `
   * `seed_batch`: SeedSequence(base_seed, spawn_key=(epoch, idx)) + seeding random, torch and NumPy
     (the whole per-batch cost in a worker), and its parts;
   * the in-process path (num_workers=0): the same plus saving and restoring the caller's generators;
+  * `seed_sample`: what a worker does before each sample under `ray_seed="sample"` (NOTE [ raydl
+    sample seeding ]: a splitmix64 chain, then random, torch and NumPy seeded), and its parts;
   * for reference, `torch.manual_seed` (which raydl does not call per batch: its lazy CUDA seeding
     records a stack trace per call).
 Each figure is the median over repetitions of the mean time per call in a block of calls, in µs,
@@ -32,7 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
-from raydl.worker.seeding import _SavedRNG, batch_seed_words, seed_batch  # noqa: E402
+from raydl.worker.seeding import _SavedRNG, batch_seed_words, sample_seed, seed_batch, seed_sample  # noqa: E402
 
 
 def timed_us(fn, calls: int, reps: int) -> tuple[list[float], list[float]]:
@@ -72,6 +74,9 @@ def main() -> int:
         ("  torch CPU generator", lambda i: torch.default_generator.manual_seed(seed64)),
         ("  np.random.seed(4 words)", lambda i: np.random.seed(words)),
         ("in-process (num_workers=0): save + seed_batch + restore", in_process),
+        ("seed_sample (worker, per sample)", lambda i: seed_sample(base, 0, i)),
+        ("  splitmix64 chain", lambda i: sample_seed(base, 0, i)),
+        ("  np.random.seed(32-bit int)", lambda i: np.random.seed(i)),
         ("reference: torch.manual_seed (not used)", lambda i: torch.manual_seed(seed64)),
     ]
     rows = []
@@ -85,10 +90,10 @@ def main() -> int:
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     print()
-    print(f"raydl batch seeding, per call (µs): median of {reps} blocks of {calls} calls (min–max); "
+    print(f"raydl batch and sample seeding, per call (µs): median of {reps} blocks of {calls} calls (min–max); "
           f"{os.cpu_count()} CPUs, torch {torch.__version__}, numpy {np.__version__}")
     print()
-    print("| case | wall µs/batch, median (min–max) | CPU µs/batch, median (min–max) | load avg (1 min) |")
+    print("| case | wall µs/call, median (min–max) | CPU µs/call, median (min–max) | load avg (1 min) |")
     print("|---|---|---|---|")
     for r in rows:
         print(f"| {r['case']} | {r['median_us']:.1f} ({r['min_us']:.1f}–{r['max_us']:.1f}) | "
