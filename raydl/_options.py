@@ -30,6 +30,7 @@ class RayOptions:
     max_workers: Optional[int] = None
     stats: bool = True
     name: Optional[str] = None
+    job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -65,6 +66,17 @@ class RayOptions:
                 f"ray_seed='sample' seeds the worker's global generators before each sample, which threads would "
                 f"share: use ray_threads_per_worker=1 with it (got {n})"
             )
+        j = self.job
+        if j is not None and j is not True and not (isinstance(j, str) and j.strip()):
+            raise ValueError(f"ray_job should be None, True (the launcher names the job) or a non-empty name, got {j!r}")
+        if j is not None and self.seed == "worker":
+            raise ValueError(
+                "ray_seed='worker' seeds each worker once, so a batch's draws would depend on which worker of the "
+                "job made it, and the ranks share the job's workers: use ray_seed='batch' (the default with ray_job) "
+                "or 'sample'"
+            )
+        if j is not None and self.max_workers is not None:
+            raise ValueError("ray_max_workers: a ray_job pool is not autoscaled yet; leave ray_max_workers unset")
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
@@ -87,4 +99,5 @@ class RayOptions:
             max_workers=getattr(loader, "ray_max_workers", defaults.max_workers),
             stats=getattr(loader, "ray_stats", defaults.stats),
             name=getattr(loader, "ray_name", defaults.name),
+            job=getattr(loader, "ray_job", defaults.job),
         )

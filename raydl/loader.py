@@ -160,11 +160,16 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_reuse_workers: bool = True,
         ray_threads_per_worker: int = 1,
         ray_device: Any = None,
-        ray_seed: str = "worker",
+        ray_seed: Optional[str] = None,
         ray_max_workers: Optional[int] = None,
         ray_stats: bool = True,
         ray_name: Optional[str] = None,
+        ray_job: Any = None,
     ) -> None:
+        if ray_job is False:
+            ray_job = None
+        if ray_seed is None:  # torch's per-worker seeding, unless the ranks share the workers
+            ray_seed = "worker" if ray_job is None else "batch"
         options = RayOptions(
             address=ray_address,
             remote_args=ray_remote_args,
@@ -178,6 +183,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             max_workers=ray_max_workers,
             stats=ray_stats,
             name=ray_name,
+            job=ray_job,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -191,6 +197,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_threads_per_worker = options.threads_per_worker
         self.ray_device = options.device
         self.ray_seed = options.seed
+        self.ray_job = options.job
         self.ray_max_workers = options.max_workers
         self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
         self.ray_stats = options.stats
@@ -231,6 +238,11 @@ class DataLoader(_TorchDataLoader[T_co]):
                 )
             if isinstance(dataset, IterableDataset):
                 raise ValueError(_ITERABLE_RESIZE_ERROR.format(what="ray_max_workers is not supported"))
+        if self.ray_job is not None and isinstance(dataset, IterableDataset):
+            raise ValueError(
+                "ray_job shares one pool between the ranks, and an IterableDataset's replica stream belongs to one "
+                "rank's worker: use a map-style dataset with a DistributedSampler, or leave ray_job unset"
+            )
         if self.ray_seed == "sample" and isinstance(dataset, IterableDataset):
             raise ValueError(
                 "ray_seed='sample' seeds each sample from its index, and an IterableDataset's samples have none: "
@@ -366,6 +378,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         n = num_workers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"set_num_workers expects a positive int, got {n!r}")
+        if self.ray_job is not None:
+            raise ValueError("set_num_workers: a ray_job pool is shared by the job's ranks and cannot be resized yet")
         if self.num_workers == 0:
             raise ValueError(
                 "set_num_workers needs a loader created with num_workers >= 1: num_workers=0 loads in this "

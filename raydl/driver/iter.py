@@ -71,6 +71,7 @@ from ..data.payload import put_payload
 from ..worker.transfer import decode
 from ..cluster.placement import worker_placement
 from ..cluster.pool import WorkerPool
+from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .stats import make_recorder
@@ -162,29 +163,43 @@ class _RayLoaderIter(Iterator[Any]):
             worker_init_fn=loader.worker_init_fn,
             threads_per_worker=options.threads_per_worker,
             seed_per_batch=options.seed == "batch",
-            seed_per_sample=options.seed == "sample",
+            keyed_seeds=options.seed == "sample" or options.job is not None,
             stats_name=(options.name or type(loader.dataset).__name__) if options.stats else None,
         )
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
-        self._pool = WorkerPool(
-            put_payload(payload, options.shared_dataset_memory),
-            self._num_workers,
-            self._base_seed,
-            actor_options,
-            reuse=options.reuse_workers,
-            # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
-            placement=worker_placement(actor_options, self._driver_node_id),
-            worker_states=self._ckpt.worker_states,
-            track_rng=track_rng_enabled(),
-            epoch=self._epoch,
-        )
+        self._job_rank: Optional[int] = None
+        self._pool: Any
+        if options.job is not None:  # the job's pool, shared by its ranks (NOTE [ raydl job pool ])
+            rank, world = rank_and_world()
+            self._job_rank = rank
+            self._pool = JobPool(
+                job_name(options.job), rank, world, self._num_workers,
+                lambda: put_payload(payload, options.shared_dataset_memory), job_fingerprint(loader, options),
+                self._base_seed, actor_options, options.startup_timeout_s,
+            )
+        else:
+            self._pool = WorkerPool(
+                put_payload(payload, options.shared_dataset_memory),
+                self._num_workers,
+                self._base_seed,
+                actor_options,
+                reuse=options.reuse_workers,
+                # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
+                placement=worker_placement(actor_options, self._driver_node_id),
+                worker_states=self._ckpt.worker_states,
+                track_rng=track_rng_enabled(),
+                epoch=self._epoch,
+            )
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
-        self._sched = Schedule(self._num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit)
+        self._sched = Schedule(
+            self._pool.num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit,
+            balanced_from=None if self._job_rank is None else self._job_rank * self._num_workers,
+        )
         self._elastic = ElasticPool(  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
             self._pool, self._sched, self._prefetch_factor, self._try_put_index, options.startup_timeout_s,
-            self._num_workers, options.max_workers, resizable=not self._is_iterable,
+            self._num_workers, options.max_workers, resizable=not self._is_iterable and self._job_rank is None,
         )
         self._recovery = Recovery(  # NOTE [ raydl recovery ] in driver/recovery.py
             self._pool, self._sched, self._ckpt, self._elastic, is_iterable=self._is_iterable,
@@ -295,7 +310,9 @@ class _RayLoaderIter(Iterator[Any]):
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
         if self._sample_key is not None:  # NOTE [ raydl sample seeding ]
-            work = (self._sample_key, work)
+            work = (("sample", *self._sample_key), work)
+        elif self._job_rank is not None:  # a job's batch, keyed by its rank (NOTE [ raydl job pool ])
+            work = (("batch", self._base_seed, self._epoch, self._send_idx, self._job_rank), work)
         self._sched.add(self._send_idx, worker_id, index, work)
         self._send_idx += 1
 

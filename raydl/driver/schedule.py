@@ -69,11 +69,15 @@ Submit = Callable[[int, int, Any], "tuple[Any, Any]"]
 class Schedule:
     """The tasks in flight of one epoch and the rule that places new ones (NOTE [ raydl scheduling ])."""
 
-    def __init__(self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit) -> None:
+    def __init__(self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit,
+                 balanced_from: Optional[int] = None) -> None:
         self.active = list(range(num_workers))  # the round robin's worker ids, in cycle order
         self._num_ids = num_workers  # worker ids ever used: the per-worker lists cover them all
         self.max_tasks = max_tasks
         self.in_order = in_order
+        # a job's rank (NOTE [ raydl job pool ]): the worker with the fewest of this rank's tasks, ties in
+        # cycle order from this worker; None: torch's round robin
+        self._balanced_from = balanced_from
         self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
         self.reset()
 
@@ -90,6 +94,8 @@ class Schedule:
         self.workers_status = [True] * self._num_ids
         self.workers_num_tasks = [0] * self._num_ids
         self.probation: dict[int, set[int]] = {}
+        if self._balanced_from is not None:
+            first_worker = self._balanced_from % max(1, self._num_ids)
         self._pos = self.active.index(first_worker) if first_worker in self.active else 0  # position in `active` of the next worker of the cycle
 
     def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
@@ -102,6 +108,8 @@ class Schedule:
 
     def next_worker(self) -> Optional[int]:
         """The worker for the next task by torch's rule, or None when no worker may take one."""
+        if self._balanced_from is not None:
+            return self._least_loaded()
         for _ in range(len(self.active)):
             worker_id = self.active[self._pos]
             self._pos = (self._pos + 1) % len(self.active)
@@ -112,6 +120,17 @@ class Schedule:
             ):
                 return worker_id
         return None
+
+    def _least_loaded(self) -> Optional[int]:
+        """A job's rank: the active worker with the fewest of its tasks in flight, ties in cycle order."""
+        n = len(self.active)
+        order = [self.active[(self._pos + k) % n] for k in range(n)]
+        candidates = [w for w in order if self.workers_status[w]]
+        if not candidates:
+            return None
+        worker_id = min(candidates, key=lambda w: self.workers_num_tasks[w])  # min keeps the first of equals
+        self._pos = (self.active.index(worker_id) + 1) % n
+        return worker_id
 
     # ------------------------------------------------------------------ resizing (NOTE [ raydl elastic pool ])
 

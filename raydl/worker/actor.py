@@ -67,7 +67,9 @@ class WorkerPayload:
     worker_init_fn: Optional[Callable[[int], None]]
     threads_per_worker: int = 1
     seed_per_batch: bool = False  # ray_seed="batch" (NOTE [ raydl batch seeding ])
-    seed_per_sample: bool = False  # ray_seed="sample": tasks come as ((key, epoch), indices) (NOTE [ raydl sample seeding ])
+    # Each task comes as (seed key, work): ("sample", key, epoch) seeds each sample (NOTE [ raydl sample
+    # seeding ]), ("batch", base seed, epoch, idx, rank) the batch for a rank of a job (NOTE [ raydl job pool ]).
+    keyed_seeds: bool = False
     stats_name: Optional[str] = None  # the loader's name for Ray metrics; None: ray_stats=False
 
 
@@ -263,10 +265,13 @@ class Worker:
         """
         started_s, t0, c0 = time.time(), time.perf_counter(), time.process_time()
         key = None
-        if self._payload is not None and self._payload.seed_per_batch:
-            seed_batch(self._base_seed, epoch, idx)
-        elif self._payload is not None and self._payload.seed_per_sample:
+        if self._payload is not None and self._payload.keyed_seeds:
             key, index = index
+            if key[0] == "batch":
+                seed_batch(key[1], key[2], key[3], stream=key[4])
+                key = None
+        elif self._payload is not None and self._payload.seed_per_batch:
+            seed_batch(self._base_seed, epoch, idx)
         batch = self._fetch(epoch, index, key)
         fetch_s = time.perf_counter() - t0
         p = self._payload
@@ -304,7 +309,7 @@ class Worker:
                     self._fetcher = self._make_fetcher()
             assert self._fetcher is not None
             if key is not None:  # NOTE [ raydl sample seeding ]
-                base, key_epoch = key
+                _, base, key_epoch = key
                 return encode(self._fetcher.fetch(index, lambda i: seed_sample(base, key_epoch, i)))
             return encode(self._fetcher.fetch(index))
         except StopIteration:

@@ -55,6 +55,7 @@ against 25 us with a SeedSequence and NumPy's four-word seeding.
 from __future__ import annotations
 
 import random
+from typing import Optional
 
 import numpy as np
 import torch
@@ -68,14 +69,16 @@ SEED_MODES = ("worker", "batch", "sample")
 _U32 = 0xFFFFFFFF
 
 
-def batch_seed_words(base_seed: int, epoch: int, idx: int) -> np.ndarray:
-    """Four uint32 words seeding batch `idx` of `epoch` under `base_seed` (NOTE [ raydl batch seeding ])."""
-    return np.random.SeedSequence(entropy=base_seed, spawn_key=(epoch, idx)).generate_state(4)
+def batch_seed_words(base_seed: int, epoch: int, idx: int, stream: Optional[int] = None) -> np.ndarray:
+    """Four uint32 words seeding batch `idx` of `epoch` under `base_seed` (NOTE [ raydl batch seeding ]);
+    `stream`: the rank, for the batches of a job's ranks (NOTE [ raydl job pool ])."""
+    key = (epoch, idx) if stream is None else (epoch, idx, stream)
+    return np.random.SeedSequence(entropy=base_seed, spawn_key=key).generate_state(4)
 
 
-def seed_batch(base_seed: int, epoch: int, idx: int) -> None:
+def seed_batch(base_seed: int, epoch: int, idx: int, stream: Optional[int] = None) -> None:
     """Seed `random`, torch (CPU, and CUDA if initialized) and NumPy's global generator for one batch."""
-    words = batch_seed_words(base_seed, epoch, idx)
+    words = batch_seed_words(base_seed, epoch, idx, stream)
     seed = int(words[0]) | (int(words[1]) << 32)
     random.seed(seed)
     # torch.manual_seed also queues a lazy CUDA seeding with a stack trace (~0.1 ms); seed the CPU

@@ -1,0 +1,182 @@
+"""One worker pool for every rank of a job: `ray_job` (NOTE [ raydl job pool ]).
+
+Ranks are loaders in this process, each told its rank by RANK / WORLD_SIZE as torchrun tells a
+process, stepping in lockstep as DDP does; the workers are the suite's Ray actors.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+from torch.utils.data import Dataset, IterableDataset
+from torch.utils.data.distributed import DistributedSampler
+
+import raydl
+from tests._session import wait_until
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+N = 48
+
+
+class Made(Dataset):
+    """Item i: [i, the pid that made it, a torch draw]."""
+
+    def __len__(self) -> int:
+        return N
+
+    def __getitem__(self, i):
+        return torch.tensor([i, os.getpid(), int(torch.randint(0, 1 << 30, ()))])
+
+
+def _rank_loader(monkeypatch, rank: int, world: int, job: str | None, **kw) -> raydl.DataLoader:
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    sampler = DistributedSampler(Made(), num_replicas=world, rank=rank, shuffle=True, seed=1)
+    return raydl.DataLoader(Made(), batch_size=4, sampler=sampler, num_workers=2, ray_job=job, timeout=60, **kw)
+
+
+def _lockstep(iterators, on_step=None) -> list[list]:
+    """One step of every rank at a time, to each rank's StopIteration (DDP's ranks have equal steps)."""
+    out = [[] for _ in iterators]
+    done = [False] * len(iterators)
+    step = 0
+    while not all(done):
+        for r, it in enumerate(iterators):
+            if not done[r]:
+                try:
+                    out[r].append(next(it))
+                except StopIteration:
+                    done[r] = True
+        if on_step is not None and not all(done):
+            on_step(step)
+        step += 1
+    return out
+
+
+def _coordinator_alive(name: str) -> bool:
+    import ray
+
+    try:
+        ray.get_actor(f"raydl-job:{name}", namespace="raydl")
+    except ValueError:
+        return False
+    return True
+
+
+def test_two_ranks_share_one_pool_and_every_sample_comes_once(monkeypatch):
+    loaders = [_rank_loader(monkeypatch, r, 2, "job-share") for r in range(2)]
+    its = [iter(loader) for loader in loaders]  # each iter() reads RANK when its pool client starts
+    out = _lockstep(its)
+    rows = [torch.cat(o).tolist() for o in out]
+    pids = [{row[1] for row in r} for r in rows]
+    assert len(pids[0] | pids[1]) == 4, "one pool of 2 x 2 workers for the job"
+    assert pids[0] == pids[1], "each rank's batches come from every worker of the job"
+    assert sorted(row[0] for r in rows for row in r) == list(range(N))
+    draws = [row[2] for r in rows for row in r]
+    assert len(set(draws)) > 0.9 * len(draws), "the ranks' batches drew the same numbers"
+    for loader in loaders:
+        loader.shutdown()
+    assert wait_until(lambda: not _coordinator_alive("job-share"), timeout_s=20), "the pool outlived its last rank"
+
+
+def test_job_batches_equal_private_loaders_with_sample_seeding(monkeypatch):
+    """ray_seed='sample': a job's batches are the private loaders' ones, sample for sample."""
+    private = []
+    for r in range(2):
+        loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample")
+        private.append([b[:, [0, 2]] for b in loader])
+        loader.shutdown()
+    loaders = [_rank_loader(monkeypatch, r, 2, "job-sample", ray_seed="sample") for r in range(2)]
+    out = _lockstep([iter(loader) for loader in loaders])
+    for r in range(2):
+        assert [b[:, [0, 2]].tolist() for b in out[r]] == [b.tolist() for b in private[r]]
+    for loader in loaders:
+        loader.shutdown()
+
+
+def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
+    """A job worker SIGKILLed mid-epoch: each rank still gets its batches once, in order, with their content."""
+    expected = []
+    for r in range(2):
+        loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample")
+        expected.append([b[:, [0, 2]].tolist() for b in loader])
+        loader.shutdown()
+    loaders = [_rank_loader(monkeypatch, r, 2, "job-kill", ray_seed="sample") for r in range(2)]
+    its = [iter(loader) for loader in loaders]
+    killed = []
+
+    def kill_one(step: int) -> None:
+        if step == 2:
+            record = its[0]._pool.records[1]
+            os.kill(record.pid, signal.SIGKILL)
+            killed.append(record.pid)
+
+    out = _lockstep(its, kill_one)
+    assert killed
+    for r in range(2):
+        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+    pids = {row[1] for o in out for row in torch.cat(o[4:]).tolist()}
+    assert killed[0] not in pids
+    for loader in loaders:
+        loader.shutdown()
+
+
+def test_a_restarted_rank_rejoins_the_pool(monkeypatch):
+    """Rank 1 leaves and comes back while rank 0 holds the pool: same workers, no new pool."""
+    rank0 = _rank_loader(monkeypatch, 0, 2, "job-rejoin")
+    it0 = iter(rank0)
+    first = _rank_loader(monkeypatch, 1, 2, "job-rejoin")
+    it1 = iter(first)
+    pids_before = {r.pid for r in it1._pool.records}
+    next(it0), next(it1)
+    first.shutdown()
+    again = _rank_loader(monkeypatch, 1, 2, "job-rejoin")
+    it1 = iter(again)
+    assert {r.pid for r in it1._pool.records} == pids_before
+    out = _lockstep([it0, it1])
+    assert len(out[1]) == N // 2 // 4
+    rank0.shutdown()
+    again.shutdown()
+    assert wait_until(lambda: not _coordinator_alive("job-rejoin"), timeout_s=20)
+
+
+def test_job_options_are_checked(monkeypatch):
+    with pytest.raises(ValueError, match="ray_seed='worker'.*ranks share the job's workers"):
+        raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job="x", ray_seed="worker")
+
+    class Stream(IterableDataset):
+        def __iter__(self):
+            return iter(range(4))
+
+    with pytest.raises(ValueError, match="IterableDataset's replica stream belongs to one rank"):
+        raydl.DataLoader(Stream(), batch_size=2, num_workers=2, ray_job="x")
+    with pytest.raises(ValueError, match="not autoscaled yet"):
+        raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job="x", ray_max_workers=4)
+    with pytest.raises(ValueError, match="cannot be resized yet"):
+        raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job="x").set_num_workers(3)
+    for var in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(var, raising=False)
+    loader = raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job=True, timeout=60)
+    with pytest.raises(ValueError, match="Pass a name: ray_job='my-run'"):
+        iter(loader)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29512")
+    loader = _rank_loader(monkeypatch, 0, 1, True)
+    it = iter(loader)
+    assert _coordinator_alive("ddp-127.0.0.1:29512") and len(list(it)) == N // 4
+    loader.shutdown()
+
+
+def test_a_rank_with_another_loader_is_refused(monkeypatch):
+    rank0 = _rank_loader(monkeypatch, 0, 2, "job-mismatch")
+    it0 = iter(rank0)
+    monkeypatch.setenv("RANK", "1")
+    other = raydl.DataLoader(Made(), batch_size=4, num_workers=3, ray_job="job-mismatch", timeout=60)
+    with pytest.raises(ValueError, match="job-mismatch.*num_workers 2 there, 3 here"):
+        iter(other)
+    next(it0)
+    rank0.shutdown()
