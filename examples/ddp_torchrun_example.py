@@ -1,12 +1,14 @@
-"""raydl with plain DDP under torchrun: each rank builds its own raydl loader over one shared Ray.
+"""raydl with plain DDP under torchrun: the ranks' raydl loaders share one Ray and one pool of workers.
 
 One command on one machine (2 CPU processes, gloo):
 
     torchrun --nproc_per_node=2 examples/ddp_torchrun_example.py
     # or: python -m torch.distributed.run --nproc_per_node=2 examples/ddp_torchrun_example.py
 
-Each rank builds `raydl.DataLoader(ds, sampler=DistributedSampler(ds), num_workers=...)` exactly
-as it would build torch's, so the ranks see disjoint shards; the loaders' workers are Ray actors.
+Each rank builds `raydl.DataLoader(ds, sampler=DistributedSampler(ds), num_workers=...,
+ray_job=True)` as it would build torch's, so the ranks see disjoint shards; with `ray_job=True`
+the ranks' loaders share one pool of `num_workers x world size` Ray actors (the job is named
+after torchrun's MASTER_ADDR:MASTER_PORT), and each batch goes to the job's least busy worker.
 
 Which Ray the ranks share:
   * RAY_ADDRESS set (a cluster; with token auth also `export RAY_AUTH_MODE=token`): every rank's
@@ -19,7 +21,7 @@ Which Ray the ranks share:
 
 Every sample carries its index and the pid of the process that made it; each rank prints its
 sample count per epoch and which processes made its batches, and rank 0 checks that the ranks'
-shards are disjoint and cover the dataset.
+shards are disjoint and cover the dataset, and that the ranks' batches came from one pool.
 """
 
 from __future__ import annotations
@@ -103,6 +105,7 @@ def main() -> None:
         num_workers=args.num_workers,
         persistent_workers=True,
         ray_address=address,
+        ray_job=True,  # one pool for the job's ranks (NOTE [ raydl job pool ])
     )
     torch.manual_seed(0)
     model = DistributedDataParallel(nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 2)))
@@ -126,14 +129,17 @@ def main() -> None:
                 f"{'not among them' if os.getpid() not in pids else 'AMONG THEM'})",
                 flush=True,
             )
-            shards = [None] * world_size
+            shards, workers = [None] * world_size, [None] * world_size
             dist.all_gather_object(shards, indices)
+            dist.all_gather_object(workers, sorted(pids))
             if rank == 0:
                 sets = [set(s) for s in shards]
                 disjoint = sum(len(s) for s in sets) == len(set().union(*sets))
+                pool = set().union(*map(set, workers))
                 say(
                     f"epoch {epoch}: samples per rank {[len(s) for s in shards]}, shards disjoint: {disjoint}, "
-                    f"cover the dataset: {set().union(*sets) == set(range(len(dataset)))}",
+                    f"cover the dataset: {set().union(*sets) == set(range(len(dataset)))}; "
+                    f"one pool of {len(pool)} workers served every rank: {all(set(w) == pool for w in workers)}",
                     flush=True,
                 )
     dist.barrier()  # rank 0's Ray (if it started one) stays up until every rank is done

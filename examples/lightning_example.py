@@ -83,7 +83,7 @@ class Classifier(L.LightningModule):
         # One write per line: the ranks share the output pipe, and print() writes the newline separately.
         sys.stdout.write(
             f"rank {self.global_rank}: {self.trainer.global_step} steps on {cls} "
-            f"(ray_remote_args={loader.ray_remote_args}, sampler {type(loader.sampler).__name__}); "
+            f"(ray_remote_args={loader.ray_remote_args}, ray_job={loader.ray_job}, sampler {type(loader.sampler).__name__}); "
             f"batches made by worker pids {sorted(self.worker_pids)}, not by this trainer (pid {trainer_pid}): {from_ray}\n"
         )
         sys.stdout.flush()
@@ -120,6 +120,8 @@ def main() -> None:
         persistent_workers=True,
         ray_address=args.ray_address,
         ray_remote_args={"num_cpus": 0},  # kept by Lightning's re-instantiation, as every ray_ option
+        # DDP: the ranks' loaders share one pool of num_workers x ranks workers (NOTE [ raydl job pool ])
+        ray_job=True if args.devices > 1 else None,
     )
     trainer = L.Trainer(
         accelerator="cpu",

@@ -56,11 +56,14 @@ def test_lightning_example_ddp_two_ranks_share_one_ray():
     out = _run([os.path.join(EXAMPLES, "lightning_example.py"), "--devices", "2", "--samples", "256", "--max-epochs", "1"])
     assert "lightning_example: done, 4 steps per rank on 2 process(es)" in out
     assert re.search(r"started a local Ray at 127\.0\.0\.1:\d+", out)
+    pools = []
     for rank in (0, 1):
         line = re.search(rf"^rank {rank}: 4 steps on raydl\.loader\.DataLoader .*$", out, re.M)
         assert line, out[-3000:]
         assert "ray_remote_args={'num_cpus': 0}" in line.group(0) and "sampler DistributedSampler" in line.group(0)
-        assert line.group(0).endswith(": True")
+        assert "ray_job=True" in line.group(0) and line.group(0).endswith(": True")
+        pools.append(re.search(r"worker pids \[([\d, ]+)\]", line.group(0)).group(1))
+    assert pools[0] == pools[1] and len(pools[0].split(",")) == 4, f"one pool of 2 x 2 workers for both ranks: {pools}"
 
 
 def test_accelerate_example_trains_on_ray_workers(ray_session):
@@ -98,7 +101,8 @@ def test_ddp_torchrun_example_ranks_see_disjoint_shards():
     for rank in (0, 1):
         for epoch in (0, 1):
             assert re.search(rf"^rank {rank}: epoch {epoch}: 128 samples, .*not among them\)$", out, re.M), out[-3000:]
-    assert out.count("samples per rank [128, 128], shards disjoint: True, cover the dataset: True") == 2
+    assert out.count("samples per rank [128, 128], shards disjoint: True, cover the dataset: True; "
+                     "one pool of 4 workers served every rank: True") == 2
     assert "ddp_torchrun_example: done, 2 ranks" in out
 
 
