@@ -114,6 +114,12 @@ class DataLoader(_TorchDataLoader[T_co]):
             seed's and the iterator's): a sample's draws depend only on its index, not on its
             batch, worker, rank or the world size (8 us per sample; NOTE [ raydl sample
             seeding ]). Defaults to ``"worker"``.
+        ray_job (bool or str, optional): share one pool of `num_workers x world size` workers
+            between every rank of a training job (NOTE [ raydl job pool ]): ``True`` names the
+            job after the launcher (torchrun, Ray Train, MASTER_ADDR:MASTER_PORT), a str names it.
+            Each rank keeps its own order and state; batches go to the job's least busy worker;
+            ``ray_seed`` defaults to ``"batch"`` then (``"worker"`` is refused). Defaults to
+            ``None`` (a pool per loader).
         ray_max_workers (int, optional): autoscale between `num_workers` and this many workers
             while iterating: a worker is added while the loop waits for data more than 10% of
             its time (and the cluster has room for one now), and extra workers are retired when

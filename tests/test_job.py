@@ -180,3 +180,37 @@ def test_a_rank_with_another_loader_is_refused(monkeypatch):
         iter(other)
     next(it0)
     rank0.shutdown()
+
+
+def test_a_two_rank_job_state_resumes_in_a_three_rank_job(monkeypatch):
+    """Rank 0's state after 2 steps of a 2-rank job, loaded by every rank of a 3-rank job (one pool each job):
+    the samples the old job had not consumed, once each, with the uninterrupted run's content (ray_seed='sample')."""
+    def ranks(world, batch, job, num_workers=1):
+        out = []
+        for r in range(world):
+            monkeypatch.setenv("RANK", str(r))
+            monkeypatch.setenv("WORLD_SIZE", str(world))
+            sampler = DistributedSampler(Made(), num_replicas=world, rank=r, shuffle=True, seed=1)
+            out.append(raydl.DataLoader(Made(), batch_size=batch, sampler=sampler, num_workers=num_workers,
+                                        ray_job=job, ray_seed="sample", timeout=60 if num_workers else 0))
+        return out
+
+    full = _lockstep([iter(loader) for loader in ranks(2, 3, None, num_workers=0)])  # content needs no pool
+    content = {row[0]: (row[0], row[2]) for o in full for row in torch.cat(o).tolist()}
+    old = ranks(2, 3, "job-old")
+    its = [iter(loader) for loader in old]
+    seen = [[next(it) for _ in range(2)] for it in its]
+    state = old[0].state_dict()
+    for loader in old:
+        loader.shutdown()
+    del its
+    new = ranks(3, 2, "job-new")
+    for loader in new:
+        loader.load_state_dict(state)
+    rest = _lockstep([iter(loader) for loader in new])
+    consumed = {row[0] for s in seen for row in torch.cat(s).tolist()}
+    got = [row for o in rest for row in torch.cat(o).tolist()]
+    assert sorted(row[0] for row in got) == sorted(set(range(N)) - consumed)
+    assert all((row[0], row[2]) == content[row[0]] for row in got)
+    for loader in new:
+        loader.shutdown()
