@@ -10,14 +10,13 @@ ray_job=True)` as it would build torch's, so the ranks see disjoint shards; with
 the ranks' loaders share one pool of `num_workers x world size` Ray actors (the job is named
 after torchrun's MASTER_ADDR:MASTER_PORT), and each batch goes to the job's least busy worker.
 
-Which Ray the ranks share:
+Which Ray the ranks share, with no code here for it:
   * RAY_ADDRESS set (a cluster; with token auth also `export RAY_AUTH_MODE=token`): every rank's
-    loader joins it (raydl's precedence), nothing is started here;
-  * otherwise rank 0 starts a local Ray on 127.0.0.1 (`ray.init()`, after the loopback variable
-    set at the top of this file) and broadcasts its address, and the auth mode that `ray.init`
-    chose, over the process group; the other ranks pass that address to their loaders as
-    `ray_address=`. Rank 0's Ray lives as long as rank 0: a final barrier keeps it up until
-    every rank is done.
+    loader joins it (raydl's precedence);
+  * otherwise the ranks of this node share one local Ray on 127.0.0.1: the first rank to iterate
+    starts it, the others find its address through a file lock in the temp directory
+    (NOTE [ raydl node Ray ] in raydl/cluster/node_ray.py). Its owner keeps it up at exit until
+    the node's other ranks are done.
 
 Every sample carries its index and the pid of the process that made it; each rank prints its
 sample count per epoch and which processes made its batches, and rank 0 checks that the ranks'
@@ -66,24 +65,6 @@ def say(*parts: object, flush: bool = True) -> None:
     if flush:
         sys.stdout.flush()
 
-def shared_ray_address(rank: int) -> str | None:
-    """The Ray every rank's loader joins: None means RAY_ADDRESS (raydl reads it); else rank 0's new local Ray."""
-    if os.environ.get("RAY_ADDRESS"):
-        return None
-    message = [None, None]
-    if rank == 0:
-        import ray
-
-        ray.init(include_dashboard=False)  # a new local Ray, on 127.0.0.1
-        message = [ray.get_runtime_context().gcs_address, os.environ.get("RAY_AUTH_MODE")]
-        say(f"rank 0 started a local Ray at {message[0]} for all ranks", flush=True)
-    dist.broadcast_object_list(message, src=0)
-    address, auth_mode = message
-    if rank != 0 and auth_mode:
-        os.environ["RAY_AUTH_MODE"] = auth_mode  # ray.init enabled token auth for its cluster
-    return address
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=1024)
@@ -94,7 +75,6 @@ def main() -> None:
 
     dist.init_process_group("gloo")  # torchrun sets RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT
     rank, world_size = dist.get_rank(), dist.get_world_size()
-    address = shared_ray_address(rank)
 
     dataset = IndexedPoints(args.samples)
     sampler = DistributedSampler(dataset, shuffle=True, seed=0)
@@ -104,7 +84,6 @@ def main() -> None:
         sampler=sampler,
         num_workers=args.num_workers,
         persistent_workers=True,
-        ray_address=address,
         ray_job=True,  # one pool for the job's ranks (NOTE [ raydl job pool ])
     )
     torch.manual_seed(0)
@@ -142,8 +121,12 @@ def main() -> None:
                     f"one pool of {len(pool)} workers served every rank: {all(set(w) == pool for w in workers)}",
                     flush=True,
                 )
-    dist.barrier()  # rank 0's Ray (if it started one) stays up until every rank is done
+    import ray
+
+    addresses = [None] * world_size
+    dist.all_gather_object(addresses, ray.get_runtime_context().gcs_address)
     if rank == 0:
+        say(f"Ray of each rank: {addresses}; one Ray for the node's ranks: {len(set(addresses)) == 1}", flush=True)
         say(f"ddp_torchrun_example: done, {world_size} ranks", flush=True)
     dist.destroy_process_group()
 

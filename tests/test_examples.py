@@ -92,12 +92,13 @@ def test_ray_train_example_two_training_workers(ray_session):
 
 
 def test_ddp_torchrun_example_ranks_see_disjoint_shards():
-    """torchrun, 2 gloo ranks: rank 0 starts the shared Ray, each rank's raydl loader reads a disjoint half."""
+    """torchrun, 2 gloo ranks, no Ray running: the ranks share one local Ray and one pool (ray_job=True), each rank's
+    raydl loader reads a disjoint half."""
     out = _run(
         ["-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(EXAMPLES, "ddp_torchrun_example.py"),
          "--samples", "256", "--epochs", "2"]
     )
-    assert re.search(r"rank 0 started a local Ray at 127\.0\.0\.1:\d+ for all ranks", out)
+    assert re.search(r"Ray of each rank: \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]; one Ray for the node's ranks: True", out), out[-3000:]
     for rank in (0, 1):
         for epoch in (0, 1):
             assert re.search(rf"^rank {rank}: epoch {epoch}: 128 samples, .*not among them\)$", out, re.M), out[-3000:]

@@ -5,7 +5,9 @@ construction:
   1. an explicit `ray_address` argument,
   2. the `RAY_ADDRESS` environment variable,
   3. a Ray this process has already initialised,
-  4. a local Ray started by raydl, listening on loopback only.
+  4. under torchrun with several ranks on this node: the node's Ray, started by the first of
+     them (NOTE [ raydl node Ray ] in cluster/node_ray.py),
+  5. a local Ray started by raydl, listening on loopback only.
 
 The one private touch of Ray in raydl is here. Ray reads `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`
 once, when `ray` is imported, into `ray._private.ray_constants.ENABLE_RAY_CLUSTER`; while it
@@ -26,14 +28,17 @@ sets RAY_worker_niceness.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import socket
+import sys
 import threading
 import time
-from typing import Any, Mapping, Optional
+from typing import Any, Iterator, Mapping, Optional
 
 from .._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
+from .node_ray import share_node_ray
 
 __all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement", "fits_available"]
 
@@ -50,16 +55,15 @@ def ensure_ray_initialized(ray_address: Optional[str]) -> None:
     Raises:
         ConnectionError: `ray_address` or `RAY_ADDRESS` names no reachable Ray cluster.
     """
-    import ray
-
     with _init_lock:
-        if ray.is_initialized():
+        ray = sys.modules.get("ray")  # not imported yet: not initialized (NOTE [ raydl node Ray ] needs it unimported)
+        if ray is not None and ray.is_initialized():
             return
         if ray_address is not None:
             _connect(ray_address, source="ray_address")
         elif os.environ.get("RAY_ADDRESS"):
             _connect(os.environ["RAY_ADDRESS"], source="RAY_ADDRESS")
-        else:
+        elif not share_node_ray(_start_local_ray, _connect_loopback):
             _start_local_ray()
 
 
@@ -94,17 +98,38 @@ def _connect(address: str, source: str) -> None:
         ) from None
 
 
-def _start_local_ray() -> None:
-    import ray
+@contextlib.contextmanager
+def _loopback() -> Iterator[None]:
+    """Ray's loopback flag set for what runs inside, then restored (see the module's docstring)."""
     import ray._private.ray_constants as ray_constants
 
-    logger.debug("raydl: starting a local Ray on loopback")
-    t0 = time.monotonic()
     saved_flag = ray_constants.ENABLE_RAY_CLUSTER
     saved_env = os.environ.get(_LOOPBACK_ENV_VAR)
     ray_constants.ENABLE_RAY_CLUSTER = False
     os.environ[_LOOPBACK_ENV_VAR] = "0"
     try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
+        if saved_env is None:
+            os.environ.pop(_LOOPBACK_ENV_VAR, None)
+        else:
+            os.environ[_LOOPBACK_ENV_VAR] = saved_env
+
+
+def _connect_loopback(address: str) -> None:
+    """Join a Ray on this node's loopback (it keeps 127.0.0.1, not a routable address)."""
+    with _loopback():
+        _connect(address, source="this node's Ray for the job's ranks")
+
+
+def _start_local_ray() -> str:
+    """Start a local Ray on loopback for this process; returns its address."""
+    import ray
+
+    logger.debug("raydl: starting a local Ray on loopback")
+    t0 = time.monotonic()
+    with _loopback():
         # Batches are dropped at the loader's pace: free them in small, frequent batches so the
         # store never holds up to a second's worth of batches already handed out (Ray's default).
         system_config: dict[str, Any] = {"free_objects_period_milliseconds": LOCAL_FREE_OBJECTS_PERIOD_MS}
@@ -115,12 +140,7 @@ def _start_local_ray() -> None:
             system_config["worker_niceness"] = 0
         ray.init(address="local", include_dashboard=False, _system_config=system_config)
         logger.debug("raydl: local Ray up in %.2f s", time.monotonic() - t0)
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = saved_flag
-        if saved_env is None:
-            os.environ.pop(_LOOPBACK_ENV_VAR, None)
-        else:
-            os.environ[_LOOPBACK_ENV_VAR] = saved_env
+    return ray.get_runtime_context().gcs_address
 
 
 def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:

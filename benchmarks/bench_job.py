@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""A job pool (`ray_job`) against private pools per rank: a straggler worker, balanced load, sample seeding.
+
+    python benchmarks/bench_job.py            # ~3 min
+    python benchmarks/bench_job.py --quick    # ~1 min
+
+Two DDP ranks are two loaders in this process stepping in lockstep, as DDP's ranks do (a step
+waits for every rank's batch), each with `DistributedSampler(num_replicas=2, rank=r)` and
+`num_workers` workers per rank; with `ray_job` the four workers are one pool. A sample costs
+`--sample-ms` of CPU spun on `time.thread_time()` (a wall-clock spin would finish early on a
+shared core); in the straggler case worker 0 (of rank 0's private pool, or of the job's pool)
+spins 3x as long per sample. Per repetition, configurations run in rotated order, each on a
+fresh loader for 1 warm-up epoch + `--epochs` measured epochs; the figure is job steps/s (one
+step = both ranks' batches), and ratios are paired within a repetition.
+
+Also: `ray_seed="sample"` against `"batch"` on the overhead floor (a 16-float sample, batch 64,
+one rank, 2 workers): samples/s, paired.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import _common as C  # noqa: E402  (sets the loopback variable before Ray is imported)
+import numpy as np  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import Dataset, get_worker_info  # noqa: E402
+from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+
+
+class Spin(Dataset):
+    """Sample i: `sample_s` of this thread's CPU (3x on worker `slow_worker`), then a small tensor."""
+
+    def __init__(self, n: int, sample_s: float, slow_worker: int | None) -> None:
+        self.n, self.sample_s, self.slow_worker = n, sample_s, slow_worker
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        info = get_worker_info()
+        cost = self.sample_s * (3 if info is not None and info.id == self.slow_worker else 1)
+        end = time.thread_time() + cost
+        while time.thread_time() < end:
+            pass
+        return torch.full((16,), float(i))
+
+
+class Floor(Dataset):
+    def __len__(self) -> int:
+        return 64 * 200
+
+    def __getitem__(self, i: int):
+        return np.full(16, i, dtype=np.float32)
+
+
+def job_steps_per_s(args, job: bool, straggler: bool, rep: int) -> float:
+    import raydl
+
+    n = 2 * args.batch * args.steps
+    loaders = []
+    for rank in range(2):
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), "2"
+        slow = 0 if straggler and (job or rank == 0) else None
+        ds = Spin(n, args.sample_ms / 1000, slow)
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=rep)
+        loaders.append(raydl.DataLoader(
+            ds, batch_size=args.batch, sampler=sampler, num_workers=args.num_workers, persistent_workers=True,
+            ray_job=f"bench-{rep}-{straggler}" if job else None, ray_seed="batch", timeout=120,
+        ))
+    rates = []
+    try:
+        for epoch in range(1 + args.epochs):
+            t0 = time.perf_counter()
+            its = [iter(loader) for loader in loaders]
+            steps = 0
+            for _ in zip(*its):
+                steps += 1
+            for it in its:  # each rank to its StopIteration (equal steps under DistributedSampler)
+                for _ in it:
+                    pass
+            if epoch > 0:
+                rates.append(steps / (time.perf_counter() - t0))
+    finally:
+        for loader in loaders:
+            loader.shutdown()
+    return C.median(rates)
+
+
+def seeding_samples_per_s(mode: str, epochs: int) -> float:
+    import raydl
+
+    loader = raydl.DataLoader(Floor(), batch_size=64, num_workers=2, persistent_workers=True, ray_seed=mode,
+                              timeout=120)
+    rates = []
+    try:
+        for epoch in range(1 + epochs):
+            t0 = time.perf_counter()
+            count = sum(len(b) for b in loader)
+            if epoch > 0:
+                rates.append(count / (time.perf_counter() - t0))
+    finally:
+        loader.shutdown()
+    return C.median(rates)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--steps", type=int, default=None, help="job steps per epoch (default 40; quick 20)")
+    p.add_argument("--batch", type=int, default=8, help="per-rank batch size")
+    p.add_argument("--num-workers", type=int, default=2, help="workers per rank")
+    p.add_argument("--sample-ms", type=float, default=2.0, help="CPU per sample, ms")
+    args = p.parse_args()
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.steps = args.steps or (20 if args.quick else 40)
+    import ray
+
+    info = C.machine_info(ray.__version__)
+    ray.init(address="local", include_dashboard=False)
+    results = C.Results("bench_job", args.quick)
+    results.write({"machine": info, "args": vars(args)})
+    configs = [("private", False, True), ("job", True, True), ("private", False, False), ("job", True, False)]
+    rows: dict[tuple, list[float]] = {}
+    seeding: dict[str, list[float]] = {"batch": [], "sample": []}
+    try:
+        for rep in range(args.reps):
+            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            for name, job, straggler in order:
+                rate = job_steps_per_s(args, job, straggler, rep)
+                rows.setdefault((name, straggler), []).append(rate)
+                results.write({"case": name, "straggler": straggler, "rep": rep, "steps_per_s": rate})
+                C.log(f"rep {rep}: {name:7s} straggler={straggler}: {rate:.1f} steps/s")
+            for mode in (["batch", "sample"] if rep % 2 == 0 else ["sample", "batch"]):
+                rate = seeding_samples_per_s(mode, args.epochs)
+                seeding[mode].append(rate)
+                results.write({"case": f"seed-{mode}", "rep": rep, "samples_per_s": rate})
+                C.log(f"rep {rep}: ray_seed={mode}: {rate:.0f} samples/s")
+    finally:
+        ray.shutdown()
+
+    def ratio(a, b):
+        return [x / y for x, y in zip(rows[a], rows[b])]
+
+    strag, bal = ratio(("job", True), ("private", True)), ratio(("job", False), ("private", False))
+    seed_ratio = [s / b for s, b in zip(seeding["sample"], seeding["batch"])]
+    lines = [C.describe_machine(info), "",
+             f"2 ranks x {args.num_workers} workers, batch {args.batch} per rank, {args.sample_ms} ms CPU per sample, "
+             f"{args.steps} steps per epoch, {args.reps} repetition(s), median of {args.epochs} epochs each", "",
+             C.md_table(["case", "private pools, steps/s", "job pool, steps/s", "job / private (paired), median (min-max)"], [
+                 ["one worker 3x slower", f"{C.median(rows[('private', True)]):.1f}", f"{C.median(rows[('job', True)]):.1f}",
+                  f"**{C.median(strag):.2f}x** ({min(strag):.2f}-{max(strag):.2f})"],
+                 ["balanced", f"{C.median(rows[('private', False)]):.1f}", f"{C.median(rows[('job', False)]):.1f}",
+                  f"**{C.median(bal):.2f}x** ({min(bal):.2f}-{max(bal):.2f})"],
+             ]), "",
+             C.md_table(["overhead floor, 1 rank, 2 workers", "samples/s", "vs batch (paired)"], [
+                 ["ray_seed='batch'", f"{C.median(seeding['batch']):.0f}", "1.00x"],
+                 ["ray_seed='sample'", f"{C.median(seeding['sample']):.0f}",
+                  f"{C.median(seed_ratio):.2f}x ({min(seed_ratio):.2f}-{max(seed_ratio):.2f})"],
+             ])]
+    report = "\n".join(lines)
+    print(report)
+    results.write_text(".md", report + "\n")
+    results.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
