@@ -506,6 +506,7 @@ class _RayLoaderIter(Iterator[Any]):
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
         self._ckpt.on_batch_made(idx, task.worker_id, meta)
         self._elastic.on_batch_made(meta.fetch_s)
+        self._sched.on_batch_made(task.worker_id, meta.fetch_s)
         self.stats_recorder.batch_made(meta)
 
     def _check_stall(self, idx: int, task: Task) -> None:

@@ -75,9 +75,10 @@ class Schedule:
         self._num_ids = num_workers  # worker ids ever used: the per-worker lists cover them all
         self.max_tasks = max_tasks
         self.in_order = in_order
-        # a job's rank (NOTE [ raydl job pool ]): the worker with the fewest of this rank's tasks, ties in
+        # a job's rank (NOTE [ raydl job pool ]): the worker that would finish a new task first, ties in
         # cycle order from this worker; None: torch's round robin
         self._balanced_from = balanced_from
+        self._fetch_s: dict[int, float] = {}  # worker id -> moving average of its batch time (balanced only)
         self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
         self.reset()
 
@@ -121,14 +122,23 @@ class Schedule:
                 return worker_id
         return None
 
+    def on_batch_made(self, worker_id: int, fetch_s: float) -> None:
+        """A batch of `worker_id` took `fetch_s` to make: its moving average (a job's rank only)."""
+        if self._balanced_from is not None:
+            prev = self._fetch_s.get(worker_id)
+            self._fetch_s[worker_id] = fetch_s if prev is None else 0.8 * prev + 0.2 * fetch_s
+
     def _least_loaded(self) -> Optional[int]:
-        """A job's rank: the active worker with the fewest of its tasks in flight, ties in cycle order."""
+        """A job's rank: the active worker that would finish one more of its tasks first, by its tasks in flight
+        times its batch time (workers not timed yet count as the typical one); ties in cycle order."""
         n = len(self.active)
         order = [self.active[(self._pos + k) % n] for k in range(n)]
         candidates = [w for w in order if self.workers_status[w]]
         if not candidates:
             return None
-        worker_id = min(candidates, key=lambda w: self.workers_num_tasks[w])  # min keeps the first of equals
+        known = sorted(self._fetch_s.values())
+        typical = known[len(known) // 2] if known else 1.0
+        worker_id = min(candidates, key=lambda w: (self.workers_num_tasks[w] + 1) * self._fetch_s.get(w, typical))
         self._pos = (self.active.index(worker_id) + 1) % n
         return worker_id
 
