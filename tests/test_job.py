@@ -36,7 +36,10 @@ def _rank_loader(monkeypatch, rank: int, world: int, job: str | None, **kw) -> r
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
     sampler = DistributedSampler(Made(), num_replicas=world, rank=rank, shuffle=True, seed=1)
-    return raydl.DataLoader(Made(), batch_size=4, sampler=sampler, num_workers=2, ray_job=job, timeout=60, **kw)
+    kw = {"num_workers": 2, "timeout": 60, **kw}
+    if kw["num_workers"] == 0:
+        kw.pop("timeout")
+    return raydl.DataLoader(Made(), batch_size=4, sampler=sampler, ray_job=job, **kw)
 
 
 def _lockstep(iterators, on_step=None) -> list[list]:
@@ -102,9 +105,8 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
     """A job worker SIGKILLed mid-epoch: each rank still gets its batches once, in order, with their content."""
     expected = []
     for r in range(2):
-        loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample")
+        loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample", num_workers=0)
         expected.append([b[:, [0, 2]].tolist() for b in loader])
-        loader.shutdown()
     loaders = [_rank_loader(monkeypatch, r, 2, "job-kill", ray_seed="sample") for r in range(2)]
     its = [iter(loader) for loader in loaders]
     killed = []
@@ -214,3 +216,27 @@ def test_a_two_rank_job_state_resumes_in_a_three_rank_job(monkeypatch):
     assert all((row[0], row[2]) == content[row[0]] for row in got)
     for loader in new:
         loader.shutdown()
+
+
+def test_a_dead_coordinator_is_recreated_and_no_batch_is_lost(monkeypatch):
+    """The coordinator killed mid-epoch takes the job's workers with it: the ranks start the pool again and each
+    still gets its batches once, in order, with their content (ray_seed='sample')."""
+    import ray
+
+    expected = []
+    for r in range(2):
+        loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample", num_workers=0)
+        expected.append([b[:, [0, 2]].tolist() for b in loader])
+    loaders = [_rank_loader(monkeypatch, r, 2, "job-coord", ray_seed="sample") for r in range(2)]
+    its = [iter(loader) for loader in loaders]
+
+    def kill_coordinator(step: int) -> None:
+        if step == 2:
+            ray.kill(ray.get_actor("raydl-job:job-coord", namespace="raydl"), no_restart=True)
+
+    out = _lockstep(its, kill_coordinator)
+    for r in range(2):
+        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+    for loader in loaders:
+        loader.shutdown()
+    assert wait_until(lambda: not _coordinator_alive("job-coord"), timeout_s=20)

@@ -14,7 +14,7 @@ detached, so that no rank's exit takes the pool with it):
     num_workers), pinning and state, exactly as a private loader; it sends each batch to the
     job's worker with the fewest of its own batches in flight (ties: its own cycle, which starts
     at `rank x num_workers`), so a slow worker gets few of every rank's batches instead of half
-    of one rank's. Batch content must not depend on the worker: under `ray_job` the default
+    of one rank's (see dispatch below). Batch content must not depend on the worker: under `ray_job` the default
     seeding is `ray_seed="batch"`, keyed by (base seed, epoch, batch, rank) so two ranks never
     draw the same numbers, or "sample"; `ray_seed="worker"` is refused.
   * a worker that dies is replaced once for the job: each rank that sees the death asks the
@@ -25,7 +25,12 @@ detached, so that no rank's exit takes the pool with it):
     lease runs out (JOB_LEASE_S: its process died) is dropped. With no member left the
     coordinator ends the workers and itself; a restarted rank finds the pool while any rank
     holds it, or starts a new one. A coordinator that died is recreated by the next rank that
-    calls it (its workers die with it: ranks then recover their batches on the new pool).
+    calls it (its workers die with it: each rank's recovery asks for a replacement, finds the
+    coordinator gone, joins the new one with its payload and re-sends its lost batches there;
+    tests/test_job.py kills it mid-epoch).
+  * dispatch: a rank picks the worker that would finish one more of its batches first, by (its
+    batches in flight there + 1) x that worker's moving-average batch time, so a worker 3x
+    slower than the rest is left alone while faster ones have room (benchmarks/bench_job.py).
 Not yet for a job pool: resizing and autoscaling (`set_num_workers`, `ray_max_workers`), worker
 state in checkpoints (the seeding above makes it unnecessary for map-style datasets), and
 IterableDatasets (a replica's stream belongs to one rank).
