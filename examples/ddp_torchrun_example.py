@@ -115,10 +115,12 @@ def main() -> None:
                 sets = [set(s) for s in shards]
                 disjoint = sum(len(s) for s in sets) == len(set().union(*sets))
                 pool = set().union(*map(set, workers))
+                shared = set.intersection(*map(set, workers))
                 say(
                     f"epoch {epoch}: samples per rank {[len(s) for s in shards]}, shards disjoint: {disjoint}, "
                     f"cover the dataset: {set().union(*sets) == set(range(len(dataset)))}; "
-                    f"one pool of {len(pool)} workers served every rank: {all(set(w) == pool for w in workers)}",
+                    f"workers used: {len(pool)} (the job's pool has {args.num_workers * world_size}), "
+                    f"serving every rank: {len(shared)}",
                     flush=True,
                 )
     import ray

@@ -44,7 +44,7 @@ def test_ray_seed_is_validated_and_kept():
     assert raydl.DataLoader(D.RangeDataset(4)).ray_seed == "worker"
     assert raydl.DataLoader(D.RangeDataset(4), ray_seed="batch").ray_seed == "batch"
     assert raydl.DataLoader(D.RangeDataset(4), ray_seed="sample").ray_seed == "sample"
-    for bad in ("samples", None, 1):
+    for bad in ("samples", "", 1):
         with pytest.raises(ValueError, match="ray_seed should be 'worker'.*'batch'.* or 'sample'"):
             raydl.DataLoader(D.RangeDataset(4), ray_seed=bad)
 
