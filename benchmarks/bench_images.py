@@ -626,25 +626,37 @@ def med(xs: list) -> float:
     return xs[k] if len(xs) % 2 else (xs[k - 1] + xs[k]) / 2
 
 
-def paired(runs: dict, a: str, b: Callable[[int], Optional[float]]) -> list:
-    """Per repetition: a's images/s / b(rep) (another loader's images/s in the same repetition)."""
+def _quiet(r: dict) -> bool:
+    """Whether other processes used at most _common's threshold of cores during r's steady epochs."""
+    import _common as C
+
+    return r["foreign_cores"] <= C.DISTURBED_FOREIGN_CORES
+
+
+def paired(runs: dict, a: str, b: Callable[[int], Optional[float]], quiet_only: bool = False) -> list:
+    """Per repetition: a's images/s / b(rep) (another loader's images/s in the same repetition); with
+    `quiet_only`, only repetitions in which neither measurement was disturbed (b returns None for those)."""
     out = []
     for r in runs.get(a, []):
+        if quiet_only and not _quiet(r):
+            continue
         other = b(r["rep"])
         if other:
             out.append(r["images_per_s"] / other)
     return out
 
 
-def rate_in_rep(runs: dict, kind: str) -> Callable[[int], Optional[float]]:
-    by_rep = {r["rep"]: r["images_per_s"] for r in runs.get(kind, [])}
+def rate_in_rep(runs: dict, kind: str, quiet_only: bool = False) -> Callable[[int], Optional[float]]:
+    by_rep = {r["rep"]: r["images_per_s"] for r in runs.get(kind, []) if not quiet_only or _quiet(r)}
     return lambda rep: by_rep.get(rep)
 
 
-def fastest_peer_in_rep(runs: dict, peers: list) -> Callable[[int], Optional[float]]:
+def fastest_peer_in_rep(runs: dict, peers: list, quiet_only: bool = False) -> Callable[[int], Optional[float]]:
     def f(rep: int) -> Optional[float]:
-        rates = [r["images_per_s"] for k in peers for r in runs.get(k, []) if r["rep"] == rep]
-        return max(rates) if rates else None
+        recs = [r for k in peers for r in runs.get(k, []) if r["rep"] == rep]
+        if quiet_only and not all(_quiet(r) for r in recs):
+            return None
+        return max(r["images_per_s"] for r in recs) if recs else None
     return f
 
 
@@ -685,18 +697,25 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
                              "first batch, next epoch (s)", "CPU ms/image", "peak PSS (MiB)", "foreign load (cores)"],
                             rows))
     lines.append("")
-    rrows = []
-    for k in [x for x in loaders if x.startswith("raydl")]:
-        if k not in runs:
-            continue
-        vt = paired(runs, k, rate_in_rep(runs, "torch"))
-        vr = paired(runs, k, rate_in_rep(runs, "raydata"))
-        vf = paired(runs, k, fastest_peer_in_rep(runs, peers))
-        rrows.append([k, fmt_range(vt, "{:.2f}×"), fmt_range(vr, "{:.2f}×"), fmt_range(vf, "{:.2f}×")])
-    if rrows:
-        lines.append(C.md_table(["raydl variant", "/ torch (target ≥ 1.1×)", "/ Ray Data (target ≥ 1.5×)",
-                                 "/ fastest peer in the same repetition (target ≥ 0.9×)"], rrows))
-        lines.append("")
+    for quiet in (False, True):
+        rrows = []
+        for k in [x for x in loaders if x.startswith("raydl")]:
+            if k not in runs:
+                continue
+            cells = []
+            for other in (rate_in_rep(runs, "torch", quiet), rate_in_rep(runs, "raydata", quiet),
+                          fastest_peer_in_rep(runs, peers, quiet)):
+                xs = paired(runs, k, other, quiet)
+                cells.append(f"{fmt_range(xs, '{:.2f}×')} [{len(xs)}]")
+            rrows.append([k] + cells)
+        if rrows:
+            lines.append("Ratios of images/s, paired per repetition: median (min–max) [repetitions]" +
+                         (f", only repetitions in which no measurement compared had foreign load > "
+                          f"{C.DISTURBED_FOREIGN_CORES} cores:" if quiet else ":"))
+            lines.append("")
+            lines.append(C.md_table(["raydl variant", "/ torch (target ≥ 1.1×)", "/ Ray Data (target ≥ 1.5×)",
+                                     "/ fastest peer in the same repetition (target ≥ 0.9×)"], rrows))
+            lines.append("")
     if "raydl" in runs and "raydata" in runs:
         ratio_cold = med([r["ttfb_cold_s"] for r in runs["raydl"]]) / med([r["ttfb_cold_s"] for r in runs["raydata"]])
         ratio_warm = med([r["ttfb_warm_s"] for r in runs["raydl"]]) / med([r["ttfb_warm_s"] for r in runs["raydata"]])
@@ -802,9 +821,13 @@ def main() -> int:
     p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this for a quiet second before a child "
                    "(default 10; quick 0)")
     p.add_argument("--quiet-budget-s", type=float, default=90.0, help="total seconds spent waiting for quiet")
+    p.add_argument("--report", default=None, metavar="JSONL",
+                   help="only render the report and chart of a finished run again from its .jsonl")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
+    if args.report:
+        return rerender(args.report, p)
     args.images = args.images or (640 if args.quick else 2560)
     args.epochs = args.epochs or (1 if args.quick else 2)
     if args.child:
@@ -847,6 +870,7 @@ def main() -> int:
             loaders.remove("spdl-io")
             notes.append(f"spdl-io skipped: spdl.io cannot load FFmpeg here ({why}); pass --ffmpeg-lib-dir.")
             C.log(notes[-1])
+
     def our_raylets() -> int:
         """raylet processes of this environment's Ray (other engineers' Rays on this machine are not ours)."""
         return sum(1 for q in psutil.process_iter(["name", "exe"])
@@ -892,14 +916,50 @@ def main() -> int:
                 "vs_raydata_paired": paired(runs, k, rate_in_rep(runs, "raydata")),
                 "vs_fastest_peer_paired": paired(runs, k, fastest_peer_in_rep(runs, peers))})
     res.write({"section": "images_summary", **summary})
-    report = build_report(args, info, vers, runs, loaders, notes, time.perf_counter() - start)
-    print(report)
-    md = res.write_text(".md", report + "\n")
-    png = plot(res.prefix + ".png", runs, loaders,
-               f"JPEG pipeline, {args.num_workers} workers, batch {args.batch_size}, {info['raydl_commit']}, "
-               f"{time.strftime('%Y-%m-%d')}, {info['cpu_count']} CPUs (median, min–max over {args.reps} reps)")
+    res.write({"section": "notes", "notes": notes, "elapsed_s": time.perf_counter() - start,
+               "date": time.strftime("%Y-%m-%d %H:%M %Z")})
+    md, png = render(args, info, vers, runs, loaders, notes, time.perf_counter() - start, res.prefix,
+                     time.strftime("%Y-%m-%d"))
     res.close()
     print(f"\nresults: {res.jsonl_path}\n         {md}\n         {png or '(no chart: pip install matplotlib)'}")
+    return 0
+
+
+def render(args, info: dict, vers: dict, runs: dict, loaders: list, notes: list, elapsed_s: float, prefix: str,
+           date: str) -> tuple:
+    """Print the report and write it (prefix.md) and the chart (prefix.png); returns both paths."""
+    report = build_report(args, info, vers, runs, loaders, notes, elapsed_s)
+    print(report)
+    md = prefix + ".md"
+    with open(md, "w") as f:
+        f.write(report + "\n")
+    png = plot(prefix + ".png", runs, loaders,
+               f"JPEG pipeline, {args.num_workers} workers, batch {args.batch_size}, raydl {info['raydl_commit']}, "
+               f"{date}, {info['cpu_count']} CPUs (median, min–max over {args.reps} reps)")
+    return md, png
+
+
+def rerender(path: str, parser: argparse.ArgumentParser) -> int:
+    """--report: the report and chart of a finished run again, from its .jsonl (written next to it, -report.*)."""
+    recs = [json.loads(line) for line in open(path)]
+    machine = next(r for r in recs if r.get("section") == "machine")
+    args = parser.parse_args([a for a in machine["argv"] if a != "--report"])
+    args.images = args.images or (640 if args.quick else 2560)
+    args.epochs = args.epochs or (1 if args.quick else 2)
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.avg_kb = next(r for r in recs if r.get("section") == "dataset")["avg_kb"]
+    runs: dict = {}
+    for r in recs:
+        if r.get("section") == "run":
+            runs.setdefault(r["loader"], []).append(r)
+    loaders = [k for k in args.loaders.split(",") if k in runs]
+    extra = next((r for r in recs if r.get("section") == "notes"), {})
+    stamp = os.path.basename(path).rsplit("-", 2)[-2:]
+    date = extra.get("date") or f"{stamp[0][:4]}-{stamp[0][4:6]}-{stamp[0][6:8]}"
+    info = {k: v for k, v in machine.items() if k not in ("section", "versions", "argv")}
+    md, png = render(args, info, machine["versions"], runs, loaders, extra.get("notes", []), extra.get("elapsed_s", 0.0),
+                     path[: -len(".jsonl")] + "-report", date[:10])
+    print(f"\n{md}\n{png}")
     return 0
 
 
