@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """A JPEG image pipeline (ImageNet-shaped) through raydl and the loaders users would pick instead.
 
-    python benchmarks/bench_images.py            # full run (about 12-15 minutes on 2 cores)
-    python benchmarks/bench_images.py --quick    # smoke run (about 2 minutes; first run +30 s to write JPEGs)
+    python benchmarks/bench_images.py            # full run (about 11-15 minutes on 2 cores; +70 s once for the JPEGs)
+    python benchmarks/bench_images.py --quick    # smoke run (about 1 minute; +20 s once for its JPEGs)
+    python benchmarks/bench_images.py --report benchmarks/results/images-<stamp>.jsonl   # re-render a run
 
 The workload: a folder of generated 500x375 JPEGs that decode like photos (1/f texture, light
 gradient, soft-edged objects, sensor noise; ~100 KB each, quality 90), one folder per class, the
@@ -776,7 +777,7 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
     ks = [k for k in loaders if runs.get(k)]
     colors = {"torch": "#4c72b0", "raydl": "#dd8452", "raydl-threads2": "#c44e52", "raydata": "#55a868",
               "spdl": "#8172b3", "spdl-io": "#937860", "nodes": "#da8bc3"}
-    panels = [("images_per_s", "steady images/s", 1.0), ("ttfb_cold_s", "first batch, cold (s)", 1.0),
+    panels = [("images_per_s", "steady images/s", 1.0), ("ttfb_cold_s", "first batch, cold (s, log)", 1.0),
               ("cpu_s_per_image", "CPU ms per image (all processes)", 1e3), ("peak_pss_mib", "peak PSS (MiB)", 1.0)]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
     for ax, (key, label, scale) in zip(axes, panels):
@@ -787,9 +788,11 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
         ax.set_xticks(range(len(ks)))
         ax.set_xticklabels(ks, rotation=35, ha="right", fontsize=8)
         ax.set_title(label, fontsize=10)
+        if key == "ttfb_cold_s":
+            ax.set_yscale("log")
         for i, y in enumerate(ys):
-            ax.annotate(f"{y:,.0f}" if y >= 20 else f"{y:.2f}", (i, y), ha="center", va="bottom", fontsize=7,
-                        xytext=(0, 2), textcoords="offset points")
+            ax.annotate(f"{y:,.0f}" if y >= 20 else f"{y:.2f}", (i, y), ha="left", va="bottom", fontsize=7,
+                        xytext=(3, 1), textcoords="offset points")
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
