@@ -127,6 +127,22 @@ def test_train_image_classifier_times_both_loaders_with_identical_training(ray_s
     assert re.search(r"^raydl DataLoader: 2 Ray workers on \['127\.0\.0\.1'\]$", out, re.M)
 
 
+def test_train_image_classifier_real_images_runs_the_jpeg_pipeline_identically(ray_session, tmp_path):
+    """--real-images: writes a small JPEG folder, then decode + RandomResizedCrop + flip + normalize in both loaders'
+    workers; the same seeds give the same losses (the crops are drawn from the worker's torch RNG)."""
+    out = _run(
+        [os.path.join(EXAMPLES, "train_image_classifier.py"), "--real-images", "--samples", "256", "--epochs", "2",
+         "--cache-dir", str(tmp_path)],
+        _session_ray_env(ray_session),
+    )
+    assert re.search(r"^256 JPEGs in 4 classes, PIL decode \+ RandomResizedCrop\(64\)", out, re.M), out[-3000:]
+    runs = {name: re.findall(rf"^{name} DataLoader: epoch (\d): [\d.]+ s \(\d+ images/s\), (loss .*)$", out, re.M)
+            for name in ("torch", "raydl")}
+    assert [epoch for epoch, _ in runs["torch"]] == ["0", "1"], out[-3000:]
+    assert runs["torch"] == runs["raydl"]
+    assert len(os.listdir(tmp_path)) == 1  # one cached folder, reused on a second run
+
+
 def test_resume_example_restarted_job_matches_the_uninterrupted_one(ray_session):
     """resume_example.py: checkpoint with torch.save every step, stop, restart from it: same batches, same weights."""
     out = _run([os.path.join(EXAMPLES, "resume_example.py"), "--samples", "48", "--stop-after", "3"],
