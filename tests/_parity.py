@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import gc
 import random
 from typing import Any, Callable
 
@@ -59,6 +60,23 @@ def run_epochs(loader, epochs: int) -> list[list[Any]]:
     return [list(loader) for _ in range(epochs)]
 
 
+def _run_forked(fn: Callable[[], Any]) -> Any:
+    """Run torch's loader, whose workers are forks of this Ray driver, with no garbage for them to collect.
+
+    A forked child that garbage-collects an object it inherited (an ObjectRef, a zero-copy batch of an
+    earlier raydl loader in a reference cycle) talks to Ray over the parent's sockets; the raylet then
+    reads an invalid Plasma message and exits, taking the test session's Ray with it (seen twice in CI
+    runs, in tests/test_arrow.py). Collected first and frozen, the inherited objects are never collected
+    in a child (CPython's advice for gc before fork).
+    """
+    gc.collect()
+    gc.freeze()
+    try:
+        return fn()
+    finally:
+        gc.unfreeze()
+
+
 def assert_same_batches(
     make_dataset: Callable[[], Any],
     *,
@@ -91,7 +109,8 @@ def assert_same_batches(
         t_kwargs["generator"] = torch.Generator().manual_seed(seed)
         r_kwargs["generator"] = torch.Generator().manual_seed(seed)
         _seed_everything(seed)
-    expected = run_epochs(torch.utils.data.DataLoader(make_dataset(), num_workers=tw, **t_kwargs), epochs)
+    expected = _run_forked(lambda: run_epochs(torch.utils.data.DataLoader(make_dataset(), num_workers=tw, **t_kwargs),
+                                              epochs))
     if seed is not None:
         _seed_everything(seed)
     with raydl.DataLoader(make_dataset(), num_workers=num_workers, **r_kwargs) as loader:
