@@ -13,7 +13,8 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from .driver.checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, inexact_sampler, validate
+from .driver.checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, validate
+from .driver.samplers import inexact_sampler
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter

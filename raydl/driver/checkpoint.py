@@ -34,7 +34,7 @@ Where each part comes from, with no call to any worker:
     already handed out, fetching nothing.
   * random samplers: torch's RandomSampler, SubsetRandomSampler and WeightedRandomSampler draw
     from their generator or, without one (what shuffle=True makes), from the global RNG when
-    their epoch starts. `RngSamplerIter` runs the sampler's own `__iter__` with that generator
+    their epoch starts. `RngSamplerIter` (driver/samplers.py) runs the sampler's own `__iter__` with that generator
     made explicit and records its state before the epoch's first draw: `{"yielded",
     "generator"}`, the record of torchdata's own RandomSampler iterator, so each loader rebuilds
     the other's epoch. It goes under torchdata's `_sampler_iter_state` for the sampler
@@ -75,15 +75,13 @@ tests/test_resume.py), not for worker-seeded random draws.
 
 from __future__ import annotations
 
-import base64
-import itertools
 import os
 from collections import deque
 from collections.abc import Mapping
 from typing import Any, Iterator, Optional
 
 import torch
-from torch.utils.data import BatchSampler, IterableDataset, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+from torch.utils.data import BatchSampler, IterableDataset
 
 from ..job.global_epoch import (
     GLOBAL_EPOCH,
@@ -93,6 +91,15 @@ from ..job.global_epoch import (
     needs_redeal,
     rank_length,
     redealt_iter,
+)
+from .samplers import (
+    RngSamplerIter,
+    export_sampler_state,
+    import_sampler_state,
+    new_sampler_iter,
+    rng_record_for_torchdata,
+    rng_sampler,
+    sampler_state,
 )
 from ..worker.state import (
     DATASET_ITER_STATE,
@@ -104,7 +111,7 @@ from ..worker.state import (
     is_stateful,
 )
 
-__all__ = ["BatchIter", "Tracker", "new_sampler_iter", "restore_sampler", "inexact_sampler", "validate", "loader_facts", "worker_key"]
+__all__ = ["Tracker", "restore_sampler", "validate", "loader_facts", "worker_key"]
 
 # torchdata's keys (torchdata/stateful_dataloader/stateful_dataloader.py)
 SNAPSHOT = "_snapshot"
@@ -133,161 +140,6 @@ def worker_key(worker_id: int) -> str:
 
 
 # ---------------------------------------------------------------------------------------- samplers
-
-
-class RngSamplerIter(Iterator[int]):
-    """One epoch of a torch `RandomSampler`, `SubsetRandomSampler` or `WeightedRandomSampler`, made
-    by the sampler's own `__iter__` (torch's sequence, drawn when torch draws it), with the
-    generator the epoch draws from made explicit so that the epoch can be rebuilt.
-
-    Its state is torchdata's random-sampler iterator state: `{"yielded": samples handed out,
-    "generator": that generator's state before the epoch's first draw}`. Without a generator of
-    its own the sampler draws from torch's global RNG when its epoch starts: a `RandomSampler` a
-    seed for a generator it makes, the other two their permutation or multinomial draw directly.
-    Here the first seeds the generator with that same draw, the others draw from a copy of the
-    global generator which then moves on as the draw moved it: the global RNG ends where torch's
-    would, and the permutation is torch's. A loaded state (`load_state_dict`) draws nothing from
-    the global RNG: the epoch's draws belong to the saved run (NOTE [ raydl checkpoint ]).
-    """
-
-    YIELDED, GENERATOR = "yielded", "generator"  # torchdata's keys (_StatefulRandomSamplerIterator)
-
-    def __init__(self, sampler: Any) -> None:
-        self.sampler = sampler
-        self.yielded = 0
-        self.start: Optional[torch.Tensor] = None  # the generator's state before the epoch's first draw
-        self._it: Optional[Iterator[int]] = None
-
-    def __iter__(self) -> RngSamplerIter:
-        return self
-
-    def _begin(self, start: Optional[torch.Tensor]) -> None:
-        s = self.sampler
-        own = s.generator
-        g = own if own is not None else torch.Generator()
-        if start is not None:
-            g.set_state(start)
-        elif own is None and type(s) is RandomSampler:
-            g.manual_seed(int(torch.empty((), dtype=torch.int64).random_().item()))  # torch's seed draw
-        elif own is None:
-            g.set_state(torch.get_rng_state())
-        self.start = g.get_state()
-        it = iter(s)
-        s.generator = g  # torch's __iter__ reads it once, at its first step
-        try:
-            head = next(it, _END)
-        finally:
-            s.generator = own
-        if own is None and start is None and type(s) is not RandomSampler:
-            torch.set_rng_state(g.get_state())  # the global RNG moved on as torch's draw moves it
-        self._it = it if head is _END else itertools.chain((head,), it)
-
-    def __next__(self) -> int:
-        if self._it is None:
-            self._begin(None)
-        value = next(self._it)  # type: ignore[arg-type]
-        self.yielded += 1
-        return value
-
-    def state_dict(self) -> dict:
-        if self._it is None:  # torchdata's iterator holds its generator from its creation: draw the epoch now
-            self._begin(None)
-        return {self.YIELDED: self.yielded, self.GENERATOR: self.start}
-
-    def load_state_dict(self, sd: Mapping) -> None:
-        start = sd.get(self.GENERATOR)
-        if not isinstance(start, torch.Tensor):
-            raise ValueError(
-                f"DataLoader.load_state_dict: the state of the {type(self.sampler).__name__}'s epoch has no generator "
-                f"state (got {type(start).__name__}): it was not saved by raydl or torchdata's StatefulDataLoader"
-            )
-        self._begin(start)
-        n = int(sd[self.YIELDED])
-        for k in range(n):
-            if next(self._it, _END) is _END:  # type: ignore[arg-type]
-                raise ValueError(
-                    f"DataLoader.load_state_dict: the state is {n} samples into its epoch, but this loader's "
-                    f"{type(self.sampler).__name__} has {k}: the dataset or the sampler changed since the state was saved"
-                )
-        self.yielded = n
-
-
-_END = object()
-RNG_SAMPLERS = (RandomSampler, SubsetRandomSampler, WeightedRandomSampler)
-
-
-def sampler_iter(sampler: Any) -> Iterator:
-    """An epoch's iterator over an index sampler: `RngSamplerIter` for torch's own random samplers."""
-    return RngSamplerIter(sampler) if type(sampler) in RNG_SAMPLERS else iter(sampler)
-
-
-class BatchIter(Iterator[list]):
-    """Iterates a torch `BatchSampler` exactly as torch does (same batches, first draw at the first
-    `next`), with the state of torchdata's batch-sampler iterator: `samples_yielded`, and the
-    sampler's and its iterator's own states when they have `state_dict()`."""
-
-    def __init__(self, batch_sampler: BatchSampler) -> None:
-        self.sampler = batch_sampler.sampler
-        self.batch_size = batch_sampler.batch_size
-        self.drop_last = batch_sampler.drop_last
-        self.samples_yielded = 0
-        self._it: Optional[Iterator] = None
-        self._done = False
-
-    def __iter__(self) -> BatchIter:
-        return self
-
-    def __next__(self) -> list:
-        if self._done:
-            raise StopIteration
-        if self._it is None:
-            self._it = sampler_iter(self.sampler)
-        batch = [*itertools.islice(self._it, self.batch_size)]
-        self.samples_yielded += len(batch)
-        if not batch or (self.drop_last and len(batch) < self.batch_size):
-            self._done = True
-            raise StopIteration
-        return batch
-
-    def state_dict(self) -> dict:
-        if self._it is None:
-            # The sampler's iterator is made now rather than at the first `next`, so a stateful one
-            # (torchdata's RandomSampler: the epoch's generator state) is in the state. Both happen
-            # after the loader's base seed draw, with nothing drawn in between: the batches are the same.
-            self._it = sampler_iter(self.sampler)
-        sd: dict = {"samples_yielded": self.samples_yielded}
-        if is_stateful(self.sampler):
-            sd["sampler_state"] = self.sampler.state_dict()
-        if self._it is not None and is_stateful(self._it):
-            sd["sampler_iter_state"] = self._it.state_dict()
-        return sd
-
-    def load_state_dict(self, sd: Mapping) -> None:
-        self.samples_yielded = int(sd["samples_yielded"])
-        if sd.get("sampler_state") is not None and is_stateful(self.sampler):
-            self.sampler.load_state_dict(sd["sampler_state"])
-        self._it = sampler_iter(self.sampler)
-        self._done = False
-        if sd.get("sampler_iter_state") is not None and is_stateful(self._it):
-            self._it.load_state_dict(sd["sampler_iter_state"])
-        elif not is_stateful(self.sampler):
-            # fast-forward, as torchdata's batch iterator does (validate() refused the states for
-            # which this cannot be exact: a random sampler drawing from the global RNG)
-            for _ in range(self.samples_yielded):
-                next(self._it)
-
-
-def new_sampler_iter(index_sampler: Any) -> Iterator:
-    """The epoch's iterator over the (batch) sampler: `BatchIter` for torch's own BatchSampler."""
-    if type(index_sampler) is BatchSampler:
-        return BatchIter(index_sampler)
-    return sampler_iter(index_sampler)
-
-
-def sampler_state(index_sampler: Any, it: Any) -> tuple:
-    """(sampler iterator state, index sampler state) now; (None, None) for samplers without state."""
-    return (it.state_dict() if is_stateful(it) else None,
-            index_sampler.state_dict() if is_stateful(index_sampler) else None)
 
 
 def restore_sampler(index_sampler: Any, it: Iterator, main: Mapping, is_iterable: bool, finished: bool = False,
@@ -325,80 +177,6 @@ def _position_sampler(index_sampler: Any, it: Iterator, main: Mapping, record: A
                 "the dataset or the batch size changed since the state was saved"
             ) from None
     return it
-
-
-def rng_record_for_torchdata(loader: Any, index_sampler: Any) -> bool:
-    """Whether a torch random sampler's epoch record goes under torchdata's sampler keys.
-
-    Yes for the sampler `shuffle=True` made (torchdata's own RandomSampler reads the same record
-    there) and for one with no generator (StatefulDataLoader cannot rebuild that epoch: it fails on
-    the record, loudly, instead of fast-forwarding through another permutation). A sampler given
-    with its own generator keeps the record in raydl's section: StatefulDataLoader fast-forwards it,
-    as it does its own states.
-    """
-    s = rng_sampler(index_sampler)
-    return s is None or s.generator is None or bool(getattr(loader, "_default_shuffle", False))
-
-
-def export_sampler_state(index_sampler: Any, it_state: Any, for_torchdata: bool) -> tuple[Any, Any]:
-    """(state under torchdata's `_sampler_iter_state`, the random sampler's epoch record kept in `_raydl` or None)."""
-    if for_torchdata or it_state is None or rng_sampler(index_sampler) is None:
-        return it_state, None
-    if type(index_sampler) is BatchSampler:
-        rest = {k: v for k, v in it_state.items() if k != "sampler_iter_state"}
-        return rest, _json_record(it_state.get("sampler_iter_state"))
-    return None, _json_record(it_state)
-
-
-def _json_record(record: Optional[Mapping]) -> Optional[dict]:
-    """The epoch record with its generator state as base64 text: raydl's section stays JSON where torchdata's is."""
-    if record is None:
-        return None
-    start = record[RngSamplerIter.GENERATOR]
-    return {**record, RngSamplerIter.GENERATOR: base64.b64encode(start.numpy().tobytes()).decode("ascii")}
-
-
-def _tensor_record(record: Mapping) -> dict:
-    text = record[RngSamplerIter.GENERATOR]
-    start = torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8) if isinstance(text, str) else text
-    return {**record, RngSamplerIter.GENERATOR: start}
-
-
-def import_sampler_state(index_sampler: Any, it_state: Any, record: Any) -> Any:
-    """The inverse of `export_sampler_state`: torchdata's `_sampler_iter_state` with the epoch record back in it."""
-    if record is None:
-        return it_state
-    record = _tensor_record(record)
-    if type(index_sampler) is BatchSampler:
-        return {**(it_state or {}), "sampler_iter_state": record}
-    return record
-
-
-def rng_sampler(index_sampler: Any) -> Any:
-    """The torch random sampler an index sampler draws from (itself, or under torch's BatchSampler), or None."""
-    s = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
-    return s if type(s) in RNG_SAMPLERS else None
-
-
-def inexact_sampler(index_sampler: Any) -> Optional[str]:
-    """Why a state of this (batch) sampler cannot rebuild its epoch, or None when it can.
-
-    raydl rebuilds torch's own random samplers (`RngSamplerIter`) and positions every sampler whose
-    draws do not depend on the global RNG (fast-forward) or that has `state_dict()`. What is left:
-    a subclass of torch's random samplers, or a batch sampler of another type over one, drawing
-    from the global RNG with no generator of its own.
-    """
-    if is_stateful(index_sampler) or rng_sampler(index_sampler) is not None:
-        return None
-    inner = getattr(index_sampler, "sampler", None)
-    for s, where in ((index_sampler, ""), (inner, f" under the batch sampler {type(index_sampler).__name__}")):
-        if isinstance(s, RNG_SAMPLERS) and getattr(s, "generator", None) is None and not is_stateful(s):
-            return (
-                f"{type(s).__name__}{where} draws its order from torch's global RNG, which raydl cannot record for "
-                "a sampler of this type: a resume from this state would hand out another order. Give the sampler "
-                "a generator (torch.Generator().manual_seed(seed)), or use a sampler with state_dict()."
-            )
-    return None
 
 
 def draw_base_seed(generator: Optional[torch.Generator]) -> int:

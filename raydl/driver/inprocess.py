@@ -21,20 +21,17 @@ from .checkpoint import (
     LEN_CALLED,
     NUM_YIELDED,
     RAYDL,
+    SAMPLER_EPOCH,
     SAMPLER_ITER_STATE,
     SAMPLER_ITER_YIELDED,
     SHARED_SEED,
-    SAMPLER_EPOCH,
     Deal,
     draw_base_seed,
-    export_sampler_state,
-    rng_record_for_torchdata,
-    saved_base_seed,
     loader_facts,
-    new_sampler_iter,
     restore_sampler,
-    sampler_state,
+    saved_base_seed,
 )
+from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 from .device import pin_memory, pin_memory_target, warn_pin_memory_args
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ..job.global_epoch import GLOBAL_EPOCH
