@@ -249,8 +249,7 @@ def validate(state: Any, loader: Any) -> None:
         index_sampler = loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
         dist = distributed_sampler(index_sampler)
         check_record(record, dist)
-        same = state_nw == nw and facts.get("batch_size") == loader.batch_size
-        if needs_redeal(record, dist, same):  # type: ignore[arg-type]
+        if redeals(state, loader, dist):
             return  # re-dealt: another world size, batch size or num_workers is the point
     if state_nw != nw:
         raise ValueError(
@@ -299,6 +298,18 @@ def _check_permutation(main: Mapping, loader: Any) -> None:
     )
 
 
+def redeals(state: Mapping, loader: Any, dist: Any) -> bool:
+    """Whether `state` re-deals the job's epoch for this loader (NOTE [ raydl global epoch ]) rather than resuming
+    this rank where it stopped: another world size, batch size or num_workers, or an epoch re-dealt already."""
+    facts = state.get(RAYDL)
+    record = facts.get(GLOBAL_EPOCH) if isinstance(facts, Mapping) else None
+    if record is None or dist is None:
+        return False
+    saved_nw = state[SNAPSHOT][MAIN_SNAPSHOT].get(NUM_WORKERS) if SNAPSHOT in state else 0
+    same = saved_nw == loader.num_workers and facts.get("batch_size") == loader.batch_size  # type: ignore[union-attr]
+    return needs_redeal(record, dist, same)
+
+
 def saved_base_seed(state: Mapping) -> int:
     """The base seed a state was saved with (where each layout keeps it)."""
     if SNAPSHOT in state:
@@ -319,11 +330,8 @@ class Deal:
         self.start = 0
         self.rank_total: Optional[int] = None  # samples of this rank's deal (None: the sampler's own epoch)
         self._epoch: Optional[int] = None  # the re-dealt epoch (None: the sampler's)
-        record = (loaded.get(RAYDL) or {}).get(GLOBAL_EPOCH) if loaded is not None else None
-        self._record = record
-        same = loaded is not None and (loaded[SNAPSHOT][MAIN_SNAPSHOT].get(NUM_WORKERS) if SNAPSHOT in loaded else 0) \
-            == loader.num_workers and (loaded.get(RAYDL) or {}).get("batch_size") == loader.batch_size
-        self.redeal = bool(record is not None and self.sampler is not None and needs_redeal(record, self.sampler, same))
+        self._record = (loaded.get(RAYDL) or {}).get(GLOBAL_EPOCH) if loaded is not None else None
+        self.redeal = loaded is not None and redeals(loaded, loader, self.sampler)
 
     def iterator(self) -> Iterator:
         """The re-dealt epoch's iterator over this rank's (batches of) indices."""
@@ -366,7 +374,6 @@ class Tracker:
         self._index_sampler = index_sampler
         self._facts = loader_facts(loader)
         self._rng_for_td = rng_record_for_torchdata(loader, index_sampler)
-        self._loaded = loaded
         self.deal = Deal(loader, index_sampler, loaded)  # NOTE [ raydl global epoch ]
         if self.deal.redeal:  # the old job's position is re-dealt: nothing of its per-rank layout applies
             loaded = None

@@ -68,8 +68,8 @@ class _InProcessIter(Iterator[Any]):
             self._base_seed = saved_base_seed(state)  # type: ignore[arg-type]
             self._sampler_iter = self._deal.iterator()
             state = None
-        seed_mode = getattr(loader, "ray_seed", "worker")
-        self._sample_key = self._deal.sample_key(self._base_seed, 0) if seed_mode == "sample" else None
+        sample_seeded = getattr(loader, "ray_seed", "worker") == "sample"
+        self._sample_key = self._deal.sample_key(self._base_seed, 0) if sample_seeded else None
         self._sampler_iter_yielded = 0
         self._num_yielded = 0
         self._finished = False

@@ -200,10 +200,6 @@ class _Coordinator:
             self._members.pop(member, None)
             self._end_if_unused()
 
-    def members(self) -> int:
-        with self._lock:
-            return len(self._members)
-
     def _watch(self) -> None:
         while not self._ended:
             time.sleep(_COORDINATOR_CHECK_S)
