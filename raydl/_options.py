@@ -75,8 +75,6 @@ class RayOptions:
                 "job made it, and the ranks share the job's workers: use ray_seed='batch' (the default with ray_job) "
                 "or 'sample'"
             )
-        if j is not None and self.max_workers is not None:
-            raise ValueError("ray_max_workers: a ray_job pool is not autoscaled yet; leave ray_max_workers unset")
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):

@@ -119,8 +119,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             between every rank of a training job (NOTE [ raydl job pool ]): ``True`` names the
             job after the launcher (torchrun, Ray Train, MASTER_ADDR:MASTER_PORT), a str names it.
             Each rank keeps its own order and state; batches go to the job's least busy worker;
-            ``ray_seed`` defaults to ``"batch"`` then (``"worker"`` is refused). Defaults to
-            ``None`` (a pool per loader).
+            ``ray_seed`` defaults to ``"batch"`` then (``"worker"`` is refused); `set_num_workers`
+            and ``ray_max_workers`` (per rank) act on the job's pool. Defaults to ``None`` (a
+            pool per loader).
         ray_max_workers (int, optional): autoscale between `num_workers` and this many workers
             while iterating: a worker is added while the loop waits for data more than 10% of
             its time (and the cluster has room for one now), and extra workers are retired when
@@ -372,6 +373,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         ones stop getting batches at once and end after the batches they are making have been
         handed out. Every batch is still handed out exactly once, in sampler order with
         in_order=True; with `ray_seed="batch"` the batches are identical to a fixed pool's.
+        Under `ray_job` it resizes the job's pool to `num_workers x world size` for every rank
+        (NOTE [ raydl job elastic ]).
         Persistent workers keep the new size for the next epochs; with `ray_max_workers` the new
         size is the autoscaler's floor. See README "Resizing and autoscaling".
 
@@ -385,8 +388,6 @@ class DataLoader(_TorchDataLoader[T_co]):
         n = num_workers
         if isinstance(n, bool) or not isinstance(n, int) or n < 1:
             raise ValueError(f"set_num_workers expects a positive int, got {n!r}")
-        if self.ray_job is not None:
-            raise ValueError("set_num_workers: a ray_job pool is shared by the job's ranks and cannot be resized yet")
         if self.num_workers == 0:
             raise ValueError(
                 "set_num_workers needs a loader created with num_workers >= 1: num_workers=0 loads in this "

@@ -331,7 +331,7 @@ def test_rule_one_noisy_window_does_not_undo_an_addition():
     while not sim.elastic.decisions:
         sim.run(1)
     sim.run(60, gain=1)  # the window after the addition: no gain (noise)
-    assert sim.elastic._pending_eval is not None and sim.elastic._pending_eval[3] == 1
+    assert sim.elastic.rule.pending is not None and sim.elastic.rule.pending[3] == 1
     sim.run(400)
     assert [d.action for d in sim.elastic.decisions] == ["add"] and len(sim.sched.active) == 2
 

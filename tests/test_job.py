@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import signal
+import time
 
 import pytest
 import torch
@@ -156,10 +157,6 @@ def test_job_options_are_checked(monkeypatch):
 
     with pytest.raises(ValueError, match="IterableDataset's replica stream belongs to one rank"):
         raydl.DataLoader(Stream(), batch_size=2, num_workers=2, ray_job="x")
-    with pytest.raises(ValueError, match="not autoscaled yet"):
-        raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job="x", ray_max_workers=4)
-    with pytest.raises(ValueError, match="cannot be resized yet"):
-        raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job="x").set_num_workers(3)
     for var in ("TORCHELASTIC_RUN_ID", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(var, raising=False)
     loader = raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job=True, timeout=60)
@@ -177,8 +174,8 @@ def test_a_rank_with_another_loader_is_refused(monkeypatch):
     rank0 = _rank_loader(monkeypatch, 0, 2, "job-mismatch")
     it0 = iter(rank0)
     monkeypatch.setenv("RANK", "1")
-    other = raydl.DataLoader(Made(), batch_size=4, num_workers=3, ray_job="job-mismatch", timeout=60)
-    with pytest.raises(ValueError, match="job-mismatch.*num_workers 2 there, 3 here"):
+    other = raydl.DataLoader(Made(), batch_size=4, num_workers=2, ray_job="job-mismatch", ray_seed="sample", timeout=60)
+    with pytest.raises(ValueError, match="job-mismatch.*ray_seed 'batch' there, 'sample' here"):
         iter(other)
     next(it0)
     rank0.shutdown()
@@ -240,3 +237,117 @@ def test_a_dead_coordinator_is_recreated_and_no_batch_is_lost(monkeypatch):
     for loader in loaders:
         loader.shutdown()
     assert wait_until(lambda: not _coordinator_alive("job-coord"), timeout_s=20)
+
+
+class Timed(Dataset):
+    """Item i after `delay_s` (I/O-like): [i, the pid that made it, a torch draw]."""
+
+    def __init__(self, n: int, delay_s: float = 0.0) -> None:
+        self.n, self.delay_s = n, delay_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        return torch.tensor([i, os.getpid(), int(torch.randint(0, 1 << 30, ()))])
+
+
+def _timed_ranks(monkeypatch, world: int, job, n: int, delay_s: float = 0.0, **kw) -> list:
+    out = []
+    for r in range(world):
+        monkeypatch.setenv("RANK", str(r))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        sampler = DistributedSampler(Timed(n), num_replicas=world, rank=r, shuffle=True, seed=3)
+        out.append(raydl.DataLoader(Timed(n, delay_s), batch_size=2, sampler=sampler, ray_job=job, ray_seed="sample",
+                                    **{"num_workers": 1, "timeout": 60, **kw}))
+    return out
+
+
+def _job_view(name: str) -> dict:
+    import ray
+
+    return ray.get(ray.get_actor(f"raydl-job:{name}", namespace="raydl").view.remote())
+
+
+def test_set_num_workers_resizes_the_jobs_pool_for_every_rank(monkeypatch):
+    """set_num_workers on every rank (as an SPMD script calls it) grows the job's pool to n x world mid-epoch, then
+    shrinks it: both ranks use the new workers, the retired ones end, and each rank's batches are the
+    uninterrupted run's, once each, in order, with their content."""
+    import ray
+
+    n = 96
+    expected = [[b[:, [0, 2]].tolist() for b in loader] for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    loaders = _timed_ranks(monkeypatch, 2, "job-resize", n)
+    its = [iter(loader) for loader in loaders]
+    views = {}
+
+    def resize(step: int) -> None:
+        if step == 3:
+            for loader in loaders:
+                loader.set_num_workers(2)
+            views["grown"] = _job_view("job-resize")
+        if step == 14:
+            for loader in loaders:
+                loader.set_num_workers(1)
+            views["shrunk"] = _job_view("job-resize")
+
+    out = _lockstep(its, resize)
+    for r in range(2):
+        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+    grown, shrunk = views["grown"], views["shrunk"]
+    assert len(grown["active"]) + len(grown["joining"]) == 4 and not grown["retiring"]
+    assert len(shrunk["active"]) == 2 and len(shrunk["retiring"]) + len(shrunk["joining"]) <= 2
+    new_pids = {r.pid for r in _job_view("job-resize")["records"][2:4] if r is not None}
+    middle = [{row[1] for row in torch.cat(o[6:14]).tolist()} for o in out]
+    assert all(p & new_pids for p in middle) or not new_pids, "both ranks use the workers the job added"
+    assert wait_until(lambda: not _job_view("job-resize")["retiring"], timeout_s=20), "retired workers are released"
+    after = _job_view("job-resize")
+    assert len(after["active"]) == 2 and set(after["active"]) == set(its[0]._pool.active) == set(its[1]._pool.active)
+    retired = [after["actors"][w] for w in range(len(after["actors"])) if w not in after["active"]]
+    assert retired and wait_until(lambda: all(_actor_dead(a) for a in retired), timeout_s=20)
+    for loader in loaders:
+        loader.shutdown()
+    del ray
+
+
+def _actor_dead(actor) -> bool:
+    import ray
+
+    try:
+        ray.get(actor.__ray_ready__.remote(), timeout=5)
+    except Exception:
+        return True
+    return False
+
+
+def test_the_jobs_autoscaler_adds_workers_for_starved_ranks(monkeypatch):
+    """ray_max_workers under ray_job: two ranks waiting on one worker each; the coordinator, on both ranks' windows,
+    adds a worker to the job's pool, both ranks send to it once it started, and every batch comes in order."""
+    n = 4000  # 20 s at 2 workers: the loop stops once the added worker serves the ranks
+    loaders = _timed_ranks(monkeypatch, 2, "job-autoscale", n, delay_s=0.01, ray_max_workers=2)
+    its = [iter(loader) for loader in loaders]
+    out = [[], []]
+    grown_at = None
+    for step in range(n // 4):
+        for r in range(2):
+            out[r].append(next(its[r]))
+        if grown_at is None and all(len(it._sched.active) > 2 for it in its):
+            grown_at = step
+        if grown_at is not None and step >= grown_at + 20:
+            break
+    assert grown_at is not None, "no worker added"
+    decisions = _job_view("job-autoscale")["decisions"]
+    assert decisions[0].action == "add" and decisions[0].wait_fraction > 0.1, decisions
+    assert all(d.workers_after <= 4 for d in decisions)
+    added = {w for it in its for w in it._sched.active} - {0, 1}
+    served = [{its[r]._pool.records[w].pid for w in added} & {row[1] for row in torch.cat(out[r][grown_at:]).tolist()}
+              for r in range(2)]
+    assert all(served), "both ranks use the worker the job added"
+    for r in range(2):
+        sampled = list(DistributedSampler(Timed(n), num_replicas=2, rank=r, shuffle=True, seed=3))
+        got = torch.cat(out[r])[:, 0].tolist()
+        assert got == sampled[:len(got)], f"rank {r}"
+    for loader in loaders:
+        loader.shutdown()

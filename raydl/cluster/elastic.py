@@ -81,7 +81,7 @@ from .._constants import (
 from .._errors import WorkerDiedError, WorkerPlacementError
 from .connect import fits_available, resource_request
 
-__all__ = ["ElasticPool", "AutoscaleDecision"]
+__all__ = ["ElasticPool", "AutoscaleDecision", "AutoscaleRule"]
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +99,48 @@ class AutoscaleDecision:
     busy_fraction: float  # of the workers' time, making batches
     batches_per_s: float
     batch_number: int  # batches handed out this epoch when it was taken
+
+
+class AutoscaleRule:
+    """The autoscaler's rule (NOTE [ raydl elastic pool ]): at most one step per measured window.
+
+    A private pool's `ElasticPool` and a job's coordinator (NOTE [ raydl job pool ]) decide by it;
+    they measure and act, this only decides, and remembers an addition being judged.
+    """
+
+    def __init__(self, min_workers: int, max_workers: int) -> None:
+        self.min_workers = min_workers
+        self.max_workers = max_workers
+        self.new_epoch()
+
+    def new_epoch(self) -> None:
+        self.cap = self.max_workers  # growth stops here for the epoch (lowered by an undo or a failed start)
+        # an addition being judged: (size before, batches/s and wait fraction before it, windows that failed it)
+        self.pending: Optional[tuple[int, float, float, int]] = None
+
+    def decide(self, n: int, wait: float, busy_workers: float, rate: float,
+               has_room: Callable[[], bool]) -> Optional[tuple[str, str]]:
+        """One window: `n` workers, the loop waiting `wait` of it, `busy_workers` workers' worth of batch making
+        (fetch seconds per second), `rate` batches/s. Returns ("add" | "retire" | "undo", why) or None."""
+        busy = busy_workers / n
+        pending, self.pending = self.pending, None
+        if pending is not None:
+            size_before, rate_before, wait_before, strikes = pending
+            possible = min(1.0 / size_before, wait_before / max(1.0 - wait_before, 1e-9))
+            if n > self.min_workers and rate < rate_before * (1.0 + 0.25 * possible):
+                if strikes + 1 < AUTOSCALE_UNDO_WINDOWS:  # one noisy window does not decide
+                    self.pending = (size_before, rate_before, wait_before, strikes + 1)
+                    return None
+                self.cap = size_before
+                return "undo", f"{rate_before:.1f} batches/s before it: the addition did not pay"
+        if wait > AUTOSCALE_ADD_WAIT_FRACTION and busy >= AUTOSCALE_ADD_BUSY_FRACTION and n < self.cap and has_room():
+            self.pending = (n, rate, wait, 0)
+            return "add", f"threshold {AUTOSCALE_ADD_WAIT_FRACTION:.0%}"
+        if n > self.min_workers and wait < AUTOSCALE_RETIRE_WAIT_FRACTION:
+            busy_fewer = busy_workers / (n - 1)
+            if busy_fewer < AUTOSCALE_RETIRE_BUSY_FRACTION:
+                return "retire", f"one fewer would be busy {busy_fewer:.0%}"
+        return None
 
 
 class ElasticPool:
@@ -127,12 +169,11 @@ class ElasticPool:
         self._put_index_ref = weakref.WeakMethod(put_index) if hasattr(put_index, "__self__") else (lambda: put_index)
         self._startup_timeout_s = startup_timeout_s
         self._resizable = resizable
-        self.min_workers = min_workers
         self._max_option = max_workers  # ray_max_workers (None: no autoscaling)
-        self.max_workers = max_workers if max_workers is not None else min_workers
+        self.rule = AutoscaleRule(min_workers, max_workers if max_workers is not None else min_workers)
         self.retiring: set[int] = set()
         self.decisions: list[AutoscaleDecision] = []
-        self._autoscale = resizable and self.max_workers > self.min_workers
+        self._autoscale = resizable and self.rule.max_workers > self.rule.min_workers
         self.new_epoch()
 
     # ------------------------------------------------------------------ sizes
@@ -155,10 +196,10 @@ class ElasticPool:
                 "split by get_worker_info().num_workers, and a replica's position cannot move to another "
                 "worker without losing or repeating samples. Build a new loader with the new num_workers."
             )
-        self.min_workers = num_workers
-        self.max_workers = max(self._max_option or num_workers, num_workers)
-        self._autoscale = self.max_workers > self.min_workers
-        self._pending_eval = None
+        self.rule.min_workers = num_workers
+        self.rule.max_workers = max(self._max_option or num_workers, num_workers)
+        self._autoscale = self.rule.max_workers > self.rule.min_workers
+        self.rule.pending = None
         before = self.size
         while self.size < num_workers:
             self._add(num_workers)
@@ -198,8 +239,8 @@ class ElasticPool:
         joined, failed = self._pool.poll_joining(self._startup_timeout_s)
         for wid, why in failed:
             warnings.warn(f"raydl: worker {wid} was not added to the pool ({why})", RuntimeWarning, stacklevel=5)
-            self._cap = min(self._cap, self.size)
-            self._pending_eval = None
+            self.rule.cap = min(self.rule.cap, self.size)
+            self.rule.pending = None
         for wid in joined:
             self._sched.add_worker(wid)
             self._set_bound()
@@ -249,16 +290,14 @@ class ElasticPool:
                 RuntimeWarning,
                 stacklevel=6,
             )
-        self._cap = min(self._cap, self.size)
+        self.rule.cap = min(self.rule.cap, self.size)
         return True
 
     # ------------------------------------------------------------------ autoscaler
 
     def new_epoch(self) -> None:
         """Measurements restart with each epoch (its first batches include start-up)."""
-        self._cap = self.max_workers
-        # an addition being judged: (size before, batches/s and wait fraction before it, windows that failed it)
-        self._pending_eval: Optional[tuple[int, float, float, int]] = None
+        self.rule.new_epoch()
         self._batches = 0
         self._last_end_s: Optional[float] = None
         self._restart_window()
@@ -311,31 +350,16 @@ class ElasticPool:
         busy = self._win_fetch_s / (n * window_s)
         rate = self._win_batches / window_s
         figures = (self._win_batches, window_s, wait, busy, rate)
-        pending, self._pending_eval = self._pending_eval, None
-        if pending is not None:
-            size_before, rate_before, wait_before, strikes = pending
-            possible = min(1.0 / size_before, wait_before / max(1.0 - wait_before, 1e-9))
-            if n > self.min_workers and rate < rate_before * (1.0 + 0.25 * possible):
-                if strikes + 1 < AUTOSCALE_UNDO_WINDOWS:  # one noisy window does not decide
-                    self._pending_eval = (size_before, rate_before, wait_before, strikes + 1)
-                    self._restart_window()
-                    return
-                self._cap = size_before
-                self._retire_newest()
-                self._log("undo", n, n - 1, figures, f"{rate_before:.1f} batches/s before it: the addition did not pay")
-                return
-        if wait > AUTOSCALE_ADD_WAIT_FRACTION and busy >= AUTOSCALE_ADD_BUSY_FRACTION and n < self._cap and self._has_room():
-            self._pending_eval = (n, rate, wait, 0)
-            self._add(n + 1)
-            self._log("add", n, n + 1, figures, f"threshold {AUTOSCALE_ADD_WAIT_FRACTION:.0%}")
+        step = self.rule.decide(n, wait, self._win_fetch_s / window_s, rate, self._has_room)
+        if step is None:
+            self._restart_window()
             return
-        if n > self.min_workers and wait < AUTOSCALE_RETIRE_WAIT_FRACTION:
-            busy_fewer = self._win_fetch_s / ((n - 1) * window_s)
-            if busy_fewer < AUTOSCALE_RETIRE_BUSY_FRACTION:
-                self._retire_newest()
-                self._log("retire", n, n - 1, figures, f"one fewer would be busy {busy_fewer:.0%}")
-                return
-        self._restart_window()
+        action, why = step
+        if action == "add":
+            self._add(n + 1)
+        else:
+            self._retire_newest()
+        self._log(action, n, n + 1 if action == "add" else n - 1, figures, why)
 
     def _has_room(self) -> bool:
         """Room for one more worker now: it reserves nothing, or what it reserves is free in the cluster."""

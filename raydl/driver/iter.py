@@ -71,6 +71,7 @@ from ..data.payload import put_payload
 from ..worker.transfer import decode
 from ..cluster.placement import worker_placement
 from ..cluster.pool import WorkerPool
+from ..job.elastic import JobElastic
 from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from .recovery import Recovery
 from .schedule import Schedule, Task
@@ -176,7 +177,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._pool = JobPool(
                 job_name(options.job), rank, world, self._num_workers,
                 lambda: put_payload(payload, options.shared_dataset_memory), job_fingerprint(loader, options),
-                self._base_seed, actor_options, options.startup_timeout_s,
+                self._base_seed, actor_options, options.startup_timeout_s, max_workers=options.max_workers,
             )
         else:
             self._pool = WorkerPool(
@@ -197,10 +198,15 @@ class _RayLoaderIter(Iterator[Any]):
             self._pool.num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit,
             balanced_from=None if self._job_rank is None else self._job_rank * self._num_workers,
         )
-        self._elastic = ElasticPool(  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
-            self._pool, self._sched, self._prefetch_factor, self._try_put_index, options.startup_timeout_s,
-            self._num_workers, options.max_workers, resizable=not self._is_iterable and self._job_rank is None,
-        )
+        self._elastic: ElasticPool
+        if self._job_rank is not None:  # the job's resizes and autoscaler: NOTE [ raydl job elastic ]
+            self._elastic = JobElastic(self._pool, self._sched, self._prefetch_factor, self._try_put_index,
+                                       options.startup_timeout_s, autoscale=options.max_workers is not None)
+        else:  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
+            self._elastic = ElasticPool(
+                self._pool, self._sched, self._prefetch_factor, self._try_put_index, options.startup_timeout_s,
+                self._num_workers, options.max_workers, resizable=not self._is_iterable,
+            )
         self._recovery = Recovery(  # NOTE [ raydl recovery ] in driver/recovery.py
             self._pool, self._sched, self._ckpt, self._elastic, is_iterable=self._is_iterable,
             max_worker_restarts=options.max_worker_restarts, startup_timeout_s=options.startup_timeout_s,

@@ -31,8 +31,12 @@ detached, so that no rank's exit takes the pool with it):
   * dispatch: a rank picks the worker that would finish one more of its batches first, by (its
     batches in flight there + 1) x that worker's moving-average batch time, so a worker 3x
     slower than the rest is left alone while faster ones have room (benchmarks/bench_job.py).
-Not yet for a job pool: resizing and autoscaling (`set_num_workers`, `ray_max_workers`), worker
-state in checkpoints (the seeding above makes it unnecessary for map-style datasets), and
+  * resizing (`set_num_workers` on any rank: `n x world size` workers) and autoscaling
+    (`ray_max_workers`) act on the job's pool: the coordinator owns the worker set (joining,
+    active, retiring, released) and its version; ranks follow it (NOTE [ raydl job elastic ] in
+    job/elastic.py). `num_workers` sizes the pool when a rank starts it; a rank that joins later
+    uses the pool as it is (so it is not part of the fingerprint).
+Not yet for a job pool: worker state in checkpoints (the seeding above makes it unnecessary for map-style datasets), and
 IterableDatasets (a replica's stream belongs to one rank).
 """
 
@@ -54,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 JOB_NAMESPACE = "raydl"
 JOB_LEASE_S = 30.0  # a member not heard from for this long is gone (its process died)
-JOB_LEASE_RENEW_S = 5.0
+JOB_LEASE_RENEW_S = 2.0  # also how soon a rank hears of a change another rank or the autoscaler made
 _COORDINATOR_CHECK_S = 5.0
 
 
@@ -116,10 +120,10 @@ def job_fingerprint(loader: Any, options: Any) -> dict:
     return {
         "dataset": f"{type(loader.dataset).__module__}.{type(loader.dataset).__qualname__}",
         "dataset_len": length,
-        "num_workers": loader.num_workers,
         "collate_fn": _name_of(loader.collate_fn),
         "worker_init_fn": _name_of(loader.worker_init_fn),
         "ray_seed": options.seed,
+        "ray_max_workers": options.max_workers,
         "ray_remote_args": repr(sorted((options.remote_args or {}).items())),
         "ray_shared_dataset_memory": options.shared_dataset_memory,
         "ray_threads_per_worker": options.threads_per_worker,
@@ -131,7 +135,13 @@ def coordinator_name(name: str) -> str:
 
 
 class _Coordinator:
-    """The job's coordinator (a threaded Ray actor): owns the payload copy and the workers (NOTE [ raydl job pool ])."""
+    """The job's coordinator (a threaded Ray actor): owns the payload copy and the workers (NOTE [ raydl job pool ]).
+
+    Worker ids are never reused: a worker is joining (started, not ready), active (ranks send to it),
+    retiring (ranks send nothing new; released once every member is done with it) or released.
+    `version` counts changes of that set; ranks learn of one at their next lease renewal, window
+    report or resize, and fetch the new `view()`.
+    """
 
     def __init__(self, name: str) -> None:
         self._name = name
@@ -142,6 +152,15 @@ class _Coordinator:
         self._generations: list[int] = []
         self._members: dict[str, float] = {}
         self._ended = False
+        self._version = 0
+        self._world = 1
+        self._target = 0  # workers active or joining that the job wants
+        self._retiring: dict[int, set[str]] = {}  # worker id -> members that may still have tasks on it
+        self._rule: Any = None  # the job's autoscaler (ray_max_workers), fed by every rank's windows
+        self._reports: dict[str, tuple] = {}
+        self._epoch = -1
+        self._decisions: list = []
+        self._wake = threading.Event()
         threading.Thread(target=self._watch, name="raydl_job_watch", daemon=True).start()
 
     def join(self, member: str, fingerprint: dict, config: dict, payload: Optional[list] = None) -> dict:
@@ -158,57 +177,216 @@ class _Coordinator:
             if self._pool is None:
                 if payload is None:
                     return {"need_payload": True}
+                from ..cluster.elastic import AutoscaleRule
                 from ..cluster.placement import worker_placement
                 from ..cluster.pool import WorkerPool
 
                 self._payload_ref = ray.put(ray.get(payload[0]))  # this actor's own copy: it outlives the rank
                 self._fingerprint = fingerprint
                 options = dict(config["actor_options"])
+                self._world = config["world"]
+                self._startup_timeout_s = config["startup_timeout_s"]
+                self._target = config["num_workers"] * self._world
                 self._pool = WorkerPool(
-                    self._payload_ref, config["num_workers"], config["base_seed"], options, reuse=False,
+                    self._payload_ref, self._target, config["base_seed"], options, reuse=False,
                     placement=worker_placement(options, config["node_id"]), track_rng=False,
                 )
-                self._generations = [0] * config["num_workers"]
+                self._generations = [0] * self._target
+                if config.get("max_workers") is not None:
+                    self._rule = AutoscaleRule(self._target, config["max_workers"] * self._world)
             self._members[member] = time.monotonic()
-            return {"actors": list(self._pool.actors), "generations": list(self._generations),
-                    "records": list(self._pool.records)}
+            return self._view()
+
+    def _view(self) -> dict:
+        pool = self._pool
+        return {"actors": list(pool.actors), "generations": list(self._generations), "records": list(pool.records),
+                "active": self._active(), "joining": sorted(pool.joining), "retiring": sorted(self._retiring),
+                "world": self._world, "version": self._version, "decisions": list(self._decisions)}
+
+    def view(self) -> dict:
+        with self._lock:
+            return self._view()
+
+    def _active(self) -> list[int]:
+        pool = self._pool
+        return [w for w in range(len(pool.actors))
+                if w not in pool.released and w not in pool.joining and w not in self._retiring]
 
     def wait_ready(self, timeout_s: float) -> dict:
         with self._lock:
             self._pool.wait_ready(timeout_s)
-            return {"actors": list(self._pool.actors), "generations": list(self._generations),
-                    "records": list(self._pool.records)}
+            return self._view()
 
     def replace(self, worker_id: int, generation: int) -> dict:
-        """Replace worker `worker_id` if it is still the `generation` the caller knew; return the current one."""
+        """Replace worker `worker_id` if it is still the `generation` the caller knew; return the current one.
+
+        A worker retired or released meanwhile is not replaced (the caller's view is behind)."""
         with self._lock:
-            if self._generations[worker_id] == generation:
+            gone = worker_id in self._pool.released or worker_id in self._retiring
+            if self._generations[worker_id] == generation and not gone:
                 self._pool.replace(worker_id)
                 self._generations[worker_id] += 1
                 self._pool.records[worker_id] = None
-            return {"actor": self._pool.actors[worker_id], "generation": self._generations[worker_id]}
+            return {"actor": self._pool.actors[worker_id], "generation": self._generations[worker_id],
+                    "retired": gone}
 
-    def renew(self, member: str) -> bool:
+    # ------------------------------------------------------------------ resizing (NOTE [ raydl job pool ])
+
+    def resize(self, per_rank: int) -> dict:
+        """`set_num_workers(per_rank)` on a rank: the job's pool becomes `per_rank x world` workers."""
+        with self._lock:
+            if self._rule is not None:
+                self._rule.min_workers = per_rank * self._world
+                self._rule.max_workers = max(self._rule.max_workers, self._rule.min_workers)
+                self._rule.pending = None
+            self._resize_to(per_rank * self._world)
+            return self._view()
+
+    def _size(self) -> int:
+        return len(self._active()) + len(self._pool.joining)
+
+    def _resize_to(self, target: int) -> None:
+        self._target = target
+        before = self._size()
+        while self._size() < target:
+            self._pool.add_worker(target)
+            self._generations.append(0)
+        while self._size() > target:
+            self._retire_newest()
+        if before != target:
+            logger.info("raydl job %r: pool resized from %d to %d workers", self._name, before, target)
+            self._changed()
+
+    def _retire_newest(self) -> None:
+        """Cancel the newest joining worker, else take the newest active one out of every rank's dispatch."""
+        if self._pool.joining:
+            self._pool.release(max(self._pool.joining))
+            return
+        wid = max(self._active())
+        self._retiring[wid] = set(self._members)
+        self._release_if_done(wid)
+
+    def done_with(self, member: str, worker_id: int) -> None:
+        """`member` has no task left on retiring worker `worker_id`."""
+        with self._lock:
+            if worker_id in self._retiring:
+                self._retiring[worker_id].discard(member)
+                self._release_if_done(worker_id)
+
+    def _release_if_done(self, wid: int) -> None:
+        if not self._retiring[wid]:
+            del self._retiring[wid]
+            self._pool.release(wid)
+            self._changed()
+
+    def _changed(self) -> None:
+        self._version += 1
+        self._reports.clear()  # windows measured before the change do not count
+        self._wake.set()
+
+    def report(self, member: str, version: int, epoch: int, figures: tuple) -> int:
+        """A rank's autoscaler window: (batches, seconds, seconds waited in next(), seconds of batch making).
+
+        Once every member has reported one since the last change, the job's rule decides: the job
+        waits as much as its most starved rank, its workers are as busy as all ranks' batches keep them."""
+        with self._lock:
+            if self._rule is None or version != self._version or member not in self._members:
+                return self._version
+            if epoch > self._epoch:
+                self._epoch = epoch
+                self._rule.new_epoch()
+            self._reports[member] = figures
+            if set(self._members) <= set(self._reports) and not self._pool.joining and not self._retiring:
+                self._decide()
+            return self._version
+
+    def _decide(self) -> None:
+        from ..cluster.connect import fits_available, resource_request
+        from ..cluster.elastic import AutoscaleDecision
+
+        reports, self._reports = list(self._reports.values()), {}
+        n = len(self._active())
+        window_s = max(r[1] for r in reports)
+        wait = max(r[2] / r[1] for r in reports)
+        busy_workers = sum(r[3] / r[1] for r in reports)
+        rate = min(r[0] / r[1] for r in reports)  # the job steps at its slowest rank's pace
+        request = resource_request(self._pool.actor_options)
+        step = self._rule.decide(n, wait, busy_workers, rate, lambda: not request or fits_available(request))
+        if step is None:
+            return
+        action, why = step
+        after = n + 1 if action == "add" else n - 1
+        self._resize_to(after)
+        self._decisions.append(AutoscaleDecision(action, n, after, sum(r[0] for r in reports), window_s, wait,
+                                                 busy_workers / n, rate, 0))
+        logger.info("raydl job %r autoscale: %s, %d -> %d workers: over %.2f s the most starved rank waited %.0f%%, "
+                    "workers were busy %.0f%% (%s)", self._name, action, n, after, window_s, 100 * wait,
+                    100 * busy_workers / n, why)
+
+    def _poll_joining(self) -> None:
+        if not self._pool.joining:
+            return
+        try:
+            joined, failed = self._pool.poll_joining(self._pool_startup_timeout_s())
+        except Exception as e:  # worker_init_fn raised in a new worker: the pool stays as it was
+            logger.warning("raydl job %r: a new worker failed to start (%s)", self._name, e)
+            self._rule_cap()
+            self._changed()
+            return
+        for wid, why in failed:
+            logger.warning("raydl job %r: worker %d was not added to the pool (%s)", self._name, wid, why)
+        if failed:
+            self._rule_cap()
+        if joined or failed:
+            self._changed()
+
+    def _rule_cap(self) -> None:
+        if self._rule is not None:
+            self._rule.cap = min(self._rule.cap, self._size())
+            self._rule.pending = None
+
+    def _pool_startup_timeout_s(self) -> float:
+        return float(self._startup_timeout_s)
+
+    # ------------------------------------------------------------------ membership
+
+    def renew(self, member: str) -> dict:
         with self._lock:
             if member not in self._members or self._ended:
-                return False
+                return {"member": False, "version": self._version}
             self._members[member] = time.monotonic()
-            return True
+            return {"member": True, "version": self._version}
 
     def leave(self, member: str) -> None:
         with self._lock:
-            self._members.pop(member, None)
+            self._drop(member)
             self._end_if_unused()
 
+    def _drop(self, member: str) -> None:
+        self._members.pop(member, None)
+        self._reports.pop(member, None)
+        for wid in list(self._retiring):
+            self._retiring[wid].discard(member)
+            self._release_if_done(wid)
+
     def _watch(self) -> None:
+        last_check = time.monotonic()
         while not self._ended:
-            time.sleep(_COORDINATOR_CHECK_S)
+            self._wake.wait(0.1 if self._pool is not None and self._pool.joining else _COORDINATOR_CHECK_S)
+            self._wake.clear()
             with self._lock:
+                if self._ended:
+                    return
+                if self._pool is not None:
+                    self._poll_joining()
                 now = time.monotonic()
+                if now - last_check < _COORDINATOR_CHECK_S:
+                    continue
+                last_check = now
                 for m, seen in list(self._members.items()):
                     if now - seen > JOB_LEASE_S:
                         logger.info("raydl job %r: a rank was not heard from for %.0f s: dropped", self._name, now - seen)
-                        del self._members[m]
+                        self._drop(m)
                 self._end_if_unused()
 
     def _end_if_unused(self) -> None:
@@ -243,25 +421,26 @@ class JobPool:
 
     def __init__(self, name: str, rank: int, world: int, num_workers: int, make_payload_ref: Callable[[], Any],
                  fingerprint: Mapping[str, Any], base_seed: int, actor_options: Mapping[str, Any],
-                 startup_timeout_s: float) -> None:
+                 startup_timeout_s: float, max_workers: Optional[int] = None) -> None:
         import ray
 
         self.name, self.rank, self.world = name, rank, world
         self.actor_options = dict(actor_options)
         self._make_payload_ref = make_payload_ref
         self._fingerprint = dict(fingerprint)
-        self._config = {"num_workers": num_workers * world, "base_seed": base_seed,
-                        "actor_options": self.actor_options, "node_id": ray.get_runtime_context().get_node_id()}
+        self._config = {"num_workers": num_workers, "world": world, "max_workers": max_workers, "base_seed": base_seed,
+                        "actor_options": self.actor_options, "node_id": ray.get_runtime_context().get_node_id(),
+                        "startup_timeout_s": startup_timeout_s}
         self._member = f"{rank}-{uuid.uuid4().hex[:8]}"
         self._startup_timeout_s = startup_timeout_s
         self.epoch = 0
         self.joining: dict[int, float] = {}
         self.released: set[int] = set()
+        self.restarts: list[int] = []
+        self.changed = threading.Event()  # the coordinator's worker set changed: fetch `view()`
         self._alive = True
         self._ready = False
         self._attach()
-        n = len(self.actors)
-        self.restarts = [0] * n
         # The coordinator configured the workers, not this process: Ray orders one caller's tasks to an
         # actor, not two callers', so no task of this rank may reach a worker before it is ready.
         self.wait_ready(startup_timeout_s)
@@ -297,6 +476,42 @@ class JobPool:
         self.actors = list(reply["actors"])
         self.generations = list(reply["generations"])
         self.records: list[Optional[WorkerRecord]] = list(reply["records"])
+        if "active" not in reply:
+            return
+        self.active: list[int] = list(reply["active"])
+        self.retiring: list[int] = list(reply["retiring"])
+        self.job_world: int = reply["world"]
+        self.version: int = reply["version"]
+        self.decisions: list = list(reply["decisions"])
+        self.restarts += [0] * (len(self.actors) - len(self.restarts))
+        self.joining = {w: 0.0 for w in reply["joining"]}
+        self.released = set(range(len(self.actors))) - set(self.active) - set(self.retiring) - set(self.joining)
+
+    # ------------------------------------------------------------------ the job's worker set
+
+    def view(self) -> None:
+        """Fetch the coordinator's worker set now."""
+        self.changed.clear()
+        reply = self._call("view")
+        if reply is not None:
+            self._take(reply)
+
+    def resize(self, per_rank: int) -> None:
+        """The job's pool becomes `per_rank x world size` workers (set_num_workers on any rank)."""
+        self.changed.clear()
+        reply = self._call("resize", per_rank)
+        if reply is not None:
+            self._take(reply)
+
+    def done_with(self, worker_id: int) -> None:
+        """This rank has no task left on retiring worker `worker_id`."""
+        self._coord.done_with.remote(self._member, worker_id)
+
+    def report(self, epoch: int, figures: tuple) -> None:
+        """One autoscaler window of this rank, for the job's rule (in the coordinator)."""
+        version = self._call("report", self._member, self.version, epoch, figures)
+        if version is None or version != self.version:
+            self.changed.set()
 
     def _call(self, method: str, *args: Any) -> Any:
         """A coordinator call; a dead coordinator is recreated (and the pool with it) once."""
@@ -337,6 +552,8 @@ class JobPool:
         if reply is not None:
             self.actors[worker_id] = reply["actor"]
             self.generations[worker_id] = reply["generation"]
+            if reply["retired"]:
+                self.changed.set()
         self.restarts[worker_id] += 1
         self._ready = False
 
@@ -354,12 +571,6 @@ class JobPool:
         where = f"pid {record.pid}, node {record.node_ip}" if record is not None else "not started"
         return f"raydl worker {worker_id} of job {self.name!r} ({where})"
 
-    def add_worker(self, info_num_workers: int) -> int:
-        raise ValueError("a ray_job pool cannot be resized yet")
-
-    def poll_joining(self, timeout_s: float) -> tuple[list[int], list[tuple[int, str]]]:
-        return [], []
-
     def release(self, worker_id: int) -> None:
         self.released.add(worker_id)
 
@@ -375,9 +586,12 @@ class JobPool:
         import ray
 
         try:
-            return bool(ray.get(self._coord.renew.remote(self._member), timeout=JOB_LEASE_RENEW_S * 2))
+            reply = ray.get(self._coord.renew.remote(self._member), timeout=JOB_LEASE_RENEW_S * 2)
         except Exception:  # the coordinator is gone or slow: the next call finds out
             return False
+        if reply["version"] != self.version:
+            self.changed.set()
+        return bool(reply["member"])
 
 
 def _leave(coord: Any, member: str, stop: threading.Event) -> None:
