@@ -351,3 +351,33 @@ def test_the_jobs_autoscaler_adds_workers_for_starved_ranks(monkeypatch):
         assert got == sampled[:len(got)], f"rank {r}"
     for loader in loaders:
         loader.shutdown()
+
+
+def test_a_worker_killed_while_the_job_retires_it_costs_no_batch(monkeypatch):
+    """Shrinking the job's pool while the retiring worker's process is SIGKILLed with batches of both ranks on it:
+    its batches are re-made by the workers that stay, each rank's batches are the uninterrupted run's."""
+    n = 64
+    expected = [[b[:, [0, 2]].tolist() for b in loader] for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    loaders = _timed_ranks(monkeypatch, 2, "job-retire-kill", n, delay_s=0.005, num_workers=2)
+    its = [iter(loader) for loader in loaders]
+    killed = []
+
+    def shrink_and_kill(step: int) -> None:
+        if step == 2:
+            victim = max(its[0]._sched.active)
+            pid = its[0]._pool.records[victim].pid
+            for loader in loaders:
+                loader.set_num_workers(1)
+            os.kill(pid, signal.SIGKILL)
+            killed.append((victim, pid))
+
+    out = _lockstep(its, shrink_and_kill)
+    for r in range(2):
+        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+    victim, pid = killed[0]
+    assert all(victim not in it._sched.active and it._pool.restarts[victim] == 0 for it in its)
+    assert pid not in {row[1] for o in out for row in torch.cat(o[4:]).tolist()}
+    assert wait_until(lambda: len(_job_view("job-retire-kill")["active"]) == 2 and
+                      not _job_view("job-retire-kill")["retiring"], timeout_s=20)
+    for loader in loaders:
+        loader.shutdown()
