@@ -170,6 +170,7 @@ class _RayLoaderIter(Iterator[Any]):
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
         self._job_rank: Optional[int] = None
+        self._fetch_methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, its fetch with num_returns=2)
         self._pool: Any
         if options.job is not None:  # the job's pool, shared by its ranks (NOTE [ raydl job pool ])
             rank, world = rank_and_world()
@@ -324,7 +325,11 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
         """Send task `idx` to a worker: (batch ref, meta ref); a batch made on another node starts moving here at once."""
-        ref, meta_ref = self._pool.actors[worker_id].fetch.options(num_returns=2).remote(self._epoch, idx, work)
+        actor = self._pool.actors[worker_id]
+        cached = self._fetch_methods.get(worker_id)
+        if cached is None or cached[0] is not actor:  # `.options()` once per actor: ~25 us a batch (Ray 2.60)
+            cached = self._fetch_methods[worker_id] = (actor, actor.fetch.options(num_returns=2))
+        ref, meta_ref = cached[1].remote(self._epoch, idx, work)
         if self._on_other_node(worker_id):
             self._prefetch([ref])
         return ref, meta_ref
