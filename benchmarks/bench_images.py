@@ -4,6 +4,7 @@
     python benchmarks/bench_images.py            # full run (about 11-15 minutes on 2 cores; +70 s once for the JPEGs)
     python benchmarks/bench_images.py --quick    # smoke run (about 1 minute; +20 s once for its JPEGs)
     python benchmarks/bench_images.py --report benchmarks/results/images-<stamp>.jsonl   # re-render a run
+    python benchmarks/bench_images.py --offload [--quick]   # the offload shape (bench_images_offload.py)
 
 The workload: a folder of generated 500x375 JPEGs that decode like photos (1/f texture, light
 gradient, soft-edged objects, sensor noise; ~100 KB each, quality 90), one folder per class, the
@@ -150,7 +151,7 @@ class Loader:
 
 
 class TorchLike(Loader):
-    def __init__(self, kind: str, ds, args) -> None:
+    def __init__(self, kind: str, ds, args, raydl_kwargs: Optional[dict] = None) -> None:
         import torch
 
         common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers, persistent_workers=True)
@@ -160,7 +161,7 @@ class TorchLike(Loader):
             import raydl
 
             kw = {"ray_threads_per_worker": 2} if kind == "raydl-threads2" else {}
-            self.loader = raydl.DataLoader(ds, **common, **kw)
+            self.loader = raydl.DataLoader(ds, **common, **kw, **(raydl_kwargs or {}))
         self.kind = kind
 
     def epoch(self) -> Iterator:
@@ -193,7 +194,8 @@ def _raydata_row(row: dict, _transform=[]) -> dict:  # noqa: B006 - a per-proces
 class RayDataLoader(Loader):
     ray_workers_are_workers = True
 
-    def __init__(self, ds, args) -> None:
+    def __init__(self, ds, args, remote_args: Optional[dict] = None) -> None:
+        """`remote_args`: Ray remote arguments of the shuffle's and the map's tasks (where they run)."""
         import ray
 
         _start_local_ray_like_raydl()
@@ -212,7 +214,8 @@ class RayDataLoader(Loader):
         # One block per batch of paths: with from_items' default (up to 200 blocks) the per-epoch
         # shuffle and the map are hundreds of tiny tasks (measured 60 vs 250-340 images/s).
         blocks = max(1, -(-len(items) // args.batch_size))
-        self.ds = ray.data.from_items(items, override_num_blocks=blocks).random_shuffle().map(_raydata_row)
+        ra = remote_args or {}
+        self.ds = ray.data.from_items(items, override_num_blocks=blocks).random_shuffle(**ra).map(_raydata_row, **ra)
         self.batch_size = args.batch_size
         self._ray = ray
 
@@ -801,7 +804,14 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
 
 
 def main() -> int:
+    if "--offload" in sys.argv[1:]:  # its own driver, pinned to one core before torch is imported (no child processes)
+        import bench_images_offload
+
+        return bench_images_offload.main([a for a in sys.argv[1:] if a != "--offload"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--offload", action="store_true", help="the offload shape instead: trainer on one core, workers on "
+                   "a second loopback Ray node, a training step as costly as the batch (bench_images_offload.py; "
+                   "`--offload --help` for its options)")
     p.add_argument("--quick", action="store_true", help="smoke run: 640 images, 1 measured epoch, 1 repetition")
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, from {','.join(LOADERS)}")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")

@@ -38,6 +38,7 @@ import gc  # noqa: E402
 import subprocess  # noqa: E402
 import importlib.metadata  # noqa: E402
 import time  # noqa: E402
+from typing import Any, Callable, Optional  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
@@ -85,18 +86,26 @@ def _busy_other_core(code: str):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
-def measure_contention(iters: int, step: TrainStep, rounds: int = 3) -> tuple[float, float]:
+def measure_contention(iters: int, step: TrainStep, rounds: int = 3, sample: Optional[Callable[[int], Any]] = None,
+                       sample_code: Optional[str] = None, settle_s: float = 0.5) -> tuple[float, float]:
     """How much slower each side runs while the other core is busy: (data factor, step factor).
 
     The ideal offload ratio assumes the two cores do not slow each other. On a VM whose vCPUs
     share a physical core (or its caches and memory bandwidth) they do, and no loader can beat
     the contended ceiling. Measured on the trainer's core, alone and beside a process on the data
-    core running the other side's work; median of `rounds` alternations.
+    core running the other side's work; median of `rounds` alternations. The data work is
+    `sample(i)` (default: this benchmark's CPU-bound sample, `iters` passes) and, on the data core,
+    `sample_code` (the same work forever; code run after `import _common as C`); the process on
+    the data core gets `settle_s` to start before each timing (longer when its code imports torch).
     """
+    if sample is None:
+        def sample(i: int) -> Any:
+            return C.cpu_sample(i, iters)
+
     def per_sample() -> float:
         t0 = time.perf_counter()
         for i in range(120):
-            C.cpu_sample(i, iters)
+            sample(i)
         return (time.perf_counter() - t0) / 120
 
     def per_step() -> float:
@@ -109,7 +118,7 @@ def measure_contention(iters: int, step: TrainStep, rounds: int = 3) -> tuple[fl
         """`timed()` while a process on the data core runs `code`."""
         other = _busy_other_core(code)
         try:
-            time.sleep(0.5)
+            time.sleep(settle_s)
             return timed()
         finally:
             other.kill()
@@ -117,7 +126,7 @@ def measure_contention(iters: int, step: TrainStep, rounds: int = 3) -> tuple[fl
 
     matmul = ("import numpy as np\na = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)\n"
               "while True: a = np.tanh(a @ a * 0.01)")
-    samples = f"i = 0\nwhile True:\n    C.cpu_sample(i, {iters}); i += 1"
+    samples = sample_code or f"i = 0\nwhile True:\n    C.cpu_sample(i, {iters}); i += 1"
     data_f, step_f = [], []
     for _ in range(rounds):
         alone_d, alone_s = per_sample(), per_step()
@@ -142,6 +151,48 @@ def run_epochs(loader, epochs: int, step: TrainStep) -> dict:
             n += len(batch[1])
     t2 = time.perf_counter()
     return {"ttfb_s": first_batch, "samples_per_s": n / (t2 - t1), "first_epoch_s": t1 - t0}
+
+
+def start_cluster(cluster: C.LocalCluster, data_slots: int) -> float:
+    """The offload shape: a head node on the trainer's core (GCS, the driver's raylet), a 1-CPU
+    {"data": data_slots} node on the data core; connect this driver. Returns the seconds it took."""
+    t0 = time.perf_counter()
+    cluster.start(0, taskset=str(TRAINER_CPU))  # head only: GCS + the driver's raylet, on the trainer's core
+    cluster.add_worker_node(num_cpus=1, resources={"data": data_slots}, object_store_bytes=500_000_000,
+                            taskset=str(DATA_CPU))
+    C.connect_driver(cluster.address)
+    import ray
+
+    C.wait_for_nodes(2)
+    C.register_by_value()
+    took = time.perf_counter() - t0
+    C.log(f"cluster up in {took:.1f} s: {[n_['Resources'] for n_ in ray.nodes() if n_['Alive']]}")
+    return took
+
+
+def raydl_placement(loader, driver_node: str) -> tuple[bool, list]:
+    """(whether every worker of a started raydl loader is on a node other than the driver's, their CPU affinity)."""
+    recs = loader.worker_records
+    return (all(r.node_id != driver_node for r in recs),
+            sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()}))
+
+
+def children_affinity() -> list:
+    """CPU affinity of this process's children (torch's forked workers)."""
+    return sorted({c for ch in psutil.Process().children() for c in ch.cpu_affinity()})
+
+
+def offload_ceilings(data_ms: float, step_ms: float, contention: tuple[float, float]) -> tuple[str, str]:
+    """(ideal offload ratio, ceiling with the cores contended), formatted; "—" while D is not known.
+
+    torch's one core does data (D ms/batch) and step S in turn, 1/(D+S); offloaded, the slower of
+    the two sets the pace, 1/max(D, S): the ratio is at most (D+S)/max(D, S) <= 2. Contended: each
+    side slowed by its factor measured while the other core is busy.
+    """
+    ideal = f"{(data_ms + step_ms) / max(data_ms, step_ms):.2f}×" if data_ms else "—"
+    contended = (f"{(data_ms + step_ms) / max(data_ms * contention[0], step_ms * contention[1]):.2f}×"
+                 if data_ms and step_ms else ideal)
+    return ideal, contended
 
 
 def main() -> int:
@@ -195,16 +246,9 @@ def main() -> int:
     rows, notes = [], []
     data_ms = 0.0  # torch's ms of data work per batch on the one core, from the step-0 row
     try:
-        t0 = time.perf_counter()
-        cluster.start(0, taskset=str(TRAINER_CPU))  # head only: GCS + the driver's raylet, on the trainer's core
-        cluster.add_worker_node(num_cpus=1, resources={"data": W}, object_store_bytes=500_000_000, taskset=str(DATA_CPU))
-        C.connect_driver(cluster.address)
+        cluster_start_s = start_cluster(cluster, W)
         import ray
 
-        C.wait_for_nodes(2)
-        C.register_by_value()
-        cluster_start_s = time.perf_counter() - t0
-        C.log(f"cluster up in {cluster_start_s:.1f} s: {[n_['Resources'] for n_ in ray.nodes() if n_['Alive']]}")
         driver_node = ray.get_runtime_context().get_node_id()
 
         def make(name: str):
@@ -221,14 +265,13 @@ def main() -> int:
         for name in variants:
             loader = make(name)
             next(iter(loader))
-            recs = loader.worker_records
-            placement[f"{name}_worker_nodes_differ_from_driver"] = all(r.node_id != driver_node for r in recs)
-            placement[f"{name}_worker_affinity"] = sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()})
+            (placement[f"{name}_worker_nodes_differ_from_driver"],
+             placement[f"{name}_worker_affinity"]) = raydl_placement(loader, driver_node)
             loader.shutdown()
         loader = make("torch")
         it = iter(loader)
         next(it)
-        placement["torch_worker_affinity"] = sorted({c for ch in psutil.Process().children() for c in ch.cpu_affinity()})
+        placement["torch_worker_affinity"] = children_affinity()
         del it, loader
         res.write({"section": "placement", **placement})
         C.log(f"placement: {placement}")
@@ -242,23 +285,22 @@ def main() -> int:
         while queue:
             ms, step = queue.pop(0)
             got: dict = {name: [] for name in names}
-            for rep in range(reps):
-                for name in names[rep % len(names):] + names[: rep % len(names)]:  # rotated order
-                    gc.collect()
-                    loader = make(name)
-                    gate.wait()
-                    with C.LoadMonitor(extra_roots=mon_roots) as mon:
-                        r = run_epochs(loader, epochs, step)
-                    if hasattr(loader, "shutdown"):
-                        loader.shutdown()
-                    del loader
-                    rec = {"section": "offload", "loader": name, "train_ms": ms, "rep": rep, "num_workers": W,
-                           "samples_per_epoch": n, "measured_epochs": epochs, **r,
-                           "foreign_cores": round(mon.foreign_cores, 3), "our_cores": round(mon.ours_cores, 3)}
-                    res.write(rec)
-                    got[name].append(rec)
-                    C.log(f"train {ms:g} ms/batch rep {rep} {name:6s} {r['samples_per_s']:7.0f} samples/s "
-                          f"(foreign load {mon.foreign_cores:.2f} cores)")
+            for rep, name in rotation(names, reps):  # rotated order
+                gc.collect()
+                loader = make(name)
+                gate.wait()
+                with C.LoadMonitor(extra_roots=mon_roots) as mon:
+                    r = run_epochs(loader, epochs, step)
+                if hasattr(loader, "shutdown"):
+                    loader.shutdown()
+                del loader
+                rec = {"section": "offload", "loader": name, "train_ms": ms, "rep": rep, "num_workers": W,
+                       "samples_per_epoch": n, "measured_epochs": epochs, **r,
+                       "foreign_cores": round(mon.foreign_cores, 3), "our_cores": round(mon.ours_cores, 3)}
+                res.write(rec)
+                got[name].append(rec)
+                C.log(f"train {ms:g} ms/batch rep {rep} {name:6s} {r['samples_per_s']:7.0f} samples/s "
+                      f"(foreign load {mon.foreign_cores:.2f} cores)")
             t = [r["samples_per_s"] for r in got["torch"]]
             fl = C.median([r["foreign_cores"] for name in names for r in got[name]])
             # The best any offload can do: torch's one core does data (D ms/batch, from torch's rate
@@ -269,15 +311,12 @@ def main() -> int:
                 if "D" in wanted:  # the balanced case: a step as long as torch's data work per batch
                     queue.append((round(data_ms), TrainStep(round(data_ms))))
                     C.log(f"D = {data_ms:.0f} ms of data work per batch: adding a {round(data_ms)} ms step")
-            ceiling = f"{(data_ms + ms) / max(data_ms, ms):.2f}×" if data_ms else "—"
-            contended = (f"{(data_ms + ms) / max(data_ms * contention[0], ms * contention[1]):.2f}×"
-                         if data_ms and ms else ceiling)
+            ceiling, contended = offload_ceilings(data_ms, ms, contention)
             row = [f"{ms:g}", f"{C.median(t):,.0f} ({min(t):,.0f}–{max(t):,.0f})"]
             for name in variants:
                 d = [r["samples_per_s"] for r in got[name]]
-                paired = [dr / tr for dr, tr in zip(d, t)]  # same repetition: measured close together
-                row += [f"{C.median(d):,.0f} ({min(d):,.0f}–{max(d):,.0f})",
-                        f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})"]
+                paired, cells = paired_cells(d, t)
+                row += cells
                 res.write({"section": "offload_summary", "loader": name, "train_ms": ms, "torch_median": C.median(t),
                            "raydl_median": C.median(d), "ratio_paired_median": C.median(paired),
                            "ratio_paired_all": paired, "foreign_cores_median": fl})
@@ -308,6 +347,25 @@ def main() -> int:
               "factor measured on this machine while the other core is busy (a data sample, a train step; medians of "
               "alternated runs before Ray starts). torch's single core runs uncontended; an offloaded loader keeps both "
               "cores busy, so this is the most any loader can reach here."]
+    return close_report(res, lines, notes, cluster_start_s, start)
+
+
+def paired_cells(rates: list, torch_rates: list) -> tuple[list, list]:
+    """Per-repetition ratios to torch (same repetition: measured close together) and the two table cells."""
+    paired = [r / t for r, t in zip(rates, torch_rates)]
+    return paired, [f"{C.median(rates):,.0f} ({min(rates):,.0f}–{max(rates):,.0f})",
+                    f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})"]
+
+
+def rotation(names: list, reps: int):
+    """(repetition, loader) pairs: each repetition runs every loader, starting one further along each time."""
+    for rep in range(reps):
+        for name in names[rep % len(names):] + names[: rep % len(names)]:
+            yield rep, name
+
+
+def close_report(res, lines: list, notes: list, cluster_start_s: float, start: float) -> int:
+    """The report's notes, then the results written (Markdown, JSON lines) with the cluster's start-up time."""
     for note in notes:
         lines += ["", f"Note: {note}"]
     res.finish_cluster_report(lines, cluster_start_s, start)
