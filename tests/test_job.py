@@ -103,12 +103,11 @@ def test_job_batches_equal_private_loaders_with_sample_seeding(monkeypatch):
 
 
 def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
-    """A job worker SIGKILLed mid-epoch: each rank still gets its batches once, in order, with their content."""
-    expected = []
-    for r in range(2):
-        loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample", num_workers=0)
-        expected.append([b[:, [0, 2]].tolist() for b in loader])
-    loaders = [_rank_loader(monkeypatch, r, 2, "job-kill", ray_seed="sample") for r in range(2)]
+    """A job worker SIGKILLed mid-epoch with batches of both ranks on it: each rank still gets its batches once, in
+    order, with their content; the job replaces it once, whichever rank sees the death first."""
+    n = 96
+    expected = [[b[:, [0, 2]].tolist() for b in loader] for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    loaders = _timed_ranks(monkeypatch, 2, "job-kill", n, delay_s=0.005, num_workers=2)
     its = [iter(loader) for loader in loaders]
     killed = []
 
@@ -122,8 +121,11 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
     assert killed
     for r in range(2):
         assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
-    pids = {row[1] for o in out for row in torch.cat(o[4:]).tolist()}
+    pids = {row[1] for o in out for row in torch.cat(o[8:]).tolist()}
     assert killed[0] not in pids
+    assert _job_view("job-kill")["generations"] == [0, 1, 0, 0], "replaced once for the job"
+    assert [it._pool.restarts for it in its] in ([[0, 1, 0, 0]] * 2, [[0, 1, 0, 0], [0, 0, 0, 0]],
+                                                  [[0, 0, 0, 0], [0, 1, 0, 0]])
     for loader in loaders:
         loader.shutdown()
 

@@ -22,7 +22,8 @@ detached, so that no rank's exit takes the pool with it):
     the others get it. Every rank re-sends its own lost batches (NOTE [ raydl recovery ]).
   * membership: each rank's pool client registers with the coordinator and renews its lease from
     a daemon thread (every JOB_LEASE_RENEW_S); a rank that leaves (iterator shut down) or whose
-    lease runs out (JOB_LEASE_S: its process died) is dropped. With no member left the
+    lease runs out (JOB_LEASE_S, or RAYDL_JOB_LEASE_S in the environment of the rank that starts
+    the pool: its process died) is dropped. With no member left the
     coordinator ends the workers and itself; a restarted rank finds the pool while any rank
     holds it, or starts a new one. A coordinator that died is recreated by the next rank that
     calls it (its workers die with it: each rank's recovery asks for a replacement, finds the
@@ -57,8 +58,25 @@ __all__ = ["JobPool", "job_name", "job_fingerprint", "rank_and_world", "coordina
 logger = logging.getLogger(__name__)
 
 JOB_NAMESPACE = "raydl"
-JOB_LEASE_S = 30.0  # a member not heard from for this long is gone (its process died)
+JOB_LEASE_S = 30.0  # a member not heard from for this long is gone (its process died); env RAYDL_JOB_LEASE_S
 JOB_LEASE_RENEW_S = 2.0  # also how soon a rank hears of a change another rank or the autoscaler made
+
+
+def lease_s() -> float:
+    """The job's lease, as the rank that starts the pool sees it: RAYDL_JOB_LEASE_S, else JOB_LEASE_S.
+
+    Shorter frees a killed rank's hold on the pool sooner; it must stay well above the renewal
+    period (a rank renews every min(JOB_LEASE_RENEW_S, lease / 4)) and above any pause of a rank's process."""
+    raw = os.environ.get("RAYDL_JOB_LEASE_S")
+    if raw is None:
+        return JOB_LEASE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = -1.0
+    if not value >= 2.0:
+        raise ValueError(f"RAYDL_JOB_LEASE_S should be a number of seconds, at least 2, got {raw!r}")
+    return value
 _COORDINATOR_CHECK_S = 5.0
 
 
@@ -153,6 +171,7 @@ class _Coordinator:
         self._members: dict[str, float] = {}
         self._ended = False
         self._version = 0
+        self._lease_s = JOB_LEASE_S
         self._world = 1
         self._target = 0  # workers active or joining that the job wants
         self._retiring: dict[int, set[str]] = {}  # worker id -> members that may still have tasks on it
@@ -186,6 +205,7 @@ class _Coordinator:
                 options = dict(config["actor_options"])
                 self._world = config["world"]
                 self._startup_timeout_s = config["startup_timeout_s"]
+                self._lease_s = config["lease_s"]
                 self._target = config["num_workers"] * self._world
                 self._pool = WorkerPool(
                     self._payload_ref, self._target, config["base_seed"], options, reuse=False,
@@ -372,7 +392,8 @@ class _Coordinator:
     def _watch(self) -> None:
         last_check = time.monotonic()
         while not self._ended:
-            self._wake.wait(0.1 if self._pool is not None and self._pool.joining else _COORDINATOR_CHECK_S)
+            check_s = min(_COORDINATOR_CHECK_S, self._lease_s / 4)
+            self._wake.wait(0.1 if self._pool is not None and self._pool.joining else check_s)
             self._wake.clear()
             with self._lock:
                 if self._ended:
@@ -380,11 +401,11 @@ class _Coordinator:
                 if self._pool is not None:
                     self._poll_joining()
                 now = time.monotonic()
-                if now - last_check < _COORDINATOR_CHECK_S:
+                if now - last_check < check_s:
                     continue
                 last_check = now
                 for m, seen in list(self._members.items()):
-                    if now - seen > JOB_LEASE_S:
+                    if now - seen > self._lease_s:
                         logger.info("raydl job %r: a rank was not heard from for %.0f s: dropped", self._name, now - seen)
                         self._drop(m)
                 self._end_if_unused()
@@ -430,7 +451,8 @@ class JobPool:
         self._fingerprint = dict(fingerprint)
         self._config = {"num_workers": num_workers, "world": world, "max_workers": max_workers, "base_seed": base_seed,
                         "actor_options": self.actor_options, "node_id": ray.get_runtime_context().get_node_id(),
-                        "startup_timeout_s": startup_timeout_s}
+                        "startup_timeout_s": startup_timeout_s, "lease_s": lease_s()}
+        self._renew_s = min(JOB_LEASE_RENEW_S, self._config["lease_s"] / 4)
         self._member = f"{rank}-{uuid.uuid4().hex[:8]}"
         self._startup_timeout_s = startup_timeout_s
         self.epoch = 0
@@ -445,7 +467,7 @@ class JobPool:
         # actor, not two callers', so no task of this rank may reach a worker before it is ready.
         self.wait_ready(startup_timeout_s)
         self._stop = threading.Event()
-        threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop), name="raydl_job_lease",
+        threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, self._renew_s), name="raydl_job_lease",
                          daemon=True).start()
 
     # ------------------------------------------------------------------ the coordinator
@@ -468,13 +490,22 @@ class JobPool:
                     + ", ".join(f"{k} {old!r} there, {new!r} here" for k, (old, new) in reply["mismatch"].items())
                     + ". Every rank of a job must build the same loader (or use another ray_job name)."
                 )
-            self._take(reply)
+            self._take(reply, fresh=True)
             return
         raise RuntimeError(f"ray_job {self.name!r}: the job's coordinator kept ending while this rank joined")
 
-    def _take(self, reply: dict) -> None:
-        self.actors = list(reply["actors"])
-        self.generations = list(reply["generations"])
+    def _take(self, reply: dict, fresh: bool = False) -> None:
+        """Take the coordinator's worker set. Only a fresh one (just joined: maybe a new coordinator) replaces the
+        actors this rank knows; otherwise it learns only new workers: a worker another rank replaced is learned
+        when this rank's task on the dead actor fails and `replace` names the generation it knew (taking the
+        new generation here would have the coordinator replace a healthy replacement)."""
+        if fresh or not hasattr(self, "actors"):
+            self.actors = list(reply["actors"])
+            self.generations = list(reply["generations"])
+        else:
+            known = len(self.actors)
+            self.actors += list(reply["actors"][known:])
+            self.generations += list(reply["generations"][known:])
         self.records: list[Optional[WorkerRecord]] = list(reply["records"])
         if "active" not in reply:
             return
@@ -586,7 +617,7 @@ class JobPool:
         import ray
 
         try:
-            reply = ray.get(self._coord.renew.remote(self._member), timeout=JOB_LEASE_RENEW_S * 2)
+            reply = ray.get(self._coord.renew.remote(self._member), timeout=self._renew_s * 2)
         except Exception:  # the coordinator is gone or slow: the next call finds out
             return False
         if reply["version"] != self.version:
@@ -606,8 +637,8 @@ def _leave(coord: Any, member: str, stop: threading.Event) -> None:
         pass
 
 
-def _renew_loop(pool_ref: Any, stop: threading.Event) -> None:
-    while not stop.wait(JOB_LEASE_RENEW_S):
+def _renew_loop(pool_ref: Any, stop: threading.Event, every_s: float) -> None:
+    while not stop.wait(every_s):
         pool = pool_ref()
         if pool is None or not pool.alive:
             return
