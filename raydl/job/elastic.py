@@ -71,6 +71,9 @@ class JobElastic(ElasticPool):
                 self._pool.done_with(wid)
             else:
                 self.retiring.add(wid)
+        for wid in self._pool.retiring:  # retired before this rank sent it anything (it never heard it joined)
+            if wid not in self._sched.active and wid not in self.retiring:
+                self._pool.done_with(wid)
         for wid in self._pool.active:
             if wid not in self._sched.active and wid not in self.retiring:
                 self._sched.add_worker(wid)

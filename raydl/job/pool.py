@@ -184,8 +184,6 @@ class _Coordinator:
 
     def join(self, member: str, fingerprint: dict, config: dict, payload: Optional[list] = None) -> dict:
         """Register `member`; start the pool on the first call that brings the payload."""
-        import ray
-
         with self._lock:
             if self._ended:
                 return {"ended": True}
@@ -200,7 +198,7 @@ class _Coordinator:
                 from ..cluster.placement import worker_placement
                 from ..cluster.pool import WorkerPool
 
-                self._payload_ref = ray.put(ray.get(payload[0]))  # this actor's own copy: it outlives the rank
+                self._payload_ref = self._own_copy(payload[0])
                 self._fingerprint = fingerprint
                 options = dict(config["actor_options"])
                 self._world = config["world"]
@@ -216,6 +214,13 @@ class _Coordinator:
                     self._rule = AutoscaleRule(self._target, config["max_workers"] * self._world)
             self._members[member] = time.monotonic()
             return self._view()
+
+    @staticmethod
+    def _own_copy(payload_ref: Any) -> Any:
+        """This actor's own copy of the worker payload: it outlives the rank that sent it."""
+        import ray
+
+        return ray.put(ray.get(payload_ref))
 
     def _view(self) -> dict:
         pool = self._pool
