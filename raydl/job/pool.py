@@ -534,6 +534,7 @@ class JobPool:
 
     def resize(self, per_rank: int) -> None:
         """The job's pool becomes `per_rank x world size` workers (set_num_workers on any rank)."""
+        self._config["num_workers"] = per_rank  # a coordinator recreated later starts the pool at this size
         self.changed.clear()
         reply = self._call("resize", per_rank)
         if reply is not None:
