@@ -69,6 +69,24 @@ def test_a_new_worker_goes_to_the_node_furthest_below_its_share():
     assert p.node_for_new_worker([]) == "n1"
 
 
+def test_a_jobs_workers_avoid_every_trainer_node_it_heard_of(monkeypatch):
+    """A job's pool: candidates leave out each rank's node once known; the trainers' nodes only when none other is alive."""
+    import ray
+
+    rows = [{"NodeID": f"n{i}", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": 1000 + i,
+             "Resources": {"CPU": 2.0}} for i in range(4)]
+    monkeypatch.setattr(ray, "nodes", lambda: rows)
+    monkeypatch.setattr("raydl.cluster.placement._free_cpus_by_node", lambda: None)
+    p = Placement("n0")
+    assert [n.node_id for n in p.candidates()] == ["n1", "n2", "n3"]
+    p.add_trainer_node("n1")
+    assert [n.node_id for n in p.candidates()] == ["n2", "n3"]
+    assert p.node_for_new_worker(["n2", "n2", "n1"]) == "n3"
+    for node in ("n2", "n3"):
+        p.add_trainer_node(node)
+    assert [n.node_id for n in p.candidates()] == ["n0", "n1", "n2", "n3"]
+
+
 @pytest.mark.parametrize(
     "args, hinted",
     [

@@ -7,7 +7,9 @@ node once the first three were gone (measured on Ray 2.60), and its default stra
 the driver's node, whose CPUs the trainer uses. So, when `ray_remote_args` carries no placement
 hint, raydl decides each worker's node itself:
   * candidates: the alive nodes (`ray.nodes()`) other than the driver's (its CPUs are busy
-    training); the driver's node only when it is the only one. Weights: their free CPUs where
+    training; for a job's pool, other than every rank's node the job has heard of: the
+    first rank's when the pool starts, each joining rank's for workers added or replaced
+    later); the trainers' nodes only when no other node is alive. Weights: their free CPUs where
     Ray reports them (`ray._private.state.available_resources_per_node`, a DeveloperAPI,
     checked against Ray 2.60), else their total CPUs; total CPUs too when no candidate has a
     free CPU (workers reserve none, so they still run there, beside whatever holds the CPUs);
@@ -115,13 +117,19 @@ class Placement:
 
     def __init__(self, driver_node_id: str) -> None:
         self.driver_node_id = driver_node_id
+        self.trainer_nodes = {driver_node_id}  # a job's pool: every rank's node it has heard of (NOTE [ raydl job pool ])
+
+    def add_trainer_node(self, node_id: Optional[str]) -> None:
+        """Another process that trains runs on `node_id`: its CPUs are busy too, new workers go elsewhere if they can."""
+        if node_id:
+            self.trainer_nodes.add(node_id)
 
     def candidates(self) -> list[NodeWeight]:
-        """The alive nodes workers may go to now, with their weights; the driver's node only if it is the only one."""
+        """The alive nodes workers may go to now, with their weights; the trainers' nodes only if no other is alive."""
         import ray
 
         rows = [row for row in ray.nodes() if row.get("Alive")]
-        others = [row for row in rows if row["NodeID"] != self.driver_node_id]
+        others = [row for row in rows if row["NodeID"] not in self.trainer_nodes]
         rows = others or rows
         free = _free_cpus_by_node()
         total = {row["NodeID"]: float((row.get("Resources") or {}).get("CPU", 0.0)) for row in rows}

@@ -165,6 +165,7 @@ class _Coordinator:
         self._name = name
         self._lock = threading.RLock()
         self._pool: Any = None
+        self._placement: Any = None
         self._payload_ref: Any = None
         self._fingerprint: Optional[dict] = None
         self._generations: list[int] = []
@@ -205,13 +206,16 @@ class _Coordinator:
                 self._startup_timeout_s = config["startup_timeout_s"]
                 self._lease_s = config["lease_s"]
                 self._target = config["num_workers"] * self._world
+                self._placement = worker_placement(options, config["node_id"])
                 self._pool = WorkerPool(
                     self._payload_ref, self._target, config["base_seed"], options, reuse=False,
-                    placement=worker_placement(options, config["node_id"]), track_rng=False,
+                    placement=self._placement, track_rng=False,
                 )
                 self._generations = [0] * self._target
                 if config.get("max_workers") is not None:
                     self._rule = AutoscaleRule(self._target, config["max_workers"] * self._world)
+            if self._placement is not None:  # workers added or replaced later avoid every rank's node
+                self._placement.add_trainer_node(config.get("node_id"))
             self._members[member] = time.monotonic()
             return self._view()
 
