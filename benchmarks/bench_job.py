@@ -15,6 +15,14 @@ step = both ranks' batches), and ratios are paired within a repetition.
 
 Also: `ray_seed="sample"` against `"batch"` on the overhead floor (a 16-float sample, batch 64,
 one rank, 2 workers): samples/s, paired.
+
+    python benchmarks/bench_job.py --autoscale   # ~4 min: the job's autoscaler (NOTE [ raydl job elastic ])
+
+Two lockstep ranks on an I/O-bound dataset (`--io-ms` of sleep per sample: a remote read), one
+long epoch: a job pool fixed at 1 worker per rank, one fixed at `--max-per-rank`, and one with
+`num_workers=1, ray_max_workers=--max-per-rank` that the coordinator grows on both ranks'
+windows. Reported: job steps/s over the epoch's second half (settled), the job's size at the end,
+the step of its last decision, and the decisions.
 """
 
 from __future__ import annotations
@@ -93,6 +101,74 @@ def job_steps_per_s(args, job: bool, straggler: bool, rep: int) -> float:
     return C.median(rates)
 
 
+class Sleepy(Dataset):
+    """Sample i after `io_s` of sleep (a remote read: I/O, not CPU)."""
+
+    def __init__(self, n: int, io_s: float) -> None:
+        self.n, self.io_s = n, io_s
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int):
+        time.sleep(self.io_s)
+        return torch.full((16,), float(i))
+
+
+def autoscale_run(args, mode: str, rep: int) -> dict:
+    """One epoch of two lockstep ranks on a job pool: fixed at 1 or `max_per_rank` workers per rank, or autoscaled."""
+    import raydl
+
+    n = 2 * args.batch * args.autoscale_steps
+    loaders = []
+    for rank in range(2):
+        os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), "2"
+        ds = Sleepy(n, args.io_ms / 1000)
+        sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=rep)
+        loaders.append(raydl.DataLoader(
+            ds, batch_size=args.batch, sampler=sampler, num_workers=args.max_per_rank if mode == "fixed-max" else 1,
+            ray_max_workers=args.max_per_rank if mode == "auto" else None, ray_job=f"bench-as-{mode}-{rep}",
+            ray_seed="batch", timeout=120,
+        ))
+    try:
+        its = [iter(loader) for loader in loaders]
+        stamps, sizes = [], []
+        for _ in zip(*its):
+            stamps.append(time.perf_counter())
+            sizes.append(len(its[0]._sched.active))
+        decisions = list(its[0]._elastic.decisions)
+    finally:
+        for loader in loaders:
+            loader.shutdown()
+    half = len(stamps) // 2
+    changes = [k for k in range(1, len(sizes)) if sizes[k] != sizes[k - 1]]
+    return {"mode": mode, "rep": rep, "steps": len(stamps),
+            "settled_steps_per_s": (len(stamps) - 1 - half) / (stamps[-1] - stamps[half]),
+            "final_size": sizes[-1], "last_change_step": changes[-1] if changes else 0,
+            "decisions": [f"{d.action} {d.workers_before}->{d.workers_after} (waited {d.wait_fraction:.0%}, busy "
+                          f"{d.busy_fraction:.0%})" for d in decisions]}
+
+
+def autoscale_report(args, runs: list) -> list:
+    by = {m: [r for r in runs if r["mode"] == m] for m in ("fixed-1", "fixed-max", "auto")}
+    auto_vs_max = [a["settled_steps_per_s"] / f["settled_steps_per_s"] for a, f in zip(by["auto"], by["fixed-max"])]
+    auto_vs_one = [a["settled_steps_per_s"] / f["settled_steps_per_s"] for a, f in zip(by["auto"], by["fixed-1"])]
+    rows = []
+    for mode, label in (("fixed-1", "job pool, 1 worker per rank"),
+                        ("fixed-max", f"job pool, {args.max_per_rank} workers per rank"),
+                        ("auto", f"job pool, num_workers=1, ray_max_workers={args.max_per_rank}")):
+        rs = by[mode]
+        rows.append([label, f"{C.median([r['settled_steps_per_s'] for r in rs]):.1f}",
+                     ", ".join(str(r["final_size"]) for r in rs), ", ".join(str(r["last_change_step"]) for r in rs)])
+    return [f"Job autoscaler: 2 ranks in lockstep, batch {args.batch} per rank, {args.io_ms} ms of sleep per sample "
+            f"(I/O), {args.autoscale_steps} steps, {args.reps} repetition(s); steps/s over the second half", "",
+            C.md_table(["pool", "job steps/s, settled", "job workers at the end", "step of the last change"], rows), "",
+            f"autoscaled / fixed at {args.max_per_rank} per rank (paired): {C.median(auto_vs_max):.2f}x "
+            f"({min(auto_vs_max):.2f}-{max(auto_vs_max):.2f}); autoscaled / fixed at 1: {C.median(auto_vs_one):.2f}x "
+            f"({min(auto_vs_one):.2f}-{max(auto_vs_one):.2f})", "",
+            "Decisions (first repetition): " + "; ".join(by["auto"][0]["decisions"])]
+
+
 def seeding_samples_per_s(mode: str, epochs: int) -> float:
     import raydl
 
@@ -119,6 +195,10 @@ def main() -> int:
     p.add_argument("--batch", type=int, default=8, help="per-rank batch size")
     p.add_argument("--num-workers", type=int, default=2, help="workers per rank")
     p.add_argument("--sample-ms", type=float, default=2.0, help="CPU per sample, ms")
+    p.add_argument("--autoscale", action="store_true", help="measure the job's autoscaler instead")
+    p.add_argument("--io-ms", type=float, default=4.0, help="--autoscale: sleep per sample, ms")
+    p.add_argument("--max-per-rank", type=int, default=4, help="--autoscale: ray_max_workers (per rank)")
+    p.add_argument("--autoscale-steps", type=int, default=None, help="--autoscale: job steps (default 1500; quick 300)")
     args = p.parse_args()
     args.reps = args.reps or (1 if args.quick else 3)
     args.steps = args.steps or (20 if args.quick else 40)
@@ -128,6 +208,26 @@ def main() -> int:
     ray.init(address="local", include_dashboard=False)
     results = C.Results("bench_job", args.quick)
     results.write({"machine": info, "args": vars(args)})
+    if args.autoscale:
+        args.autoscale_steps = args.autoscale_steps or (300 if args.quick else 1500)
+        args.reps = min(args.reps, 2)
+        runs = []
+        try:
+            modes = ["fixed-1", "fixed-max", "auto"]
+            for rep in range(args.reps):
+                for mode in modes[rep % 3:] + modes[:rep % 3]:
+                    run = autoscale_run(args, mode, rep)
+                    runs.append(run)
+                    results.write(run)
+                    C.log(f"rep {rep}: {mode:9s} {run['settled_steps_per_s']:.1f} steps/s settled, "
+                          f"{run['final_size']} workers at the end, last change at step {run['last_change_step']}")
+        finally:
+            ray.shutdown()
+        report = "\n".join([C.describe_machine(info), ""] + autoscale_report(args, runs))
+        print(report)
+        results.write_text(".md", report + "\n")
+        results.close()
+        return 0
     configs = [("private", False, True), ("job", True, True), ("private", False, False), ("job", True, False)]
     rows: dict[tuple, list[float]] = {}
     seeding: dict[str, list[float]] = {"batch": [], "sample": []}
