@@ -199,3 +199,14 @@ def test_resizes_never_release_a_worker_with_tasks_and_converge(monkeypatch, seq
     for rank in ranks:
         assert sorted(rank.sched.active) == coord._active()
         assert rank.handed + rank.sched.tasks_outstanding == rank.next_idx
+
+
+def test_the_lease_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
+    monkeypatch.delenv("RAYDL_JOB_LEASE_S", raising=False)
+    assert job_pool.lease_s() == job_pool.JOB_LEASE_S
+    monkeypatch.setenv("RAYDL_JOB_LEASE_S", "8")
+    assert job_pool.lease_s() == 8.0
+    for bad in ("soon", "1", "-5", "nan"):
+        monkeypatch.setenv("RAYDL_JOB_LEASE_S", bad)
+        with pytest.raises(ValueError, match="RAYDL_JOB_LEASE_S should be a number of seconds, at least 2"):
+            job_pool.lease_s()
