@@ -2,11 +2,12 @@
 
 The coordinator's logic and each rank's `JobElastic` + `Schedule` run in this process over a fake
 worker pool; random sequences of resizes (from any rank), ranks stepping at different paces, ranks
-leaving and joining, and workers starting late must keep the protocol's promises:
+leaving and joining, workers starting late and workers dying must keep the protocol's promises:
   * no worker is released while a rank still has a task on it;
   * a rank never sends a task to a released worker, nor to a retiring one once it has heard of it
     (before that it may: the worker waits for this rank to be done with it);
   * every rank's tasks are handed out once, in order;
+  * a dead worker is replaced at most once, whichever ranks notice, and never once the job retired it;
   * once the ranks have caught up, the job has the size last asked for and nothing left retiring.
 """
 
@@ -55,6 +56,10 @@ class _Pool:
         self.released.add(wid)
         self.joining.pop(wid, None)
 
+    def replace(self, wid: int) -> None:
+        assert wid not in self.released, f"released worker {wid} replaced"
+        self.replaced = getattr(self, "replaced", 0) + 1
+
     def wait_ready(self, timeout_s: float) -> None:
         pass
 
@@ -71,9 +76,12 @@ class _Rank:
         reply = coord.join(member, {}, {"num_workers": 2, "world": WORLD, "base_seed": 0, "actor_options": {},
                                         "node_id": None, "startup_timeout_s": 60.0, "lease_s": 30.0}, ["payload"])
         self.actors = []
+        self.generations = list(reply["generations"])
         self._take(reply)
 
     def _take(self, reply: dict) -> None:
+        # as JobPool._take: workers this rank knows keep the generation it knows until its own replace
+        self.generations += list(reply["generations"][len(self.generations):])
         self.actors = list(reply["actors"])
         self.active, self.retiring = list(reply["active"]), list(reply["retiring"])
         self.joining = {w: 0.0 for w in reply["joining"]}
@@ -89,6 +97,12 @@ class _Rank:
 
     def done_with(self, wid: int) -> None:
         self.coord.done_with(self.member, wid)
+
+    def replace(self, wid: int) -> None:
+        reply = self.coord.replace(wid, self.generations[wid])
+        self.generations[wid] = reply["generation"]
+        if reply["retired"]:
+            self.changed.set()
 
     def renew(self) -> None:
         if self.coord.renew(self.member)["version"] != self.version:
@@ -130,6 +144,17 @@ class _Driver:
         self.handed += 1
         self.put_index()
 
+    def worker_died(self, wid: int) -> None:
+        """Recovery, as driver/recovery.py does it: a retired worker's tasks go to the others, else it is replaced
+        (its tasks stay on it and are sent again)."""
+        on_it = self.sched.workers_num_tasks[wid] if wid < len(self.sched.workers_num_tasks) else 0
+        if on_it == 0:
+            return  # this rank has nothing there: it does not notice
+        if self.elastic.take_over_lost(wid):
+            self.sent[wid] -= on_it
+        else:
+            self.pool.replace(wid)
+
     def leave(self) -> None:
         for idx in sorted(self.sched.task_info):
             self.sent[self.sched.task_info[idx].worker_id] -= 1
@@ -143,13 +168,14 @@ ops = st.lists(
         st.tuples(st.just("start"), st.just(0), st.just(0)),  # the joining workers have started
         st.tuples(st.just("renew"), st.integers(0, WORLD - 1), st.just(0)),
         st.tuples(st.just("rejoin"), st.integers(0, WORLD - 1), st.just(0)),  # a rank leaves and a new one joins
+        st.tuples(st.just("kill"), st.just(0), st.integers(0, 7)),  # the k-th newest worker not released dies
     ),
     min_size=1,
     max_size=25,
 )
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 @given(ops)
 def test_resizes_never_release_a_worker_with_tasks_and_converge(monkeypatch, sequence):
     monkeypatch.setattr("raydl.cluster.pool.WorkerPool", _Pool)
@@ -180,6 +206,13 @@ def test_resizes_never_release_a_worker_with_tasks_and_converge(monkeypatch, seq
             coord._pool.ready_to_join = False
         elif op == "renew":
             ranks[r].pool.renew()
+        elif op == "kill":
+            alive = [w for w in range(len(coord._pool.actors)) if w not in coord._pool.released]
+            wid = alive[-1 - arg % len(alive)]  # 0: the newest (the first to retire)
+            before = coord._generations[wid]
+            for rank in ranks:
+                rank.worker_died(wid)
+            assert coord._generations[wid] <= before + 1, f"worker {wid} replaced more than once for one death"
         else:
             ranks[r].leave()
             ranks[r] = _Driver(coord, f"r{r}-{members}", sent)
