@@ -22,7 +22,7 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
 from raydl.driver.schedule import Schedule  # noqa: E402
-from raydl.job import pool as job_pool  # noqa: E402
+from raydl.job import coordinator as job_coordinator  # noqa: E402
 from raydl.job.elastic import JobElastic  # noqa: E402
 
 WORLD = 2
@@ -179,9 +179,9 @@ ops = st.lists(
 @given(ops)
 def test_resizes_never_release_a_worker_with_tasks_and_converge(monkeypatch, sequence):
     monkeypatch.setattr("raydl.cluster.pool.WorkerPool", _Pool)
-    monkeypatch.setattr(job_pool._Coordinator, "_watch", lambda self: None)  # polled by "start" below
-    monkeypatch.setattr(job_pool._Coordinator, "_own_copy", staticmethod(lambda ref: ref))
-    coord = job_pool._Coordinator("prop")
+    monkeypatch.setattr(job_coordinator._Coordinator, "_watch", lambda self: None)  # polled by "start" below
+    monkeypatch.setattr(job_coordinator._Coordinator, "_own_copy", staticmethod(lambda ref: ref))
+    coord = job_coordinator._Coordinator("prop")
     sent: dict = {}
     ranks = [_Driver(coord, f"r{r}", sent) for r in range(WORLD)]
     asked = 2
@@ -236,10 +236,10 @@ def test_resizes_never_release_a_worker_with_tasks_and_converge(monkeypatch, seq
 
 def test_the_lease_comes_from_the_environment_and_bad_values_are_refused(monkeypatch):
     monkeypatch.delenv("RAYDL_JOB_LEASE_S", raising=False)
-    assert job_pool.lease_s() == job_pool.JOB_LEASE_S
+    assert job_coordinator.lease_s() == job_coordinator.JOB_LEASE_S
     monkeypatch.setenv("RAYDL_JOB_LEASE_S", "8")
-    assert job_pool.lease_s() == 8.0
+    assert job_coordinator.lease_s() == 8.0
     for bad in ("soon", "1", "-5", "nan"):
         monkeypatch.setenv("RAYDL_JOB_LEASE_S", bad)
         with pytest.raises(ValueError, match="RAYDL_JOB_LEASE_S should be a number of seconds, at least 2"):
-            job_pool.lease_s()
+            job_coordinator.lease_s()
