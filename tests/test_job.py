@@ -61,6 +61,11 @@ def _lockstep(iterators, on_step=None) -> list[list]:
     return out
 
 
+def _drawn(batches) -> list:
+    """Each batch's rows as (index, the torch draw made for it): what must not depend on the worker."""
+    return [b[:, [0, 2]].tolist() for b in batches]
+
+
 def _coordinator_alive(name: str) -> bool:
     import ray
 
@@ -92,12 +97,12 @@ def test_job_batches_equal_private_loaders_with_sample_seeding(monkeypatch):
     private = []
     for r in range(2):
         loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample")
-        private.append([b[:, [0, 2]] for b in loader])
+        private.append(_drawn(loader))
         loader.shutdown()
     loaders = [_rank_loader(monkeypatch, r, 2, "job-sample", ray_seed="sample") for r in range(2)]
     out = _lockstep([iter(loader) for loader in loaders])
     for r in range(2):
-        assert [b[:, [0, 2]].tolist() for b in out[r]] == [b.tolist() for b in private[r]]
+        assert _drawn(out[r]) == private[r]
     for loader in loaders:
         loader.shutdown()
 
@@ -106,7 +111,7 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
     """A job worker SIGKILLed mid-epoch with batches of both ranks on it: each rank still gets its batches once, in
     order, with their content; the job replaces it once, whichever rank sees the death first."""
     n = 96
-    expected = [[b[:, [0, 2]].tolist() for b in loader] for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    expected = [_drawn(loader) for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
     loaders = _timed_ranks(monkeypatch, 2, "job-kill", n, delay_s=0.005, num_workers=2)
     its = [iter(loader) for loader in loaders]
     killed = []
@@ -120,7 +125,7 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
     out = _lockstep(its, kill_one)
     assert killed
     for r in range(2):
-        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+        assert _drawn(out[r]) == expected[r], f"rank {r}"
     pids = {row[1] for o in out for row in torch.cat(o[8:]).tolist()}
     assert killed[0] not in pids
     assert _job_view("job-kill")["generations"] == [0, 1, 0, 0], "replaced once for the job"
@@ -183,6 +188,20 @@ def test_a_rank_with_another_loader_is_refused(monkeypatch):
     rank0.shutdown()
 
 
+def test_a_rank_joining_later_uses_the_jobs_pool_as_it_is(monkeypatch):
+    """num_workers sizes the pool when a rank starts it; a rank that asks for another count joins the job's pool."""
+    rank0 = _rank_loader(monkeypatch, 0, 2, "job-size")
+    it0 = iter(rank0)
+    rank1 = _rank_loader(monkeypatch, 1, 2, "job-size", num_workers=3)
+    it1 = iter(rank1)
+    assert len(it1._sched.active) == len(it0._sched.active) == 4
+    assert [r.pid for r in it1._pool.records] == [r.pid for r in it0._pool.records]
+    out = _lockstep([it0, it1])
+    assert sorted(row[0] for o in out for row in torch.cat(o).tolist()) == list(range(N))
+    rank0.shutdown()
+    rank1.shutdown()
+
+
 def test_a_two_rank_job_state_resumes_in_a_three_rank_job(monkeypatch):
     """Rank 0's state after 2 steps of a 2-rank job, loaded by every rank of a 3-rank job (one pool each job):
     the samples the old job had not consumed, once each, with the uninterrupted run's content (ray_seed='sample')."""
@@ -225,7 +244,7 @@ def test_a_dead_coordinator_is_recreated_and_no_batch_is_lost(monkeypatch):
     expected = []
     for r in range(2):
         loader = _rank_loader(monkeypatch, r, 2, None, ray_seed="sample", num_workers=0)
-        expected.append([b[:, [0, 2]].tolist() for b in loader])
+        expected.append(_drawn(loader))
     loaders = [_rank_loader(monkeypatch, r, 2, "job-coord", ray_seed="sample") for r in range(2)]
     its = [iter(loader) for loader in loaders]
 
@@ -235,7 +254,7 @@ def test_a_dead_coordinator_is_recreated_and_no_batch_is_lost(monkeypatch):
 
     out = _lockstep(its, kill_coordinator)
     for r in range(2):
-        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+        assert _drawn(out[r]) == expected[r], f"rank {r}"
     for loader in loaders:
         loader.shutdown()
     assert wait_until(lambda: not _coordinator_alive("job-coord"), timeout_s=20)
@@ -280,7 +299,7 @@ def test_set_num_workers_resizes_the_jobs_pool_for_every_rank(monkeypatch):
     import ray
 
     n = 96
-    expected = [[b[:, [0, 2]].tolist() for b in loader] for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    expected = [_drawn(loader) for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
     loaders = _timed_ranks(monkeypatch, 2, "job-resize", n)
     its = [iter(loader) for loader in loaders]
     views = {}
@@ -297,7 +316,7 @@ def test_set_num_workers_resizes_the_jobs_pool_for_every_rank(monkeypatch):
 
     out = _lockstep(its, resize)
     for r in range(2):
-        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+        assert _drawn(out[r]) == expected[r], f"rank {r}"
     grown, shrunk = views["grown"], views["shrunk"]
     assert len(grown["active"]) + len(grown["joining"]) == 4 and not grown["retiring"]
     assert len(shrunk["active"]) == 2 and len(shrunk["retiring"]) + len(shrunk["joining"]) <= 2
@@ -359,7 +378,7 @@ def test_a_worker_killed_while_the_job_retires_it_costs_no_batch(monkeypatch):
     """Shrinking the job's pool while the retiring worker's process is SIGKILLed with batches of both ranks on it:
     its batches are re-made by the workers that stay, each rank's batches are the uninterrupted run's."""
     n = 64
-    expected = [[b[:, [0, 2]].tolist() for b in loader] for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    expected = [_drawn(loader) for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
     loaders = _timed_ranks(monkeypatch, 2, "job-retire-kill", n, delay_s=0.005, num_workers=2)
     its = [iter(loader) for loader in loaders]
     killed = []
@@ -375,7 +394,7 @@ def test_a_worker_killed_while_the_job_retires_it_costs_no_batch(monkeypatch):
 
     out = _lockstep(its, shrink_and_kill)
     for r in range(2):
-        assert [b[:, [0, 2]].tolist() for b in out[r]] == expected[r], f"rank {r}"
+        assert _drawn(out[r]) == expected[r], f"rank {r}"
     victim, pid = killed[0]
     assert all(victim not in it._sched.active and it._pool.restarts[victim] == 0 for it in its)
     assert pid not in {row[1] for o in out for row in torch.cat(o[4:]).tolist()}

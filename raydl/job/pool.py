@@ -190,7 +190,7 @@ class JobPool:
         actors this rank knows; otherwise it learns only new workers: a worker another rank replaced is learned
         when this rank's task on the dead actor fails and `replace` names the generation it knew (taking the
         new generation here would have the coordinator replace a healthy replacement)."""
-        if fresh or not hasattr(self, "actors"):
+        if fresh:
             self.actors = list(reply["actors"])
             self.generations = list(reply["generations"])
         else:
@@ -198,8 +198,6 @@ class JobPool:
             self.actors += list(reply["actors"][known:])
             self.generations += list(reply["generations"][known:])
         self.records: list[Optional[WorkerRecord]] = list(reply["records"])
-        if "active" not in reply:
-            return
         self.active: list[int] = list(reply["active"])
         self.retiring: list[int] = list(reply["retiring"])
         self.job_world: int = reply["world"]
@@ -293,9 +291,6 @@ class JobPool:
         record = self.records[worker_id] if worker_id < len(self.records) else None
         where = f"pid {record.pid}, node {record.node_ip}" if record is not None else "not started"
         return f"raydl worker {worker_id} of job {self.name!r} ({where})"
-
-    def release(self, worker_id: int) -> None:
-        self.released.add(worker_id)
 
     def release_when_collected(self, owner: Any) -> Any:
         return weakref.finalize(owner, _leave, self._coord, self._member, self._stop)
