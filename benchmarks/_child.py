@@ -20,7 +20,7 @@ def child_result(proc: subprocess.CompletedProcess, what: str) -> dict:
     lines = [line for line in proc.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child {what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-    return json.loads(lines[-1][len(RESULT_PREFIX):])
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
 
 
 def with_retries(run_once: Callable[..., dict], *args: Any, attempts: int = 3, **kwargs: Any) -> dict:
@@ -33,7 +33,9 @@ def with_retries(run_once: Callable[..., dict], *args: Any, attempts: int = 3, *
             rec["failed_attempts"] = attempt
             return rec
         except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True)
+            print(
+                f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True
+            )
             if attempt == attempts - 1:
                 raise
     raise AssertionError("unreachable")

@@ -78,8 +78,12 @@ def machine_info(ray_version: Optional[str] = None) -> dict:
 
 def _git_head() -> str:
     try:
-        out = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
-        dirty = subprocess.run(["git", "-C", REPO, "status", "--porcelain", "raydl"], capture_output=True, text=True, timeout=10)
+        out = subprocess.run(
+            ["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", REPO, "status", "--porcelain", "raydl"], capture_output=True, text=True, timeout=10
+        )
         return out.stdout.strip() + ("+dirty(raydl/)" if dirty.stdout.strip() else "")
     except Exception:
         return "unknown"
@@ -258,9 +262,12 @@ class Results:
 
     def finish_cluster_report(self, lines: list[str], cluster_start_s: float, run_start_s: float) -> None:
         """End a cluster benchmark: add the start-up/run-time line, print the report, write it as .md, close."""
-        lines += ["", f"Cluster start-up {cluster_start_s:.0f} s (not in the numbers). Run took "
-                  f"{(time.perf_counter() - run_start_s) / 60:.1f} min; load average at end "
-                  f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}."]
+        lines += [
+            "",
+            f"Cluster start-up {cluster_start_s:.0f} s (not in the numbers). Run took "
+            f"{(time.perf_counter() - run_start_s) / 60:.1f} min; load average at end "
+            f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+        ]
         report = "\n".join(lines)
         print(report)
         md = self.write_text(".md", report + "\n")
@@ -455,14 +462,18 @@ class LocalCluster:
         self.dir = cluster_dir
         self.port = port
         self.address = f"127.0.0.1:{port}"
-        self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
-        self.env.update({
-            "RAYDL_CLUSTER_DIR": cluster_dir,
-            "RAYDL_CLUSTER_PORT": str(port),
-            "RAYDL_CLUSTER_DASHBOARD_PORT": str(dashboard_port),
-            # the nodes run the interpreter this benchmark runs in (a venv's python is not on PATH)
-            "RAYDL_CLUSTER_PYTHON": sys.executable,
-        })
+        self.env = {
+            k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+        }
+        self.env.update(
+            {
+                "RAYDL_CLUSTER_DIR": cluster_dir,
+                "RAYDL_CLUSTER_PORT": str(port),
+                "RAYDL_CLUSTER_DASHBOARD_PORT": str(dashboard_port),
+                # the nodes run the interpreter this benchmark runs in (a venv's python is not on PATH)
+                "RAYDL_CLUSTER_PYTHON": sys.executable,
+            }
+        )
         self.env.update(env or {})
         self.extra_nodes = 0
 
@@ -471,31 +482,56 @@ class LocalCluster:
         log(f"$ {' '.join(cmd)}   (RAYDL_CLUSTER_DIR={self.dir}, port {self.port})")
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
-            raise RuntimeError(f"local_cluster.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+            raise RuntimeError(
+                f"local_cluster.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+            )
 
     def start(self, n_worker_nodes: int, taskset: Optional[str] = None) -> None:
         self._script("start", str(n_worker_nodes), taskset=taskset)
 
-    def add_worker_node(self, num_cpus: float, resources: dict, object_store_bytes: int, taskset: Optional[str] = None,
-                        timeout_s: float = 180) -> None:
+    def add_worker_node(
+        self,
+        num_cpus: float,
+        resources: dict,
+        object_store_bytes: int,
+        taskset: Optional[str] = None,
+        timeout_s: float = 180,
+    ) -> None:
         """One more `ray start --address=...` worker node, as local_cluster.sh starts them."""
         self.extra_nodes += 1
         name = f"x{self.extra_nodes}"
         state_dir = os.path.join(self.dir, "state")
         os.makedirs(state_dir, exist_ok=True)
-        env = dict(self.env, RAY_AUTH_MODE="token", RAY_USAGE_STATS_ENABLED="0",
-                   RAYDL_LOCAL_CLUSTER_DIR=os.path.realpath(self.dir))
+        env = dict(
+            self.env,
+            RAY_AUTH_MODE="token",
+            RAY_USAGE_STATS_ENABLED="0",
+            RAYDL_LOCAL_CLUSTER_DIR=os.path.realpath(self.dir),
+        )
         cmd = (["taskset", "-c", taskset] if taskset else []) + [
-            "timeout", "--kill-after=10", str(int(timeout_s)), "setsid", sys.executable, "-c", RAY_CLI_LOOPBACK, "start",
-            f"--address={self.address}", "--node-ip-address=127.0.0.1",
-            f"--temp-dir={os.path.join(self.dir, 'ray', name)}", f"--num-cpus={num_cpus}", "--num-gpus=0",
-            f"--resources={json.dumps(resources)}", f"--object-store-memory={object_store_bytes}",
-            f"--dashboard-agent-listen-port={self.port + 30 + self.extra_nodes}", "--disable-usage-stats",
+            "timeout",
+            "--kill-after=10",
+            str(int(timeout_s)),
+            "setsid",
+            sys.executable,
+            "-c",
+            RAY_CLI_LOOPBACK,
+            "start",
+            f"--address={self.address}",
+            "--node-ip-address=127.0.0.1",
+            f"--temp-dir={os.path.join(self.dir, 'ray', name)}",
+            f"--num-cpus={num_cpus}",
+            "--num-gpus=0",
+            f"--resources={json.dumps(resources)}",
+            f"--object-store-memory={object_store_bytes}",
+            f"--dashboard-agent-listen-port={self.port + 30 + self.extra_nodes}",
+            "--disable-usage-stats",
         ]
         log(f"$ {' '.join(cmd[:3]) if taskset else ''} ray start --address={self.address} {resources} ({name})")
         with open(os.path.join(state_dir, f"{name}.log"), "w") as out:
-            proc = subprocess.run(cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                  timeout=timeout_s + 20)
+            proc = subprocess.run(
+                cmd, env=env, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, timeout=timeout_s + 20
+            )
         if proc.returncode != 0:
             with open(os.path.join(state_dir, f"{name}.log")) as f:
                 tail = f.read()[-3000:]

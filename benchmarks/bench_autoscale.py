@@ -80,7 +80,11 @@ def fixed(num_workers: int, measure_s: float, warm_workers: int) -> dict:
                 break
         wall = time.perf_counter() - t0
     it.shutdown()
-    return {"config": f"fixed {num_workers}", "samples_per_s": samples / wall, "foreign_cores": round(mon.foreign_cores, 2)}
+    return {
+        "config": f"fixed {num_workers}",
+        "samples_per_s": samples / wall,
+        "foreign_cores": round(mon.foreign_cores, 2),
+    }
 
 
 def autoscaled(max_workers: int, measure_s: float, cap_s: float) -> dict:
@@ -166,7 +170,9 @@ def main() -> int:
         autoscaled(args.max_workers, measure_s, args.cap_s),
         fixed(args.max_workers, measure_s, args.max_workers),
         fixed(1, measure_s, args.max_workers),
-        slow_loop(args.max_workers, batches=int(12 / SLOW_LOOP_STEP_S) if not args.quick else int(6 / SLOW_LOOP_STEP_S)),
+        slow_loop(
+            args.max_workers, batches=int(12 / SLOW_LOOP_STEP_S) if not args.quick else int(6 / SLOW_LOOP_STEP_S)
+        ),
     ]
     for r in records:
         print(json.dumps(r), flush=True)
@@ -177,16 +183,36 @@ def main() -> int:
         C.md_table(
             ["config", "samples/s", "vs fixed 8", "vs fixed 1", "settled at", "foreign cores"],
             [
-                [auto["config"], f"{auto['samples_per_s']:.0f}", f"{auto['samples_per_s'] / many['samples_per_s']:.0%}",
-                 f"{auto['samples_per_s'] / one['samples_per_s']:.2f}x",
-                 f"{auto['workers_settled']} workers after {auto['batches_to_settle']} batches ({auto['seconds_to_settle']} s)",
-                 auto["foreign_cores"]],
-                [many["config"], f"{many['samples_per_s']:.0f}", "100%", f"{many['samples_per_s'] / one['samples_per_s']:.2f}x", "", many["foreign_cores"]],
-                [one["config"], f"{one['samples_per_s']:.0f}", f"{one['samples_per_s'] / many['samples_per_s']:.0%}", "1.00x", "", one["foreign_cores"]],
+                [
+                    auto["config"],
+                    f"{auto['samples_per_s']:.0f}",
+                    f"{auto['samples_per_s'] / many['samples_per_s']:.0%}",
+                    f"{auto['samples_per_s'] / one['samples_per_s']:.2f}x",
+                    f"{auto['workers_settled']} workers after {auto['batches_to_settle']} batches ({auto['seconds_to_settle']} s)",
+                    auto["foreign_cores"],
+                ],
+                [
+                    many["config"],
+                    f"{many['samples_per_s']:.0f}",
+                    "100%",
+                    f"{many['samples_per_s'] / one['samples_per_s']:.2f}x",
+                    "",
+                    many["foreign_cores"],
+                ],
+                [
+                    one["config"],
+                    f"{one['samples_per_s']:.0f}",
+                    f"{one['samples_per_s'] / many['samples_per_s']:.0%}",
+                    "1.00x",
+                    "",
+                    one["foreign_cores"],
+                ],
             ],
         )
     )
-    print(f"\n{slow['config']}: {slow['workers_added']} worker(s) added over {slow['batches']} batches ({slow['seconds']} s)")
+    print(
+        f"\n{slow['config']}: {slow['workers_added']} worker(s) added over {slow['batches']} batches ({slow['seconds']} s)"
+    )
     ray.shutdown()
     return 0
 

@@ -122,7 +122,7 @@ def main() -> None:
     common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.workers, persistent_workers=True)
     rows: dict[str, list[dict]] = {name: [] for name in LOADERS}
     for rep in range(args.reps):
-        order = LOADERS[rep % len(LOADERS):] + LOADERS[: rep % len(LOADERS)]
+        order = LOADERS[rep % len(LOADERS) :] + LOADERS[: rep % len(LOADERS)]
         for name in order:
             loader, to_device = make_loader(name, ds, common)
             row = run(name, loader, to_device, args.epochs)
@@ -135,9 +135,11 @@ def main() -> None:
     def med(xs):
         return float(np.median(xs))
 
-    print(f"\n{torch.cuda.get_device_name()} | {os.cpu_count()} CPUs | torch {torch.__version__} | "
-          f"{args.workers} workers, batch {args.batch_size}, {args.work_ms} ms CPU work per sample | "
-          f"{args.reps} repetitions, loaders in rotated order; medians, (min-max); first epochs excluded")
+    print(
+        f"\n{torch.cuda.get_device_name()} | {os.cpu_count()} CPUs | torch {torch.__version__} | "
+        f"{args.workers} workers, batch {args.batch_size}, {args.work_ms} ms CPU work per sample | "
+        f"{args.reps} repetitions, loaders in rotated order; medians, (min-max); first epochs excluded"
+    )
     print("| loader | steady epoch s | GPU busy s | GPU idle % | samples/s | vs torch (paired) |")
     print("|---|---|---|---|---|---|")
     base = rows[LOADERS[0]]
@@ -145,9 +147,11 @@ def main() -> None:
         rs = rows[name]
         idle = [r["gpu_idle_pct"] for r in rs]
         ratios = [r["samples_per_s"] / b["samples_per_s"] for r, b in zip(rs, base)]
-        print(f"| {name} | {med([r['steady_wall_s'] for r in rs]):.3f} | {med([r['gpu_busy_s'] for r in rs]):.3f} | "
-              f"{med(idle):.1f} ({min(idle):.1f}-{max(idle):.1f}) | {med([r['samples_per_s'] for r in rs]):,.0f} | "
-              f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |")
+        print(
+            f"| {name} | {med([r['steady_wall_s'] for r in rs]):.3f} | {med([r['gpu_busy_s'] for r in rs]):.3f} | "
+            f"{med(idle):.1f} ({min(idle):.1f}-{max(idle):.1f}) | {med([r['samples_per_s'] for r in rs]):,.0f} | "
+            f"{med(ratios):.2f}x ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
 
 
 if __name__ == "__main__":

@@ -63,8 +63,14 @@ PEERS = ("torch", "raydata", "spdl", "spdl-io", "nodes")
 MIB = 2**20
 
 # Kinds of processes under a child, for the CPU and memory split (matched on the command line).
-_RAY_DAEMONS = (("gcs_server", "gcs"), ("raylet", "raylet"), ("dashboard", "ray agents"), ("runtime_env", "ray agents"),
-                ("log_monitor", "ray agents"), ("monitor.py", "ray agents"))
+_RAY_DAEMONS = (
+    ("gcs_server", "gcs"),
+    ("raylet", "raylet"),
+    ("dashboard", "ray agents"),
+    ("runtime_env", "ray agents"),
+    ("log_monitor", "ray agents"),
+    ("monitor.py", "ray agents"),
+)
 
 
 def process_label(p) -> str:
@@ -200,9 +206,8 @@ class RayDataLoader(Loader):
 
         _start_local_ray_like_raydl()
         import ray.data
-        from ray import cloudpickle
-
         import train_image_classifier
+        from ray import cloudpickle
 
         cloudpickle.register_pickle_by_value(train_image_classifier)  # the transform travels by value
         ctx = ray.data.DataContext.get_current()
@@ -314,8 +319,14 @@ class NodesLoader(Loader):
 
         node = tn.SamplerWrapper(torch.utils.data.RandomSampler(ds))
         node = tn.Batcher(node, batch_size=args.batch_size, drop_last=False)
-        node = tn.ParallelMapper(node, map_fn=_MapAndCollate(ds), num_workers=args.num_workers, method="process",
-                                 multiprocessing_context="fork", in_order=True)
+        node = tn.ParallelMapper(
+            node,
+            map_fn=_MapAndCollate(ds),
+            num_workers=args.num_workers,
+            method="process",
+            multiprocessing_context="fork",
+            in_order=True,
+        )
         node = tn.Prefetcher(node, prefetch_factor=args.num_workers * 2)
         self.loader = tn.Loader(node)
 
@@ -373,7 +384,6 @@ def child(kind: str, args) -> None:
     import psutil
     import torch  # noqa: F401
     from PIL import Image  # noqa: F401
-
     from train_image_classifier import JpegFolder, TrainTransform
 
     ds = JpegFolder(args.data_dir, TrainTransform(224), limit=args.images)
@@ -417,19 +427,21 @@ def child(kind: str, args) -> None:
         for pid, (_, _, label) in cpu1.items():
             k = kind_of(pid, label)
             procs[k] = procs.get(k, 0) + 1
-        rec.update({
-            "images_per_s": images / (t2 - t1),
-            "steady_s": t2 - t1,
-            "next_epoch_ttfb_s": sorted(next_ttfb)[len(next_ttfb) // 2],
-            "cpu_s_per_image": sum(split.values()) / images,
-            "cpu_s_per_image_by_kind": {k: v / images for k, v in split.items()},
-            "processes_by_kind": procs,
-            "cores_used": sum(split.values()) / (t2 - t1),
-            "foreign_cores": round(mon.foreign_cores, 3),
-            "loadavg1": round(os.getloadavg()[0], 2),
-            "worker_pids": sorted(worker_pids),
-            "ray_workers_are_workers": loader.ray_workers_are_workers,
-        })
+        rec.update(
+            {
+                "images_per_s": images / (t2 - t1),
+                "steady_s": t2 - t1,
+                "next_epoch_ttfb_s": sorted(next_ttfb)[len(next_ttfb) // 2],
+                "cpu_s_per_image": sum(split.values()) / images,
+                "cpu_s_per_image_by_kind": {k: v / images for k, v in split.items()},
+                "processes_by_kind": procs,
+                "cores_used": sum(split.values()) / (t2 - t1),
+                "foreign_cores": round(mon.foreign_cores, 3),
+                "loadavg1": round(os.getloadavg()[0], 2),
+                "worker_pids": sorted(worker_pids),
+                "ray_workers_are_workers": loader.ray_workers_are_workers,
+            }
+        )
         # warm: a second new loader in this process (raydl: its warm pool; Ray Data: a new dataset on the running Ray)
         loader.close()
         loader = None
@@ -549,9 +561,24 @@ def run_child_once(kind: str, args, data_dir: str) -> dict:
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     if args.ffmpeg_lib_dir and kind == "spdl-io":
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [args.ffmpeg_lib_dir, env.get("LD_LIBRARY_PATH")]))
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--data-dir", data_dir,
-           "--images", str(args.images), "--epochs", str(args.epochs), "--batch-size", str(args.batch_size),
-           "--num-workers", str(args.num_workers), "--spdl-threads", str(args.spdl_threads)] + (["--raydata-reservation"] if args.raydata_reservation else [])
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        kind,
+        "--data-dir",
+        data_dir,
+        "--images",
+        str(args.images),
+        "--epochs",
+        str(args.epochs),
+        "--batch-size",
+        str(args.batch_size),
+        "--num-workers",
+        str(args.num_workers),
+        "--spdl-threads",
+        str(args.spdl_threads),
+    ] + (["--raydata-reservation"] if args.raydata_reservation else [])
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     sampler = PssSampler(proc.pid, args.pss_interval_s)
     with sampler:
@@ -564,8 +591,15 @@ def run_child_once(kind: str, args, data_dir: str) -> dict:
     left = sampler.kill_leftovers()
     rec = child_result(subprocess.CompletedProcess(cmd, proc.returncode, out, err), kind)
     by_kind = sampler.peak_by_kind(set(rec["worker_pids"]), rec["ray_workers_are_workers"])
-    rec.update({"peak_pss_mib": sampler.peak_mib, "peak_pss_by_kind_mib": by_kind,
-                "pss_samples": sampler.samples, "pss_sampler_cpu_s": sampler.cpu_s, "leftover_pids_killed": left})
+    rec.update(
+        {
+            "peak_pss_mib": sampler.peak_mib,
+            "peak_pss_by_kind_mib": by_kind,
+            "pss_samples": sampler.samples,
+            "pss_sampler_cpu_s": sampler.cpu_s,
+            "leftover_pids_killed": left,
+        }
+    )
     return rec
 
 
@@ -589,8 +623,12 @@ def measure(kind: str, args, data_dir: str, state: dict, rep: int) -> dict:
         rec.update({"rep": rep, "attempt": attempts - 1})
         if kept is None or rec["foreign_cores"] < kept["foreign_cores"]:
             kept = rec
-        if (rec["foreign_cores"] <= C.DISTURBED_FOREIGN_CORES or args.quick or attempts - failures >= 2
-                or state["retry_s"] >= args.retry_budget_s):
+        if (
+            rec["foreign_cores"] <= C.DISTURBED_FOREIGN_CORES
+            or args.quick
+            or attempts - failures >= 2
+            or state["retry_s"] >= args.retry_budget_s
+        ):
             break
         state["retry_s"] += rec["steady_s"]
         C.log(f"  {kind} rep {rep}: other processes used {rec['foreign_cores']:.2f} cores: rerunning")
@@ -661,6 +699,7 @@ def fastest_peer_in_rep(runs: dict, peers: list, quiet_only: bool = False) -> Ca
         if quiet_only and not all(_quiet(r) for r in recs):
             return None
         return max(r["images_per_s"] for r in recs) if recs else None
+
     return f
 
 
@@ -674,32 +713,52 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
     import _common as C
 
     peers = [k for k in loaders if k in PEERS]
-    lines = [f"## Images: a JPEG pipeline through raydl and its peers ({'quick' if args.quick else 'full'} run)", "",
-             C.describe_machine(info), "",
-             "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if v), "",
-             f"{args.images} JPEGs (500x375, ~{args.avg_kb:.0f} KB, {args.classes} class folders) per epoch, batch "
-             f"{args.batch_size}, {args.num_workers} workers/threads per loader; PIL decode + RandomResizedCrop(224) + "
-             f"flip + to tensor + normalize. Each loader in a fresh process, {args.reps} repetitions in rotated order; "
-             f"steady = the {args.epochs} epochs after the first. Median (min–max) over repetitions; ratios paired "
-             "per repetition.", ""]
+    lines = [
+        f"## Images: a JPEG pipeline through raydl and its peers ({'quick' if args.quick else 'full'} run)",
+        "",
+        C.describe_machine(info),
+        "",
+        "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if v),
+        "",
+        f"{args.images} JPEGs (500x375, ~{args.avg_kb:.0f} KB, {args.classes} class folders) per epoch, batch "
+        f"{args.batch_size}, {args.num_workers} workers/threads per loader; PIL decode + RandomResizedCrop(224) + "
+        f"flip + to tensor + normalize. Each loader in a fresh process, {args.reps} repetitions in rotated order; "
+        f"steady = the {args.epochs} epochs after the first. Median (min–max) over repetitions; ratios paired "
+        "per repetition.",
+        "",
+    ]
     rows = []
     for k in loaders:
         rs = runs.get(k, [])
         if not rs:
             continue
-        rows.append([
-            k,
-            fmt_range([r["images_per_s"] for r in rs]),
-            fmt_range([r["ttfb_cold_s"] for r in rs], "{:.2f}"),
-            fmt_range([r["ttfb_warm_s"] for r in rs], "{:.2f}"),
-            fmt_range([r["next_epoch_ttfb_s"] for r in rs], "{:.2f}"),
-            fmt_range([r["cpu_s_per_image"] * 1e3 for r in rs], "{:.2f}"),
-            fmt_range([r["peak_pss_mib"] for r in rs]),
-            f"{med([r['foreign_cores'] for r in rs]):.2f}",
-        ])
-    lines.append(C.md_table(["loader", "images/s", "first batch, cold (s)", "first batch, warm (s)",
-                             "first batch, next epoch (s)", "CPU ms/image", "peak PSS (MiB)", "foreign load (cores)"],
-                            rows))
+        rows.append(
+            [
+                k,
+                fmt_range([r["images_per_s"] for r in rs]),
+                fmt_range([r["ttfb_cold_s"] for r in rs], "{:.2f}"),
+                fmt_range([r["ttfb_warm_s"] for r in rs], "{:.2f}"),
+                fmt_range([r["next_epoch_ttfb_s"] for r in rs], "{:.2f}"),
+                fmt_range([r["cpu_s_per_image"] * 1e3 for r in rs], "{:.2f}"),
+                fmt_range([r["peak_pss_mib"] for r in rs]),
+                f"{med([r['foreign_cores'] for r in rs]):.2f}",
+            ]
+        )
+    lines.append(
+        C.md_table(
+            [
+                "loader",
+                "images/s",
+                "first batch, cold (s)",
+                "first batch, warm (s)",
+                "first batch, next epoch (s)",
+                "CPU ms/image",
+                "peak PSS (MiB)",
+                "foreign load (cores)",
+            ],
+            rows,
+        )
+    )
     lines.append("")
     for quiet in (False, True):
         rrows = []
@@ -707,18 +766,36 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
             if k not in runs:
                 continue
             cells = []
-            for other in (rate_in_rep(runs, "torch", quiet), rate_in_rep(runs, "raydata", quiet),
-                          fastest_peer_in_rep(runs, peers, quiet)):
+            for other in (
+                rate_in_rep(runs, "torch", quiet),
+                rate_in_rep(runs, "raydata", quiet),
+                fastest_peer_in_rep(runs, peers, quiet),
+            ):
                 xs = paired(runs, k, other, quiet)
                 cells.append(f"{fmt_range(xs, '{:.2f}×')} [{len(xs)}]")
             rrows.append([k] + cells)
         if rrows:
-            lines.append("Ratios of images/s, paired per repetition: median (min–max) [repetitions]" +
-                         (f", only repetitions in which no measurement compared had foreign load > "
-                          f"{C.DISTURBED_FOREIGN_CORES} cores:" if quiet else ":"))
+            lines.append(
+                "Ratios of images/s, paired per repetition: median (min–max) [repetitions]"
+                + (
+                    f", only repetitions in which no measurement compared had foreign load > "
+                    f"{C.DISTURBED_FOREIGN_CORES} cores:"
+                    if quiet
+                    else ":"
+                )
+            )
             lines.append("")
-            lines.append(C.md_table(["raydl variant", "/ torch (target ≥ 1.1×)", "/ Ray Data (target ≥ 1.5×)",
-                                     "/ fastest peer in the same repetition (target ≥ 0.9×)"], rrows))
+            lines.append(
+                C.md_table(
+                    [
+                        "raydl variant",
+                        "/ torch (target ≥ 1.1×)",
+                        "/ Ray Data (target ≥ 1.5×)",
+                        "/ fastest peer in the same repetition (target ≥ 0.9×)",
+                    ],
+                    rrows,
+                )
+            )
             lines.append("")
     if "raydl" in runs and "raydata" in runs:
         ratio_cold = med([r["ttfb_cold_s"] for r in runs["raydl"]]) / med([r["ttfb_cold_s"] for r in runs["raydata"]])
@@ -732,14 +809,32 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
             continue
         up = [r["ray_up_s"] for r in rs if "ray_up_s" in r]
         ready = [r["workers_ready_s"] for r in rs if "workers_ready_s" in r]
-        srow.append([k, fmt_range(up, "{:.2f}") if up else "—", fmt_range(ready, "{:.2f}") if ready else "—",
-                     fmt_range([r["ttfb_cold_s"] for r in rs], "{:.2f}"),
-                     f"{med([r.get('foreign_cores_startup', float('nan')) for r in rs]):.2f}"])
-    lines.append("Cold start, seconds from before the loader's first import (Ray up = raydl's local Ray start returned; "
-                 "Ray Data's child starts Ray the same way):")
+        srow.append(
+            [
+                k,
+                fmt_range(up, "{:.2f}") if up else "—",
+                fmt_range(ready, "{:.2f}") if ready else "—",
+                fmt_range([r["ttfb_cold_s"] for r in rs], "{:.2f}"),
+                f"{med([r.get('foreign_cores_startup', float('nan')) for r in rs]):.2f}",
+            ]
+        )
+    lines.append(
+        "Cold start, seconds from before the loader's first import (Ray up = raydl's local Ray start returned; "
+        "Ray Data's child starts Ray the same way):"
+    )
     lines.append("")
-    lines.append(C.md_table(["loader", "Ray up (s)", "raydl workers ready (s)", "first batch (s)",
-                             "foreign load during start-up (cores)"], srow))
+    lines.append(
+        C.md_table(
+            [
+                "loader",
+                "Ray up (s)",
+                "raydl workers ready (s)",
+                "first batch (s)",
+                "foreign load during start-up (cores)",
+            ],
+            srow,
+        )
+    )
     lines.append("")
     kinds = ["driver", "workers", "raylet", "gcs", "ray agents", "idle Ray workers", "other"]
     crow = []
@@ -747,8 +842,11 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
         rs = runs.get(k, [])
         if not rs:
             continue
-        crow.append([k] + [f"{med([r['cpu_s_per_image_by_kind'].get(kind, 0.0) * 1e3 for r in rs]):.2f}" for kind in kinds]
-                    + [f"{med([r['cores_used'] for r in rs]):.2f}"])
+        crow.append(
+            [k]
+            + [f"{med([r['cpu_s_per_image_by_kind'].get(kind, 0.0) * 1e3 for r in rs]):.2f}" for kind in kinds]
+            + [f"{med([r['cores_used'] for r in rs]):.2f}"]
+        )
     lines.append("CPU ms per image over the steady epochs, by process (median over repetitions):")
     lines.append("")
     lines.append(C.md_table(["loader"] + kinds + ["cores used"], crow))
@@ -764,8 +862,10 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
     lines.append(C.md_table(["loader"] + kinds, mrow))
     for n in notes:
         lines += ["", f"Note: {n}"]
-    lines += ["", f"Run took {elapsed_s / 60:.1f} min; load average at end "
-                  f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}."]
+    lines += [
+        "",
+        f"Run took {elapsed_s / 60:.1f} min; load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+    ]
     return "\n".join(lines)
 
 
@@ -778,10 +878,21 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
     except ImportError:
         return None
     ks = [k for k in loaders if runs.get(k)]
-    colors = {"torch": "#4c72b0", "raydl": "#dd8452", "raydl-threads2": "#c44e52", "raydata": "#55a868",
-              "spdl": "#8172b3", "spdl-io": "#937860", "nodes": "#da8bc3"}
-    panels = [("images_per_s", "steady images/s", 1.0), ("ttfb_cold_s", "first batch, cold (s, log)", 1.0),
-              ("cpu_s_per_image", "CPU ms per image (all processes)", 1e3), ("peak_pss_mib", "peak PSS (MiB)", 1.0)]
+    colors = {
+        "torch": "#4c72b0",
+        "raydl": "#dd8452",
+        "raydl-threads2": "#c44e52",
+        "raydata": "#55a868",
+        "spdl": "#8172b3",
+        "spdl-io": "#937860",
+        "nodes": "#da8bc3",
+    }
+    panels = [
+        ("images_per_s", "steady images/s", 1.0),
+        ("ttfb_cold_s", "first batch, cold (s, log)", 1.0),
+        ("cpu_s_per_image", "CPU ms per image (all processes)", 1e3),
+        ("peak_pss_mib", "peak PSS (MiB)", 1.0),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
     for ax, (key, label, scale) in zip(axes, panels):
         ys = [med([r[key] * scale for r in runs[k]]) for k in ks]
@@ -794,8 +905,15 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
         if key == "ttfb_cold_s":
             ax.set_yscale("log")
         for i, y in enumerate(ys):
-            ax.annotate(f"{y:,.0f}" if y >= 20 else f"{y:.2f}", (i, y), ha="left", va="bottom", fontsize=7,
-                        xytext=(3, 1), textcoords="offset points")
+            ax.annotate(
+                f"{y:,.0f}" if y >= 20 else f"{y:.2f}",
+                (i, y),
+                ha="left",
+                va="bottom",
+                fontsize=7,
+                xytext=(3, 1),
+                textcoords="offset points",
+            )
     fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -809,9 +927,13 @@ def main() -> int:
 
         return bench_images_offload.main([a for a in sys.argv[1:] if a != "--offload"])
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--offload", action="store_true", help="the offload shape instead: trainer on one core, workers on "
-                   "a second loopback Ray node, a training step as costly as the batch (bench_images_offload.py; "
-                   "`--offload --help` for its options)")
+    p.add_argument(
+        "--offload",
+        action="store_true",
+        help="the offload shape instead: trainer on one core, workers on "
+        "a second loopback Ray node, a training step as costly as the batch (bench_images_offload.py; "
+        "`--offload --help` for its options)",
+    )
     p.add_argument("--quick", action="store_true", help="smoke run: 640 images, 1 measured epoch, 1 repetition")
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma-separated, from {','.join(LOADERS)}")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 3; quick 1)")
@@ -821,21 +943,39 @@ def main() -> int:
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--cache-dir", default="/tmp/raydl-bench-images")
-    p.add_argument("--ffmpeg-lib-dir", default=os.environ.get("RAYDL_BENCH_FFMPEG_LIB_DIR", ""),
-                   help="directory with FFmpeg's shared libraries for spdl.io (added to the spdl-io child's "
-                        "LD_LIBRARY_PATH; several dirs joined by ':')")
-    p.add_argument("--raydata-reservation", action="store_true",
-                   help="keep Ray Data's per-operator resource reservation (its default; 1 map task at a time on 2 CPUs)")
-    p.add_argument("--spdl-threads", type=int, default=0,
-                   help="SPDL's thread count and decode concurrency (default: --num-workers)")
+    p.add_argument(
+        "--ffmpeg-lib-dir",
+        default=os.environ.get("RAYDL_BENCH_FFMPEG_LIB_DIR", ""),
+        help="directory with FFmpeg's shared libraries for spdl.io (added to the spdl-io child's "
+        "LD_LIBRARY_PATH; several dirs joined by ':')",
+    )
+    p.add_argument(
+        "--raydata-reservation",
+        action="store_true",
+        help="keep Ray Data's per-operator resource reservation (its default; 1 map task at a time on 2 CPUs)",
+    )
+    p.add_argument(
+        "--spdl-threads",
+        type=int,
+        default=0,
+        help="SPDL's thread count and decode concurrency (default: --num-workers)",
+    )
     p.add_argument("--pss-interval-s", type=float, default=1.0)
     p.add_argument("--child-timeout-s", type=float, default=None, help="per child (default 420; quick 240)")
     p.add_argument("--retry-budget-s", type=float, default=120.0)
-    p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this for a quiet second before a child "
-                   "(default 10; quick 0)")
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help="wait up to this for a quiet second before a child (default 10; quick 0)",
+    )
     p.add_argument("--quiet-budget-s", type=float, default=90.0, help="total seconds spent waiting for quiet")
-    p.add_argument("--report", default=None, metavar="JSONL",
-                   help="only render the report and chart of a finished run again from its .jsonl")
+    p.add_argument(
+        "--report",
+        default=None,
+        metavar="JSONL",
+        help="only render the report and chart of a finished run again from its .jsonl",
+    )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -869,7 +1009,9 @@ def main() -> int:
     write_jpeg_folder(data_dir, args.images, args.classes, size=(500, 375), quality=90)
     files = [os.path.join(d, f) for d, _, fs in os.walk(data_dir) for f in fs if f.endswith(".jpg")]
     args.avg_kb = sum(os.path.getsize(f) for f in files) / len(files) / 1024
-    C.log(f"{len(files)} JPEGs in {data_dir} (avg {args.avg_kb:.0f} KB; {time.perf_counter() - t:.0f} s to write or find)")
+    C.log(
+        f"{len(files)} JPEGs in {data_dir} (avg {args.avg_kb:.0f} KB; {time.perf_counter() - t:.0f} s to write or find)"
+    )
     res.write({"section": "dataset", "dir": data_dir, "images": len(files), "avg_kb": args.avg_kb})
 
     loaders = [k for k in args.loaders.split(",") if k]
@@ -886,14 +1028,17 @@ def main() -> int:
 
     def our_raylets() -> int:
         """raylet processes of this environment's Ray (other engineers' Rays on this machine are not ours)."""
-        return sum(1 for q in psutil.process_iter(["name", "exe"])
-                   if q.info["name"] == "raylet" and (q.info["exe"] or "").startswith(sys.prefix))
+        return sum(
+            1
+            for q in psutil.process_iter(["name", "exe"])
+            if q.info["name"] == "raylet" and (q.info["exe"] or "").startswith(sys.prefix)
+        )
 
     raylets_before = our_raylets()
     state = {"gate": C.QuietGate(args.quiet_wait_s, args.quiet_budget_s), "retry_s": 0.0}
     runs: dict = {}
     for rep in range(args.reps):
-        order = loaders[rep % len(loaders):] + loaders[: rep % len(loaders)]
+        order = loaders[rep % len(loaders) :] + loaders[: rep % len(loaders)]
         for kind in order:
             try:
                 rec = measure(kind, args, data_dir, state, rep)
@@ -903,52 +1048,75 @@ def main() -> int:
                 continue
             res.write({"section": "run", **rec})
             runs.setdefault(kind, []).append(rec)
-            C.log(f"rep {rep} {kind:15s} {rec['images_per_s']:7.1f} images/s  first batch cold {rec['ttfb_cold_s']:.2f} s "
-                  f"warm {rec['ttfb_warm_s']:.2f} s  CPU {rec['cpu_s_per_image'] * 1e3:.2f} ms/image  peak PSS "
-                  f"{rec['peak_pss_mib']:,.0f} MiB  foreign {rec['foreign_cores']:.2f}"
-                  + (f"  (killed leftovers {rec['leftover_pids_killed']})" if rec["leftover_pids_killed"] else ""))
+            C.log(
+                f"rep {rep} {kind:15s} {rec['images_per_s']:7.1f} images/s  first batch cold {rec['ttfb_cold_s']:.2f} s "
+                f"warm {rec['ttfb_warm_s']:.2f} s  CPU {rec['cpu_s_per_image'] * 1e3:.2f} ms/image  peak PSS "
+                f"{rec['peak_pss_mib']:,.0f} MiB  foreign {rec['foreign_cores']:.2f}"
+                + (f"  (killed leftovers {rec['leftover_pids_killed']})" if rec["leftover_pids_killed"] else "")
+            )
     gate = state["gate"]
-    notes.append(f"Before each child the run waited up to {args.quiet_wait_s:g} s for a quiet second (waited "
-                 f"{gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy); reruns took "
-                 f"{state['retry_s']:.0f} s of steady epochs.")
+    notes.append(
+        f"Before each child the run waited up to {args.quiet_wait_s:g} s for a quiet second (waited "
+        f"{gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy); reruns took "
+        f"{state['retry_s']:.0f} s of steady epochs."
+    )
     raylets_after = our_raylets()
-    notes.append(f"raylet processes of this environment's Ray before the run {raylets_before}, after {raylets_after}; "
-                 f"processes of a child left behind and killed: "
-                 f"{sum(len(r['leftover_pids_killed']) for rs in runs.values() for r in rs)}.")
+    notes.append(
+        f"raylet processes of this environment's Ray before the run {raylets_before}, after {raylets_after}; "
+        f"processes of a child left behind and killed: "
+        f"{sum(len(r['leftover_pids_killed']) for rs in runs.values() for r in rs)}."
+    )
     peers = [k for k in loaders if k in PEERS]
     summary = {}
     for k, rs in runs.items():
-        summary[k] = {"images_per_s_median": med([r["images_per_s"] for r in rs]),
-                      "ttfb_cold_s_median": med([r["ttfb_cold_s"] for r in rs]),
-                      "ttfb_warm_s_median": med([r["ttfb_warm_s"] for r in rs]),
-                      "cpu_ms_per_image_median": med([r["cpu_s_per_image"] * 1e3 for r in rs]),
-                      "peak_pss_mib_median": med([r["peak_pss_mib"] for r in rs])}
+        summary[k] = {
+            "images_per_s_median": med([r["images_per_s"] for r in rs]),
+            "ttfb_cold_s_median": med([r["ttfb_cold_s"] for r in rs]),
+            "ttfb_warm_s_median": med([r["ttfb_warm_s"] for r in rs]),
+            "cpu_ms_per_image_median": med([r["cpu_s_per_image"] * 1e3 for r in rs]),
+            "peak_pss_mib_median": med([r["peak_pss_mib"] for r in rs]),
+        }
         if k.startswith("raydl"):
-            summary[k].update({
-                "vs_torch_paired": paired(runs, k, rate_in_rep(runs, "torch")),
-                "vs_raydata_paired": paired(runs, k, rate_in_rep(runs, "raydata")),
-                "vs_fastest_peer_paired": paired(runs, k, fastest_peer_in_rep(runs, peers))})
+            summary[k].update(
+                {
+                    "vs_torch_paired": paired(runs, k, rate_in_rep(runs, "torch")),
+                    "vs_raydata_paired": paired(runs, k, rate_in_rep(runs, "raydata")),
+                    "vs_fastest_peer_paired": paired(runs, k, fastest_peer_in_rep(runs, peers)),
+                }
+            )
     res.write({"section": "images_summary", **summary})
-    res.write({"section": "notes", "notes": notes, "elapsed_s": time.perf_counter() - start,
-               "date": time.strftime("%Y-%m-%d %H:%M %Z")})
-    md, png = render(args, info, vers, runs, loaders, notes, time.perf_counter() - start, res.prefix,
-                     time.strftime("%Y-%m-%d"))
+    res.write(
+        {
+            "section": "notes",
+            "notes": notes,
+            "elapsed_s": time.perf_counter() - start,
+            "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+        }
+    )
+    md, png = render(
+        args, info, vers, runs, loaders, notes, time.perf_counter() - start, res.prefix, time.strftime("%Y-%m-%d")
+    )
     res.close()
     print(f"\nresults: {res.jsonl_path}\n         {md}\n         {png or '(no chart: pip install matplotlib)'}")
     return 0
 
 
-def render(args, info: dict, vers: dict, runs: dict, loaders: list, notes: list, elapsed_s: float, prefix: str,
-           date: str) -> tuple:
+def render(
+    args, info: dict, vers: dict, runs: dict, loaders: list, notes: list, elapsed_s: float, prefix: str, date: str
+) -> tuple:
     """Print the report and write it (prefix.md) and the chart (prefix.png); returns both paths."""
     report = build_report(args, info, vers, runs, loaders, notes, elapsed_s)
     print(report)
     md = prefix + ".md"
     with open(md, "w") as f:
         f.write(report + "\n")
-    png = plot(prefix + ".png", runs, loaders,
-               f"JPEG pipeline, {args.num_workers} workers, batch {args.batch_size}, raydl {info['raydl_commit']}, "
-               f"{date}, {info['cpu_count']} CPUs (median, min–max over {args.reps} reps)")
+    png = plot(
+        prefix + ".png",
+        runs,
+        loaders,
+        f"JPEG pipeline, {args.num_workers} workers, batch {args.batch_size}, raydl {info['raydl_commit']}, "
+        f"{date}, {info['cpu_count']} CPUs (median, min–max over {args.reps} reps)",
+    )
     return md, png
 
 
@@ -970,8 +1138,17 @@ def rerender(path: str, parser: argparse.ArgumentParser) -> int:
     stamp = os.path.basename(path).rsplit("-", 2)[-2:]
     date = extra.get("date") or f"{stamp[0][:4]}-{stamp[0][4:6]}-{stamp[0][6:8]}"
     info = {k: v for k, v in machine.items() if k not in ("section", "versions", "argv")}
-    md, png = render(args, info, machine["versions"], runs, loaders, extra.get("notes", []), extra.get("elapsed_s", 0.0),
-                     path[: -len(".jsonl")] + "-report", date[:10])
+    md, png = render(
+        args,
+        info,
+        machine["versions"],
+        runs,
+        loaders,
+        extra.get("notes", []),
+        extra.get("elapsed_s", 0.0),
+        path[: -len(".jsonl")] + "-report",
+        date[:10],
+    )
     print(f"\n{md}\n{png}")
     return 0
 

@@ -47,8 +47,6 @@ REPO = os.path.dirname(HERE)
 EXAMPLES = os.path.join(REPO, "examples")
 sys.path.insert(0, HERE)
 sys.path.insert(0, EXAMPLES)
-import bench_offload as O  # noqa: E402 - first: pins this process to the trainer's CPU, then imports torch
-
 import argparse  # noqa: E402
 import functools  # noqa: E402
 import gc  # noqa: E402
@@ -59,10 +57,10 @@ from typing import Any, Callable  # noqa: E402
 
 import _common as C  # noqa: E402
 import bench_images as B  # noqa: E402
+import bench_offload as O  # noqa: E402 - first: pins this process to the trainer's CPU, then imports torch
 import torch  # noqa: E402
-from torch.utils.data import default_collate  # noqa: E402
-
 import train_image_classifier as T  # noqa: E402
+from torch.utils.data import default_collate  # noqa: E402
 
 LOADERS = ("torch", "raydl-auto", "raydl-hinted", "raydata")
 TARGET = 1.7  # issue 20: with the offload node, at least 1.7x torch at S = D
@@ -125,19 +123,32 @@ def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 256 images, 1 measured epoch, 1 repetition")
     p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma list from {','.join(LOADERS)}; torch first")
-    p.add_argument("--train-ms", default="0,D", help="training step per batch, ms of work (comma list; D = as long as "
-                   "the data work of one batch on one core, measured at start)")
+    p.add_argument(
+        "--train-ms",
+        default="0,D",
+        help="training step per batch, ms of work (comma list; D = as long as "
+        "the data work of one batch on one core, measured at start)",
+    )
     p.add_argument("--reps", type=int, default=None, help="repetitions, loaders in rotated order (default 3; quick 1)")
     p.add_argument("--epochs", type=int, default=1, help="measured epochs after the first (default 1)")
-    p.add_argument("--images", type=int, default=None, help="images per epoch (default 1536; quick 256): the more "
-                   "batches per epoch, the less the epoch's start and end (nothing to overlap) weigh")
+    p.add_argument(
+        "--images",
+        type=int,
+        default=None,
+        help="images per epoch (default 1536; quick 256): the more "
+        "batches per epoch, the less the epoch's start and end (nothing to overlap) weigh",
+    )
     p.add_argument("--classes", type=int, default=100)
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--cache-dir", default="/tmp/raydl-bench-images")
     p.add_argument("--raydata-reservation", action="store_true", help="keep Ray Data's per-operator reservation")
-    p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this long for a quiet second before "
-                   "each measurement (default 10; quick 0)")
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help="wait up to this long for a quiet second before each measurement (default 10; quick 0)",
+    )
     p.add_argument("--quiet-budget-s", type=float, default=90.0, help="total seconds spent waiting for quiet")
     p.add_argument("--cluster-dir", default="/tmp/raydl-bench-imgoff")
     p.add_argument("--port", type=int, default=6790)
@@ -155,8 +166,11 @@ def main(argv: list | None = None) -> int:
     hint = {"resources": {"data": 1}, "num_cpus": 1 / W}
     start = time.perf_counter()
 
-    info = {**C.machine_info(ray_version=importlib.metadata.version("ray")),
-            "trainer_cpu": O.TRAINER_CPU, "data_cpu": O.DATA_CPU}
+    info = {
+        **C.machine_info(ray_version=importlib.metadata.version("ray")),
+        "trainer_cpu": O.TRAINER_CPU,
+        "data_cpu": O.DATA_CPU,
+    }
     res = C.Results("images-offload", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:] if argv is None else argv})
     C.log(C.describe_machine(info))
@@ -170,11 +184,17 @@ def main(argv: list | None = None) -> int:
 
     # Ray's workers on both nodes import the example's module (Ray Data's map does) from this checkout.
     pythonpath = os.pathsep.join(filter(None, [REPO, EXAMPLES, os.environ.get("PYTHONPATH")]))
-    cluster = C.LocalCluster(args.cluster_dir, args.port, args.dashboard_port,
-                             env={"RAYDL_CLUSTER_HEAD_CPUS": "1", "RAYDL_CLUSTER_OBJECT_STORE_BYTES": "500000000",
-                                  "PYTHONPATH": pythonpath})
-    gate = C.QuietGate(args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10),
-                       args.quiet_budget_s, cluster.pids)
+    cluster = C.LocalCluster(
+        args.cluster_dir,
+        args.port,
+        args.dashboard_port,
+        env={"RAYDL_CLUSTER_HEAD_CPUS": "1", "RAYDL_CLUSTER_OBJECT_STORE_BYTES": "500000000", "PYTHONPATH": pythonpath},
+    )
+    gate = C.QuietGate(
+        args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10),
+        args.quiet_budget_s,
+        cluster.pids,
+    )
 
     # One batch's data work in this process, then the fixed steps, on the idle trainer core before Ray starts.
     gate.wait()
@@ -190,17 +210,35 @@ def main(argv: list | None = None) -> int:
         return step
 
     fixed = {float(x): make_step(float(x)) for x in wanted if x != "D"}
-    busy_code = (f"sys.path.insert(0, {EXAMPLES!r})\nfrom train_image_classifier import JpegFolder, TrainTransform\n"
-                 f"ds = JpegFolder({data_dir!r}, TrainTransform(224))\ni = 0\n"
-                 "while True:\n    ds[i % len(ds)]; i += 1")
+    busy_code = (
+        f"sys.path.insert(0, {EXAMPLES!r})\nfrom train_image_classifier import JpegFolder, TrainTransform\n"
+        f"ds = JpegFolder({data_dir!r}, TrainTransform(224))\ni = 0\n"
+        "while True:\n    ds[i % len(ds)]; i += 1"
+    )
     gate.wait()
-    contention = O.measure_contention(0, O.TrainStep(64.0), rounds=1 if args.quick else 3,
-                                      sample=lambda i: ds[i % len(ds)], sample_code=busy_code, settle_s=3.0)
-    C.log(f"contention: an image takes {contention[0]:.2f}x as long, a train step {contention[1]:.2f}x, "
-          "while the other core is busy")
-    res.write({"section": "calibration", "images": len(ds), "avg_kb": avg_kb, "data_ms_per_batch": d_all,
-               "data_ms_median": data_direct, "contention_data_factor": contention[0],
-               "contention_step_factor": contention[1]})
+    contention = O.measure_contention(
+        0,
+        O.TrainStep(64.0),
+        rounds=1 if args.quick else 3,
+        sample=lambda i: ds[i % len(ds)],
+        sample_code=busy_code,
+        settle_s=3.0,
+    )
+    C.log(
+        f"contention: an image takes {contention[0]:.2f}x as long, a train step {contention[1]:.2f}x, "
+        "while the other core is busy"
+    )
+    res.write(
+        {
+            "section": "calibration",
+            "images": len(ds),
+            "avg_kb": avg_kb,
+            "data_ms_per_batch": d_all,
+            "data_ms_median": data_direct,
+            "contention_data_factor": contention[0],
+            "contention_step_factor": contention[1],
+        }
+    )
 
     rows, notes, placement = [], [], {}
     data_torch = 0.0  # torch's ms per batch on the one core with no step (the 0 row), if run
@@ -234,7 +272,9 @@ def main(argv: list | None = None) -> int:
                 got = ray.data.range(8, override_num_blocks=8).map(_where, **hint).take_all()
                 placement["raydata_tasks_off_driver_node"] = all(r["node"] != driver_node for r in got)
                 placement["raydata_task_affinity"] = sorted({r["cpus"] for r in got})
-                ok = placement["raydata_tasks_off_driver_node"] and placement["raydata_task_affinity"] == [str([O.DATA_CPU])]
+                ok = placement["raydata_tasks_off_driver_node"] and placement["raydata_task_affinity"] == [
+                    str([O.DATA_CPU])
+                ]
             else:
                 loader = make(name)
                 next(iter(loader.epoch()))
@@ -257,8 +297,10 @@ def main(argv: list | None = None) -> int:
         for x in wanted:
             if x == "D":  # the balanced row: a step as costly as torch's data work per batch on the one core
                 d_ms = data_torch or data_direct
-                C.log(f"D = {d_ms:.0f} ms per batch ({'torch, no step' if data_torch else 'in this process'}): "
-                      f"adding a {round(d_ms)} ms step")
+                C.log(
+                    f"D = {d_ms:.0f} ms per batch ({'torch, no step' if data_torch else 'in this process'}): "
+                    f"adding a {round(d_ms)} ms step"
+                )
                 ms, step = round(d_ms), make_step(round(d_ms))
             else:
                 ms, step = float(x), fixed[float(x)]
@@ -272,83 +314,120 @@ def main(argv: list | None = None) -> int:
                     r = run(Epochs(loader), epochs, step)
                 loader.close()
                 del loader
-                rec = {"section": "offload", "loader": name, "train_ms": ms, "rep": rep, "num_workers": W,
-                       "images_per_epoch": len(ds), "measured_epochs": epochs, "ttfb_s": r["ttfb_s"],
-                       "first_epoch_s": r["first_epoch_s"], "images_per_s": r["samples_per_s"],
-                       "step_ms_measured": s_real[ms], "foreign_cores": round(mon.foreign_cores, 3),
-                       "our_cores": round(mon.ours_cores, 3)}
+                rec = {
+                    "section": "offload",
+                    "loader": name,
+                    "train_ms": ms,
+                    "rep": rep,
+                    "num_workers": W,
+                    "images_per_epoch": len(ds),
+                    "measured_epochs": epochs,
+                    "ttfb_s": r["ttfb_s"],
+                    "first_epoch_s": r["first_epoch_s"],
+                    "images_per_s": r["samples_per_s"],
+                    "step_ms_measured": s_real[ms],
+                    "foreign_cores": round(mon.foreign_cores, 3),
+                    "our_cores": round(mon.ours_cores, 3),
+                }
                 res.write(rec)
                 got[name].append(rec)
-                C.log(f"train {ms:g} ms/batch rep {rep} {name:12s} {r['samples_per_s']:6.1f} images/s "
-                      f"(foreign load {mon.foreign_cores:.2f} cores)")
+                C.log(
+                    f"train {ms:g} ms/batch rep {rep} {name:12s} {r['samples_per_s']:6.1f} images/s "
+                    f"(foreign load {mon.foreign_cores:.2f} cores)"
+                )
             tr = [r["images_per_s"] for r in got["torch"]]
             if ms == 0:
                 data_torch = 1e3 * bs / C.median(tr)
             d_ideal = data_torch or data_direct
             ideal, contended = O.offload_ceilings(d_ideal, ms, contention)
-            row = [f"{ms:g}" + (" (S = D)" if x == "D" else ""),
-                   f"{C.median(tr):,.0f} ({min(tr):,.0f}–{max(tr):,.0f})"]
+            row = [f"{ms:g}" + (" (S = D)" if x == "D" else ""), f"{C.median(tr):,.0f} ({min(tr):,.0f}–{max(tr):,.0f})"]
             for name in variants:
                 d = [r["images_per_s"] for r in got[name]]
                 paired, cells = O.paired_cells(d, tr)
                 row += cells
-                res.write({"section": "offload_summary", "loader": name, "train_ms": ms, "torch_median": C.median(tr),
-                           "median": C.median(d), "ratio_paired_median": C.median(paired), "ratio_paired_all": paired,
-                           "ideal": ideal, "contended_ceiling": contended})
+                res.write(
+                    {
+                        "section": "offload_summary",
+                        "loader": name,
+                        "train_ms": ms,
+                        "torch_median": C.median(tr),
+                        "median": C.median(d),
+                        "ratio_paired_median": C.median(paired),
+                        "ratio_paired_all": paired,
+                        "ideal": ideal,
+                        "contended_ceiling": contended,
+                    }
+                )
                 if x == "D" and name.startswith("raydl"):
                     verdict = "met" if C.median(paired) >= TARGET else "NOT met"
-                    notes.append(f"target ≥ {TARGET}× torch at S = D: {name} {C.median(paired):.2f}× — {verdict} "
-                                 f"(ideal {ideal}, ceiling with the cores contended {contended})")
+                    notes.append(
+                        f"target ≥ {TARGET}× torch at S = D: {name} {C.median(paired):.2f}× — {verdict} "
+                        f"(ideal {ideal}, ceiling with the cores contended {contended})"
+                    )
             fl = C.median([r["foreign_cores"] for name in names for r in got[name]])
             rows.append(row + [ideal, contended, f"{fl:.2f}"])
     finally:
         C.disconnect_and_stop(cluster)
 
     if data_torch:
-        d_text = (f"D = {data_torch:.0f} ms: torch's data work per batch on the one core, from its rate with no "
-                  f"step ({bs} / images/s); the S = D step is calibrated to it. The same batch made in this process "
-                  f"on the idle core before Ray started (decode + crop + flip + normalize of {bs} images + collate, "
-                  f"median of {len(d_all)}) took {data_direct:.0f} ms ({min(d_all):.0f}–{max(d_all):.0f}); the "
-                  "rest is torch's hand-over of the batch and whatever else ran on that core")
+        d_text = (
+            f"D = {data_torch:.0f} ms: torch's data work per batch on the one core, from its rate with no "
+            f"step ({bs} / images/s); the S = D step is calibrated to it. The same batch made in this process "
+            f"on the idle core before Ray started (decode + crop + flip + normalize of {bs} images + collate, "
+            f"median of {len(d_all)}) took {data_direct:.0f} ms ({min(d_all):.0f}–{max(d_all):.0f}); the "
+            "rest is torch's hand-over of the batch and whatever else ran on that core"
+        )
     else:
-        d_text = (f"D = {data_direct:.0f} ms ({min(d_all):.0f}–{max(d_all):.0f}): one batch made in this process on "
-                  f"the idle trainer core before Ray started (decode + crop + flip + normalize of {bs} images + "
-                  f"collate, median of {len(d_all)}); no 0 row, so the ideal and the S = D step use it")
+        d_text = (
+            f"D = {data_direct:.0f} ms ({min(d_all):.0f}–{max(d_all):.0f}): one batch made in this process on "
+            f"the idle trainer core before Ray started (decode + crop + flip + normalize of {bs} images + "
+            f"collate, median of {len(d_all)}); no 0 row, so the ideal and the S = D step use it"
+        )
     steps_text = ", ".join(f"{ms:g} → {v:.0f}" for ms, v in s_real.items() if ms)
-    lines = [f"## Images, offload shape: JPEG pipeline, trainer on one core, workers on a second node "
-             f"({'quick' if args.quick else 'full'} run)", "", C.describe_machine(info), "",
-             f"{len(ds)} generated JPEGs (500x375, ~{avg_kb:.0f} KB) per epoch, PIL decode + RandomResizedCrop(224) + "
-             f"flip + to tensor + normalize, batch {bs}, shuffled, {W} workers, persistent. Trainer (this process, "
-             f"torch.set_num_threads(1)) pinned to CPU {O.TRAINER_CPU} with the head node (GCS, its raylet and object "
-             f"store); torch's {W} forked workers inherit CPU {O.TRAINER_CPU}. A second Ray node (1 CPU, "
-             f"{{'data': {W}}}) under `taskset -c {O.DATA_CPU}`. raydl-auto: no ray_remote_args (raydl's own "
-             f"placement); raydl-hinted: ray_remote_args={hint}; raydata: Ray Data's shuffle and map tasks with the "
-             f"same remote args, batches assembled in the driver by iter_torch_batches. SPDL and torchdata.nodes are "
-             "not in this shape: SPDL runs in the trainer's threads and torchdata.nodes forks its workers from the "
-             "trainer, so neither can put its work on another node.", "",
-             f"{d_text}. Train step S = single-threaded matmul work per batch calibrated on the trainer's core "
-             f"(ms asked → ms measured right after: {steps_text or '—'}). Steady images/s over {epochs} epoch(s) "
-             f"after the first; {reps} repetition(s) in rotated order, median (min–max); ratios paired per "
-             f"repetition. Placement checked: {placement}. Before each measurement (and the calibrations) the run "
-             f"waited up to "
-             f"{gate.max_wait_s:g} s for a quiet second (waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the "
-             "machine stayed busy).", ""]
+    lines = [
+        f"## Images, offload shape: JPEG pipeline, trainer on one core, workers on a second node "
+        f"({'quick' if args.quick else 'full'} run)",
+        "",
+        C.describe_machine(info),
+        "",
+        f"{len(ds)} generated JPEGs (500x375, ~{avg_kb:.0f} KB) per epoch, PIL decode + RandomResizedCrop(224) + "
+        f"flip + to tensor + normalize, batch {bs}, shuffled, {W} workers, persistent. Trainer (this process, "
+        f"torch.set_num_threads(1)) pinned to CPU {O.TRAINER_CPU} with the head node (GCS, its raylet and object "
+        f"store); torch's {W} forked workers inherit CPU {O.TRAINER_CPU}. A second Ray node (1 CPU, "
+        f"{{'data': {W}}}) under `taskset -c {O.DATA_CPU}`. raydl-auto: no ray_remote_args (raydl's own "
+        f"placement); raydl-hinted: ray_remote_args={hint}; raydata: Ray Data's shuffle and map tasks with the "
+        f"same remote args, batches assembled in the driver by iter_torch_batches. SPDL and torchdata.nodes are "
+        "not in this shape: SPDL runs in the trainer's threads and torchdata.nodes forks its workers from the "
+        "trainer, so neither can put its work on another node.",
+        "",
+        f"{d_text}. Train step S = single-threaded matmul work per batch calibrated on the trainer's core "
+        f"(ms asked → ms measured right after: {steps_text or '—'}). Steady images/s over {epochs} epoch(s) "
+        f"after the first; {reps} repetition(s) in rotated order, median (min–max); ratios paired per "
+        f"repetition. Placement checked: {placement}. Before each measurement (and the calibrations) the run "
+        f"waited up to "
+        f"{gate.max_wait_s:g} s for a quiet second (waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the "
+        "machine stayed busy).",
+        "",
+    ]
     n_batches = -(-len(ds) // bs)
     header = ["train step ms/batch", "torch images/s"]
     for name in variants:
         header += [f"{name} images/s", f"{name} / torch (paired)"]
     lines.append(C.md_table(header + ["ideal offload ratio", "ceiling, cores contended", "foreign load (cores)"], rows))
-    lines += ["", "Ideal offload ratio = (D + S) / max(D, S): torch's one core does both in turn, an offloaded loader "
-              "lets the slower of the two set the pace (1× with no step, at most 2×, at S = D). Ceiling, cores "
-              f"contended = (D + S) / max(D × {contention[0]:.2f}, S × {contention[1]:.2f}), the factors measured on the "
-              "trainer's core beside a process on the other core running the other side's work (an image's transform, "
-              f"a train step), before Ray starts. Within an epoch of n batches an offloaded loader also waits for "
-              "the first batch and the last step has nothing to overlap, so at S = D the steady epochs can reach "
-              f"at most 2n/(n+1) = {2 * n_batches / (n_batches + 1):.2f}× (n = {n_batches}). Every batch "
-              f"({bs * 3 * 224 * 224 * 4 / 1e6:.1f} MB of float32) made on the data node crosses to the head node's "
-              "object store, which costs CPU on both cores. Target (issue 20): "
-              f"≥ {TARGET}× torch at S = D, raydl's workers on the offload node; torch's workers cannot leave the "
-              "trainer's host, Ray Data's tasks can (measured here when listed)."]
+    lines += [
+        "",
+        "Ideal offload ratio = (D + S) / max(D, S): torch's one core does both in turn, an offloaded loader "
+        "lets the slower of the two set the pace (1× with no step, at most 2×, at S = D). Ceiling, cores "
+        f"contended = (D + S) / max(D × {contention[0]:.2f}, S × {contention[1]:.2f}), the factors measured on the "
+        "trainer's core beside a process on the other core running the other side's work (an image's transform, "
+        f"a train step), before Ray starts. Within an epoch of n batches an offloaded loader also waits for "
+        "the first batch and the last step has nothing to overlap, so at S = D the steady epochs can reach "
+        f"at most 2n/(n+1) = {2 * n_batches / (n_batches + 1):.2f}× (n = {n_batches}). Every batch "
+        f"({bs * 3 * 224 * 224 * 4 / 1e6:.1f} MB of float32) made on the data node crosses to the head node's "
+        "object store, which costs CPU on both cores. Target (issue 20): "
+        f"≥ {TARGET}× torch at S = D, raydl's workers on the offload node; torch's workers cannot leave the "
+        "trainer's host, Ray Data's tasks can (measured here when listed).",
+    ]
     return O.close_report(res, lines, notes, cluster_start_s, start)
 
 

@@ -78,10 +78,18 @@ def job_steps_per_s(args, job: bool, straggler: bool, rep: int) -> float:
         slow = 0 if straggler and (job or rank == 0) else None
         ds = Spin(n, args.sample_ms / 1000, slow)
         sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=rep)
-        loaders.append(raydl.DataLoader(
-            ds, batch_size=args.batch, sampler=sampler, num_workers=args.num_workers, persistent_workers=True,
-            ray_job=f"bench-{rep}-{straggler}" if job else None, ray_seed="batch", timeout=120,
-        ))
+        loaders.append(
+            raydl.DataLoader(
+                ds,
+                batch_size=args.batch,
+                sampler=sampler,
+                num_workers=args.num_workers,
+                persistent_workers=True,
+                ray_job=f"bench-{rep}-{straggler}" if job else None,
+                ray_seed="batch",
+                timeout=120,
+            )
+        )
     rates = []
     try:
         for epoch in range(1 + args.epochs):
@@ -125,11 +133,18 @@ def autoscale_run(args, mode: str, rep: int) -> dict:
         os.environ["RANK"], os.environ["WORLD_SIZE"] = str(rank), "2"
         ds = Sleepy(n, args.io_ms / 1000)
         sampler = DistributedSampler(ds, num_replicas=2, rank=rank, shuffle=True, seed=rep)
-        loaders.append(raydl.DataLoader(
-            ds, batch_size=args.batch, sampler=sampler, num_workers=args.max_per_rank if mode == "fixed-max" else 1,
-            ray_max_workers=args.max_per_rank if mode == "auto" else None, ray_job=f"bench-as-{mode}-{rep}",
-            ray_seed="batch", timeout=120,
-        ))
+        loaders.append(
+            raydl.DataLoader(
+                ds,
+                batch_size=args.batch,
+                sampler=sampler,
+                num_workers=args.max_per_rank if mode == "fixed-max" else 1,
+                ray_max_workers=args.max_per_rank if mode == "auto" else None,
+                ray_job=f"bench-as-{mode}-{rep}",
+                ray_seed="batch",
+                timeout=120,
+            )
+        )
     try:
         its = [iter(loader) for loader in loaders]
         stamps, sizes = [], []
@@ -142,11 +157,19 @@ def autoscale_run(args, mode: str, rep: int) -> dict:
             loader.shutdown()
     half = len(stamps) // 2
     changes = [k for k in range(1, len(sizes)) if sizes[k] != sizes[k - 1]]
-    return {"mode": mode, "rep": rep, "steps": len(stamps),
-            "settled_steps_per_s": (len(stamps) - 1 - half) / (stamps[-1] - stamps[half]),
-            "final_size": sizes[-1], "last_change_step": changes[-1] if changes else 0,
-            "decisions": [f"{d.action} {d.workers_before}->{d.workers_after} (waited {d.wait_fraction:.0%}, busy "
-                          f"{d.busy_fraction:.0%})" for d in decisions]}
+    return {
+        "mode": mode,
+        "rep": rep,
+        "steps": len(stamps),
+        "settled_steps_per_s": (len(stamps) - 1 - half) / (stamps[-1] - stamps[half]),
+        "final_size": sizes[-1],
+        "last_change_step": changes[-1] if changes else 0,
+        "decisions": [
+            f"{d.action} {d.workers_before}->{d.workers_after} (waited {d.wait_fraction:.0%}, busy "
+            f"{d.busy_fraction:.0%})"
+            for d in decisions
+        ],
+    }
 
 
 def autoscale_report(args, runs: list) -> list:
@@ -154,26 +177,40 @@ def autoscale_report(args, runs: list) -> list:
     auto_vs_max = [a["settled_steps_per_s"] / f["settled_steps_per_s"] for a, f in zip(by["auto"], by["fixed-max"])]
     auto_vs_one = [a["settled_steps_per_s"] / f["settled_steps_per_s"] for a, f in zip(by["auto"], by["fixed-1"])]
     rows = []
-    for mode, label in (("fixed-1", "job pool, 1 worker per rank"),
-                        ("fixed-max", f"job pool, {args.max_per_rank} workers per rank"),
-                        ("auto", f"job pool, num_workers=1, ray_max_workers={args.max_per_rank}")):
+    for mode, label in (
+        ("fixed-1", "job pool, 1 worker per rank"),
+        ("fixed-max", f"job pool, {args.max_per_rank} workers per rank"),
+        ("auto", f"job pool, num_workers=1, ray_max_workers={args.max_per_rank}"),
+    ):
         rs = by[mode]
-        rows.append([label, f"{C.median([r['settled_steps_per_s'] for r in rs]):.1f}",
-                     ", ".join(str(r["final_size"]) for r in rs), ", ".join(str(r["last_change_step"]) for r in rs)])
-    return [f"Job autoscaler: 2 ranks in lockstep, batch {args.batch} per rank, {args.io_ms} ms of sleep per sample "
-            f"(I/O), {args.autoscale_steps} steps, {args.reps} repetition(s); steps/s over the second half", "",
-            C.md_table(["pool", "job steps/s, settled", "job workers at the end", "step of the last change"], rows), "",
-            f"autoscaled / fixed at {args.max_per_rank} per rank (paired): {C.median(auto_vs_max):.2f}x "
-            f"({min(auto_vs_max):.2f}-{max(auto_vs_max):.2f}); autoscaled / fixed at 1: {C.median(auto_vs_one):.2f}x "
-            f"({min(auto_vs_one):.2f}-{max(auto_vs_one):.2f})", "",
-            "Decisions (first repetition): " + "; ".join(by["auto"][0]["decisions"])]
+        rows.append(
+            [
+                label,
+                f"{C.median([r['settled_steps_per_s'] for r in rs]):.1f}",
+                ", ".join(str(r["final_size"]) for r in rs),
+                ", ".join(str(r["last_change_step"]) for r in rs),
+            ]
+        )
+    return [
+        f"Job autoscaler: 2 ranks in lockstep, batch {args.batch} per rank, {args.io_ms} ms of sleep per sample "
+        f"(I/O), {args.autoscale_steps} steps, {args.reps} repetition(s); steps/s over the second half",
+        "",
+        C.md_table(["pool", "job steps/s, settled", "job workers at the end", "step of the last change"], rows),
+        "",
+        f"autoscaled / fixed at {args.max_per_rank} per rank (paired): {C.median(auto_vs_max):.2f}x "
+        f"({min(auto_vs_max):.2f}-{max(auto_vs_max):.2f}); autoscaled / fixed at 1: {C.median(auto_vs_one):.2f}x "
+        f"({min(auto_vs_one):.2f}-{max(auto_vs_one):.2f})",
+        "",
+        "Decisions (first repetition): " + "; ".join(by["auto"][0]["decisions"]),
+    ]
 
 
 def seeding_samples_per_s(mode: str, epochs: int) -> float:
     import raydl
 
-    loader = raydl.DataLoader(Floor(), batch_size=64, num_workers=2, persistent_workers=True, ray_seed=mode,
-                              timeout=120)
+    loader = raydl.DataLoader(
+        Floor(), batch_size=64, num_workers=2, persistent_workers=True, ray_seed=mode, timeout=120
+    )
     rates = []
     try:
         for epoch in range(1 + epochs):
@@ -215,12 +252,14 @@ def main() -> int:
         try:
             modes = ["fixed-1", "fixed-max", "auto"]
             for rep in range(args.reps):
-                for mode in modes[rep % 3:] + modes[:rep % 3]:
+                for mode in modes[rep % 3 :] + modes[: rep % 3]:
                     run = autoscale_run(args, mode, rep)
                     runs.append(run)
                     results.write(run)
-                    C.log(f"rep {rep}: {mode:9s} {run['settled_steps_per_s']:.1f} steps/s settled, "
-                          f"{run['final_size']} workers at the end, last change at step {run['last_change_step']}")
+                    C.log(
+                        f"rep {rep}: {mode:9s} {run['settled_steps_per_s']:.1f} steps/s settled, "
+                        f"{run['final_size']} workers at the end, last change at step {run['last_change_step']}"
+                    )
         finally:
             ray.shutdown()
         report = "\n".join([C.describe_machine(info), ""] + autoscale_report(args, runs))
@@ -233,13 +272,13 @@ def main() -> int:
     seeding: dict[str, list[float]] = {"batch": [], "sample": []}
     try:
         for rep in range(args.reps):
-            order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+            order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
             for name, job, straggler in order:
                 rate = job_steps_per_s(args, job, straggler, rep)
                 rows.setdefault((name, straggler), []).append(rate)
                 results.write({"case": name, "straggler": straggler, "rep": rep, "steps_per_s": rate})
                 C.log(f"rep {rep}: {name:7s} straggler={straggler}: {rate:.1f} steps/s")
-            for mode in (["batch", "sample"] if rep % 2 == 0 else ["sample", "batch"]):
+            for mode in ["batch", "sample"] if rep % 2 == 0 else ["sample", "batch"]:
                 rate = seeding_samples_per_s(mode, args.epochs)
                 seeding[mode].append(rate)
                 results.write({"case": f"seed-{mode}", "rep": rep, "samples_per_s": rate})
@@ -252,20 +291,42 @@ def main() -> int:
 
     strag, bal = ratio(("job", True), ("private", True)), ratio(("job", False), ("private", False))
     seed_ratio = [s / b for s, b in zip(seeding["sample"], seeding["batch"])]
-    lines = [C.describe_machine(info), "",
-             f"2 ranks x {args.num_workers} workers, batch {args.batch} per rank, {args.sample_ms} ms CPU per sample, "
-             f"{args.steps} steps per epoch, {args.reps} repetition(s), median of {args.epochs} epochs each", "",
-             C.md_table(["case", "private pools, steps/s", "job pool, steps/s", "job / private (paired), median (min-max)"], [
-                 ["one worker 3x slower", f"{C.median(rows[('private', True)]):.1f}", f"{C.median(rows[('job', True)]):.1f}",
-                  f"**{C.median(strag):.2f}x** ({min(strag):.2f}-{max(strag):.2f})"],
-                 ["balanced", f"{C.median(rows[('private', False)]):.1f}", f"{C.median(rows[('job', False)]):.1f}",
-                  f"**{C.median(bal):.2f}x** ({min(bal):.2f}-{max(bal):.2f})"],
-             ]), "",
-             C.md_table(["overhead floor, 1 rank, 2 workers", "samples/s", "vs batch (paired)"], [
-                 ["ray_seed='batch'", f"{C.median(seeding['batch']):.0f}", "1.00x"],
-                 ["ray_seed='sample'", f"{C.median(seeding['sample']):.0f}",
-                  f"{C.median(seed_ratio):.2f}x ({min(seed_ratio):.2f}-{max(seed_ratio):.2f})"],
-             ])]
+    lines = [
+        C.describe_machine(info),
+        "",
+        f"2 ranks x {args.num_workers} workers, batch {args.batch} per rank, {args.sample_ms} ms CPU per sample, "
+        f"{args.steps} steps per epoch, {args.reps} repetition(s), median of {args.epochs} epochs each",
+        "",
+        C.md_table(
+            ["case", "private pools, steps/s", "job pool, steps/s", "job / private (paired), median (min-max)"],
+            [
+                [
+                    "one worker 3x slower",
+                    f"{C.median(rows[('private', True)]):.1f}",
+                    f"{C.median(rows[('job', True)]):.1f}",
+                    f"**{C.median(strag):.2f}x** ({min(strag):.2f}-{max(strag):.2f})",
+                ],
+                [
+                    "balanced",
+                    f"{C.median(rows[('private', False)]):.1f}",
+                    f"{C.median(rows[('job', False)]):.1f}",
+                    f"**{C.median(bal):.2f}x** ({min(bal):.2f}-{max(bal):.2f})",
+                ],
+            ],
+        ),
+        "",
+        C.md_table(
+            ["overhead floor, 1 rank, 2 workers", "samples/s", "vs batch (paired)"],
+            [
+                ["ray_seed='batch'", f"{C.median(seeding['batch']):.0f}", "1.00x"],
+                [
+                    "ray_seed='sample'",
+                    f"{C.median(seeding['sample']):.0f}",
+                    f"{C.median(seed_ratio):.2f}x ({min(seed_ratio):.2f}-{max(seed_ratio):.2f})",
+                ],
+            ],
+        ),
+    ]
     report = "\n".join(lines)
     print(report)
     results.write_text(".md", report + "\n")

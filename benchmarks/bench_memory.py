@@ -44,7 +44,6 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import pyarrow as pa  # noqa: E402
@@ -144,7 +143,12 @@ def run_one(kind: str, rows: int, workers: int, batch_size: int, epochs: int, ip
     if uses_ray:
         import ray
 
-        ray.init(address="local", num_cpus=2, include_dashboard=False, object_store_memory=int(max(512 * MB, min(6 * 2**30, rows * 400))))
+        ray.init(
+            address="local",
+            num_cpus=2,
+            include_dashboard=False,
+            object_store_memory=int(max(512 * MB, min(6 * 2**30, rows * 400))),
+        )
         # A tiny loader first: Ray's and raydl's own driver-side state exists before the baseline.
         list(raydl.DataLoader(TinyDataset(), batch_size=16, num_workers=1, ray_reuse_workers=False))
     gc.collect()
@@ -167,7 +171,9 @@ def run_one(kind: str, rows: int, workers: int, batch_size: int, epochs: int, ip
     gc.collect()
     driver_with_data = pss(os.getpid())["pss"]
     generator = torch.Generator().manual_seed(0)
-    common = dict(batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=True, generator=generator)
+    common = dict(
+        batch_size=batch_size, shuffle=True, num_workers=workers, persistent_workers=True, generator=generator
+    )
     if uses_ray:
         # Unpickling a big list dataset in 8 actors on a busy 2-core machine takes minutes.
         loader = raydl.DataLoader(dataset, timeout=600, ray_reuse_workers=False, ray_startup_timeout_s=900, **common)
@@ -240,15 +246,29 @@ def getitems_speed(rows: int, batch_size: int, batches: int) -> dict:
 
 
 def _child(kind: str, args: argparse.Namespace, ipc_path: str) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--one", kind, "--rows", str(args.rows), "--workers",
-           str(args.workers), "--batch-size", str(args.batch_size), "--epochs", str(args.epochs), "--ipc", ipc_path]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--one",
+        kind,
+        "--rows",
+        str(args.rows),
+        "--workers",
+        str(args.workers),
+        "--batch-size",
+        str(args.batch_size),
+        "--epochs",
+        str(args.epochs),
+        "--ipc",
+        ipc_path,
+    ]
     env = dict(os.environ)
     env["PYTHONPATH"] = C.REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         return {"kind": kind, "error": (proc.stderr or proc.stdout)[-1500:]}
-    return json.loads(lines[-1][len("RESULT "):])
+    return json.loads(lines[-1][len("RESULT ") :])
 
 
 def _idle_for(kind: str, idle: dict) -> str:
@@ -275,7 +295,13 @@ def _chart(records: dict, idle: dict, table_bytes: int, path: str, title: str) -
     bottom = np.zeros(len(kinds))
     for part, color in (("driver_pss", "#4c72b0"), ("workers_pss", "#dd8452"), ("object_store_bytes", "#55a868")):
         vals = np.array([records[k][part] / MB for k in kinds])
-        ax.bar(kinds, vals, bottom=bottom, label=part.replace("_pss", "").replace("_bytes", "").replace("_", " "), color=color)
+        ax.bar(
+            kinds,
+            vals,
+            bottom=bottom,
+            label=part.replace("_pss", "").replace("_bytes", "").replace("_", " "),
+            color=color,
+        )
         bottom += vals
     ax.axhline(table_bytes / MB, color="k", ls="--", lw=1, label="one copy of the Arrow table")
     ax.set_ylabel("MiB (PSS; object store counted once)")
@@ -324,7 +350,9 @@ def main() -> None:
     del table
     speed = getitems_speed(min(args.rows, 1_000_000), args.batch_size, args.speed_batches)
     results.write({"speed": speed, **info})
-    C.log(f"__getitems__ {speed['getitems_ms']:.2f} ms/batch vs row by row {speed['row_by_row_ms']:.2f} ms: {speed['speedup']:.1f}x")
+    C.log(
+        f"__getitems__ {speed['getitems_ms']:.2f} ms/batch vs row by row {speed['row_by_row_ms']:.2f} ms: {speed['speedup']:.1f}x"
+    )
     idle = {}
     for kind in IDLE:
         idle[kind] = _child(kind, argparse.Namespace(**{**vars(args), "rows": 64}), ipc_path)
@@ -338,8 +366,11 @@ def main() -> None:
             continue
         need = (args.workers + 2) * args.rows * PY_BYTES_PER_ROW if kind.endswith("list") else 0
         if need > psutil.virtual_memory().available - 3 * 2**30:
-            records[kind] = {"kind": kind, "error": f"skipped: would need about {need / 2**30:.1f} GiB, "
-                             f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (use fewer --rows)"}
+            records[kind] = {
+                "kind": kind,
+                "error": f"skipped: would need about {need / 2**30:.1f} GiB, "
+                f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (use fewer --rows)",
+            }
             C.log(records[kind]["error"])
             continue
         C.log(f"{kind}: running ({psutil.virtual_memory().available / 2**30:.1f} GiB available)")
@@ -347,7 +378,14 @@ def main() -> None:
         records[kind]["available_before"] = psutil.virtual_memory().available
         results.write(records[kind])
         r = records[kind]
-        C.log(f"{kind}: " + (r["error"][-300:] if "error" in r else f"total {_mb(r['total'])} MiB, epochs {[round(s, 1) for s in r['epoch_s']]} s"))
+        C.log(
+            f"{kind}: "
+            + (
+                r["error"][-300:]
+                if "error" in r
+                else f"total {_mb(r['total'])} MiB, epochs {[round(s, 1) for s in r['epoch_s']]} s"
+            )
+        )
     os.remove(ipc_path)
     os.rmdir(folder)
 
@@ -363,8 +401,18 @@ def main() -> None:
         f"One copy of the Arrow table: {_mb(table_bytes)} MiB.",
         "",
     ]
-    header = ["loader", "driver (MiB)", "workers (MiB)", "object store (MiB)", "total (MiB)", "total / Arrow table",
-              "(total − fixed) / table", "per worker (MiB)", "epoch times (s)", "Ray's own processes (MiB)"]
+    header = [
+        "loader",
+        "driver (MiB)",
+        "workers (MiB)",
+        "object store (MiB)",
+        "total (MiB)",
+        "total / Arrow table",
+        "(total − fixed) / table",
+        "per worker (MiB)",
+        "epoch times (s)",
+        "Ray's own processes (MiB)",
+    ]
     rows = []
     for kind in LOADERS:
         r = records.get(kind)
@@ -374,39 +422,68 @@ def main() -> None:
             rows.append([kind, "failed: " + r["error"].splitlines()[-1][:120]] + [""] * 8)
             continue
         fx = fixed(_idle_for(kind, idle), r["driver_base_pss"])
-        rows.append([
-            kind, _mb(r["driver_pss"]), _mb(r["workers_pss"]), _mb(r["object_store_bytes"]), _mb(r["total"]),
-            f"{r['total'] / table_bytes:.2f}×", f"{(r['total'] - fx) / table_bytes:.2f}×",
-            f"{_mb(min(r['worker_pss_each']))}–{_mb(max(r['worker_pss_each']))}",
-            " / ".join(f"{s:.0f}" for s in r["epoch_s"]), _mb(r["ray_system_pss"]) if kind.startswith("raydl") else "–",
-        ])
+        rows.append(
+            [
+                kind,
+                _mb(r["driver_pss"]),
+                _mb(r["workers_pss"]),
+                _mb(r["object_store_bytes"]),
+                _mb(r["total"]),
+                f"{r['total'] / table_bytes:.2f}×",
+                f"{(r['total'] - fx) / table_bytes:.2f}×",
+                f"{_mb(min(r['worker_pss_each']))}–{_mb(max(r['worker_pss_each']))}",
+                " / ".join(f"{s:.0f}" for s in r["epoch_s"]),
+                _mb(r["ray_system_pss"]) if kind.startswith("raydl") else "–",
+            ]
+        )
     lines += [C.md_table(header, rows), ""]
-    lines += ["fixed = the driver's PSS before the dataset existed + workers × an idle worker's PSS (below; for raydl over "
-              "Arrow, an idle worker holding a 64-row ArrowDataset, i.e. with pyarrow imported).", ""]
+    lines += [
+        "fixed = the driver's PSS before the dataset existed + workers × an idle worker's PSS (below; for raydl over "
+        "Arrow, an idle worker holding a 64-row ArrowDataset, i.e. with pyarrow imported).",
+        "",
+    ]
     idle_rows = []
     for kind in IDLE:
         r = idle.get(kind, {})
         if "error" in r:
             idle_rows.append([kind, "failed", ""])
             continue
-        idle_rows.append([kind, f"{np.mean(r['worker_pss_each']) / MB:.0f}", f"{np.mean(r['worker_uss_each']) / MB:.0f}"])
-    lines += ["Idle worker (a 64-row dataset), mean over the workers:", "",
-              C.md_table(["worker", "PSS (MiB)", "USS (MiB)"], idle_rows), ""]
+        idle_rows.append(
+            [kind, f"{np.mean(r['worker_pss_each']) / MB:.0f}", f"{np.mean(r['worker_uss_each']) / MB:.0f}"]
+        )
+    lines += [
+        "Idle worker (a 64-row dataset), mean over the workers:",
+        "",
+        C.md_table(["worker", "PSS (MiB)", "USS (MiB)"], idle_rows),
+        "",
+    ]
     ra = records.get("raydl-arrow")
     if ra and "error" not in ra:
         fx = fixed(_idle_for("raydl-arrow", idle), ra["driver_base_pss"])
         goal = ra["total"] / (table_bytes + fx)
-        lines.append(f"Goal: raydl + ArrowDataset total / (one table + fixed cost) = {goal:.2f} (goal ≤ 1.3): "
-                     f"{'met' if goal <= 1.3 else 'NOT met'}.")
-    lines.append(f"Reading a batch of {args.batch_size}: `__getitems__` {speed['getitems_ms']:.2f} ms, row by row "
-                 f"{speed['row_by_row_ms']:.2f} ms: {speed['speedup']:.1f}× faster (goal ≥ 5×: "
-                 f"{'met' if speed['speedup'] >= 5 else 'NOT met'}).")
-    lines += ["", f"Run took {(time.perf_counter() - start) / 60:.1f} min; load average at end "
-              f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}."]
+        lines.append(
+            f"Goal: raydl + ArrowDataset total / (one table + fixed cost) = {goal:.2f} (goal ≤ 1.3): "
+            f"{'met' if goal <= 1.3 else 'NOT met'}."
+        )
+    lines.append(
+        f"Reading a batch of {args.batch_size}: `__getitems__` {speed['getitems_ms']:.2f} ms, row by row "
+        f"{speed['row_by_row_ms']:.2f} ms: {speed['speedup']:.1f}× faster (goal ≥ 5×: "
+        f"{'met' if speed['speedup'] >= 5 else 'NOT met'})."
+    )
+    lines += [
+        "",
+        f"Run took {(time.perf_counter() - start) / 60:.1f} min; load average at end "
+        f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.",
+    ]
     png = results.prefix + ".png"
     try:
-        _chart(records, idle, table_bytes, png,
-               f"{args.rows:,} rows, {args.workers} workers: memory at the end of epoch {args.epochs}")
+        _chart(
+            records,
+            idle,
+            table_bytes,
+            png,
+            f"{args.rows:,} rows, {args.workers} workers: memory at the end of epoch {args.epochs}",
+        )
         lines.append(f"Chart: {os.path.relpath(png, C.REPO)}")
     except Exception as e:  # matplotlib missing: the table is the result
         lines.append(f"(no chart: {e})")

@@ -35,7 +35,6 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402
-
 import torch  # noqa: E402
 import torch.utils.data  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
@@ -76,7 +75,12 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reps", type=int, default=None, help="alternating repetitions (default 2; quick 1)")
-    p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this long for a quiet second before each measurement (default 5; quick 0)")
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help="wait up to this long for a quiet second before each measurement (default 5; quick 0)",
+    )
     p.add_argument("--cluster-dir", default="/tmp/raydl-bench-mn")
     p.add_argument("--port", type=int, default=6690)
     p.add_argument("--dashboard-port", type=int, default=8690)
@@ -91,8 +95,12 @@ def main() -> int:
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
     C.log(C.describe_machine(info))
 
-    cluster = C.LocalCluster(args.cluster_dir, args.port, args.dashboard_port,
-                             env={"RAYDL_CLUSTER_OBJECT_STORE_BYTES": str(args.object_store_bytes)})
+    cluster = C.LocalCluster(
+        args.cluster_dir,
+        args.port,
+        args.dashboard_port,
+        env={"RAYDL_CLUSTER_OBJECT_STORE_BYTES": str(args.object_store_bytes)},
+    )
     results: dict = {}
     placement_seen: dict = {}
     try:
@@ -112,7 +120,9 @@ def main() -> int:
         }
 
         def make(where: str, ds: Dataset, workers: int, prefetch: int):
-            kw = dict(batch_size=SAMPLES_PER_BATCH, num_workers=workers, prefetch_factor=prefetch, persistent_workers=True)
+            kw = dict(
+                batch_size=SAMPLES_PER_BATCH, num_workers=workers, prefetch_factor=prefetch, persistent_workers=True
+            )
             if where == "torch":
                 return torch.utils.data.DataLoader(ds, **kw)
             return raydl.DataLoader(ds, **kw, ray_remote_args=remote_args[where])
@@ -136,8 +146,13 @@ def main() -> int:
             nodes = sorted({r.node_id[:8] for r in loader.worker_records}) if where != "torch" else ["driver's host"]
             if hasattr(loader, "shutdown"):
                 loader.shutdown()
-            return {"p50_ms": C.percentile(lat, 50) * 1e3, "p95_ms": C.percentile(lat, 95) * 1e3,
-                    "mean_ms": sum(lat) / len(lat) * 1e3, "batches": len(lat), "worker_nodes": nodes}
+            return {
+                "p50_ms": C.percentile(lat, 50) * 1e3,
+                "p95_ms": C.percentile(lat, 95) * 1e3,
+                "mean_ms": sum(lat) / len(lat) * 1e3,
+                "batches": len(lat),
+                "worker_nodes": nodes,
+            }
 
         def bandwidth(where: str, size: int, n: int) -> dict:
             loader = make(where, BlobDataset(size, n), 2, 2)
@@ -154,7 +169,9 @@ def main() -> int:
                 loader.shutdown()
             return {"mb_per_s": total / dt / 1e6, "bytes": total, "seconds": dt, "worker_nodes": nodes}
 
-        gate = C.QuietGate(args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 5), 90, cluster.pids)
+        gate = C.QuietGate(
+            args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 5), 90, cluster.pids
+        )
         for size in SIZES:
             n_lat = max(16, min(200, budget // 4 // size))
             n_bw = max(16, min(400, budget // size))
@@ -166,40 +183,74 @@ def main() -> int:
                     with C.LoadMonitor(extra_roots=cluster.pids) as mon:
                         lat = latency(where, size, n_lat)
                         bw = bandwidth(where, size, n_bw)
-                    rec = {"section": "multinode", "where": where, "batch_bytes": size, "rep": rep,
-                           **{f"lat_{k}": v for k, v in lat.items()}, **{f"bw_{k}": v for k, v in bw.items()},
-                           "foreign_cores": round(mon.foreign_cores, 3), "our_cores": round(mon.ours_cores, 3)}
+                    rec = {
+                        "section": "multinode",
+                        "where": where,
+                        "batch_bytes": size,
+                        "rep": rep,
+                        **{f"lat_{k}": v for k, v in lat.items()},
+                        **{f"bw_{k}": v for k, v in bw.items()},
+                        "foreign_cores": round(mon.foreign_cores, 3),
+                        "our_cores": round(mon.ours_cores, 3),
+                    }
                     res.write(rec)
                     results.setdefault((size, where), []).append(rec)
                     placement_seen.setdefault(where, set()).update(lat["worker_nodes"] + bw["worker_nodes"])
-                    C.log(f"{human(size):>6s} {where:6s} rep {rep}: p50 {lat['p50_ms']:8.2f} ms  p95 {lat['p95_ms']:8.2f} ms  "
-                          f"{bw['mb_per_s']:8.0f} MB/s  (workers on {bw['worker_nodes']}; foreign load {mon.foreign_cores:.2f})")
+                    C.log(
+                        f"{human(size):>6s} {where:6s} rep {rep}: p50 {lat['p50_ms']:8.2f} ms  p95 {lat['p95_ms']:8.2f} ms  "
+                        f"{bw['mb_per_s']:8.0f} MB/s  (workers on {bw['worker_nodes']}; foreign load {mon.foreign_cores:.2f})"
+                    )
     finally:
         C.disconnect_and_stop(cluster)
 
     rows = []
     for size in SIZES:
         get = lambda where, key: C.median([r[key] for r in results[(size, where)]])  # noqa: E731
-        rows.append([
-            human(size),
-            f"{get('remote', 'lat_p50_ms'):.2f} / {get('remote', 'lat_p95_ms'):.2f}",
-            f"{get('local', 'lat_p50_ms'):.2f} / {get('local', 'lat_p95_ms'):.2f}",
-            f"{get('torch', 'lat_p50_ms'):.2f} / {get('torch', 'lat_p95_ms'):.2f}",
-            f"{get('remote', 'bw_mb_per_s'):,.0f}", f"{get('local', 'bw_mb_per_s'):,.0f}", f"{get('torch', 'bw_mb_per_s'):,.0f}",
-            f"{get('remote', 'bw_mb_per_s') / get('local', 'bw_mb_per_s'):.2f}×",
-            f"{C.median([r['foreign_cores'] for w in ('remote', 'local', 'torch') for r in results[(size, w)]]):.2f}",
-        ])
-    lines = [f"## raydl multi-node transfer benchmark ({'quick' if args.quick else 'full'} run)", "", C.describe_machine(info), "",
-             "Local cluster: head (driver, {\"trainer\": 1}, 1 CPU) + 2 worker nodes ({\"data\": 4}, 2 CPUs each), every "
-             f"node its own raylet and object store ({args.object_store_bytes / 1e9:g} GB), all on 127.0.0.1 of this one "
-             "machine: 'remote' transfers cross Ray's object manager over loopback TCP, not a real network. A batch = 16 "
-             "cached samples collated by default_collate (one copy; no sample work). Latency: 1 worker, prefetch_factor=1, time of each next() "
-             "(p50 / p95, ms). Bandwidth: 2 workers, prefetch_factor=2, MB/s (10^6 B/s) over an epoch after a warm-up "
-             f"epoch. Median of {reps} alternating repetitions; before each, the run waited up to {gate.max_wait_s:g} s for a "
-             f"quiet second (waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy). Worker nodes seen: "
-             + ", ".join(f"{w}: {sorted(v)}" for w, v in placement_seen.items()) + f" (driver node {driver_node[:8]}).", ""]
-    lines.append(C.md_table(["batch", "remote p50/p95 ms", "local p50/p95 ms", "torch p50/p95 ms", "remote MB/s",
-                             "local MB/s", "torch MB/s", "remote / local", "foreign load (cores)"], rows))
+        rows.append(
+            [
+                human(size),
+                f"{get('remote', 'lat_p50_ms'):.2f} / {get('remote', 'lat_p95_ms'):.2f}",
+                f"{get('local', 'lat_p50_ms'):.2f} / {get('local', 'lat_p95_ms'):.2f}",
+                f"{get('torch', 'lat_p50_ms'):.2f} / {get('torch', 'lat_p95_ms'):.2f}",
+                f"{get('remote', 'bw_mb_per_s'):,.0f}",
+                f"{get('local', 'bw_mb_per_s'):,.0f}",
+                f"{get('torch', 'bw_mb_per_s'):,.0f}",
+                f"{get('remote', 'bw_mb_per_s') / get('local', 'bw_mb_per_s'):.2f}×",
+                f"{C.median([r['foreign_cores'] for w in ('remote', 'local', 'torch') for r in results[(size, w)]]):.2f}",
+            ]
+        )
+    lines = [
+        f"## raydl multi-node transfer benchmark ({'quick' if args.quick else 'full'} run)",
+        "",
+        C.describe_machine(info),
+        "",
+        'Local cluster: head (driver, {"trainer": 1}, 1 CPU) + 2 worker nodes ({"data": 4}, 2 CPUs each), every '
+        f"node its own raylet and object store ({args.object_store_bytes / 1e9:g} GB), all on 127.0.0.1 of this one "
+        "machine: 'remote' transfers cross Ray's object manager over loopback TCP, not a real network. A batch = 16 "
+        "cached samples collated by default_collate (one copy; no sample work). Latency: 1 worker, prefetch_factor=1, time of each next() "
+        "(p50 / p95, ms). Bandwidth: 2 workers, prefetch_factor=2, MB/s (10^6 B/s) over an epoch after a warm-up "
+        f"epoch. Median of {reps} alternating repetitions; before each, the run waited up to {gate.max_wait_s:g} s for a "
+        f"quiet second (waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy). Worker nodes seen: "
+        + ", ".join(f"{w}: {sorted(v)}" for w, v in placement_seen.items())
+        + f" (driver node {driver_node[:8]}).",
+        "",
+    ]
+    lines.append(
+        C.md_table(
+            [
+                "batch",
+                "remote p50/p95 ms",
+                "local p50/p95 ms",
+                "torch p50/p95 ms",
+                "remote MB/s",
+                "local MB/s",
+                "torch MB/s",
+                "remote / local",
+                "foreign load (cores)",
+            ],
+            rows,
+        )
+    )
     res.finish_cluster_report(lines, cluster_start_s, start)
     return 0
 

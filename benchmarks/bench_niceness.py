@@ -30,6 +30,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
+
 REPO = os.path.dirname(HERE)
 MODES = ("torch", "raydl", "raydl-nice15")
 
@@ -69,10 +70,22 @@ def child(mode: str, batches: int, step_ms: float, workers: int) -> None:
     if mode != "torch":
         import ray
 
-        nice = ray.get(loader._iterator._pool.actors[0].__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0)))
+        nice = ray.get(
+            loader._iterator._pool.actors[0].__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0))
+        )
         loader.shutdown()
-    print("RESULT " + json.dumps({"mode": mode, "samples_per_s": round(n / elapsed, 1), "worker_niceness": nice,
-                                  "driver_niceness": os.getpriority(os.PRIO_PROCESS, 0)}), flush=True)
+    print(
+        "RESULT "
+        + json.dumps(
+            {
+                "mode": mode,
+                "samples_per_s": round(n / elapsed, 1),
+                "worker_niceness": nice,
+                "driver_niceness": os.getpriority(os.PRIO_PROCESS, 0),
+            }
+        ),
+        flush=True,
+    )
 
 
 C_ITERS = 60  # ~1 ms per sample on this project's 2-core VM (bench_throughput's calibration order of magnitude)
@@ -83,8 +96,18 @@ def _run_child_once(mode: str, args) -> dict:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     if mode == "raydl-nice15":
         env["RAY_worker_niceness"] = "15"
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--batches", str(args.batches),
-           "--step-ms", str(args.step_ms), "--workers", str(args.workers)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        mode,
+        "--batches",
+        str(args.batches),
+        "--step-ms",
+        str(args.step_ms),
+        "--workers",
+        str(args.workers),
+    ]
     load0 = os.getloadavg()[0]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     rec = child_result(proc, mode)
@@ -111,7 +134,7 @@ def main() -> None:
     runs: dict = {m: [] for m in MODES}
     ratios: dict = {m: [] for m in MODES if m != "torch"}
     for rep in range(args.reps):
-        order = MODES[rep % 3:] + MODES[: rep % 3]
+        order = MODES[rep % 3 :] + MODES[: rep % 3]
         this = {}
         for mode in order:
             rec = run_child(mode, args)
@@ -129,8 +152,10 @@ def main() -> None:
         recs = runs[mode]
         nice = recs[0]["worker_niceness"]
         ratio = "1.00×" if mode == "torch" else f"{med(ratios[mode]):.2f}×"
-        print(f"| {mode} | {'same' if nice is None else nice} | {med(r['samples_per_s'] for r in recs):,.0f} | {ratio} | "
-              f"{med(r['loadavg_1m'] for r in recs):.1f} |")
+        print(
+            f"| {mode} | {'same' if nice is None else nice} | {med(r['samples_per_s'] for r in recs):,.0f} | {ratio} | "
+            f"{med(r['loadavg_1m'] for r in recs):.1f} |"
+        )
 
 
 if __name__ == "__main__":

@@ -35,22 +35,21 @@ os.sched_setaffinity(0, {TRAINER_CPU})
 
 import argparse  # noqa: E402
 import gc  # noqa: E402
-import subprocess  # noqa: E402
 import importlib.metadata  # noqa: E402
+import subprocess  # noqa: E402
 import time  # noqa: E402
 from typing import Any, Callable, Optional  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
+import warnings  # noqa: E402
 
+import _common as C  # noqa: E402
 import numpy as np  # noqa: E402
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.data  # noqa: E402
 
 import raydl  # noqa: E402
-
-import warnings  # noqa: E402
 
 torch.set_num_threads(1)  # one core for the trainer
 # torch warns that 2 workers exceed this process's 1 allowed CPU: that is the point of this benchmark.
@@ -81,13 +80,28 @@ class TrainStep:
 def _busy_other_core(code: str):
     """A process pinned to the data core running `code` forever (killed by the caller)."""
     bench_dir = os.path.dirname(os.path.abspath(__file__))
-    return subprocess.Popen(["taskset", "-c", str(DATA_CPU), sys.executable, "-c",
-                             f"import sys; sys.path.insert(0, {bench_dir!r}); import _common as C\n{code}"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    return subprocess.Popen(
+        [
+            "taskset",
+            "-c",
+            str(DATA_CPU),
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {bench_dir!r}); import _common as C\n{code}",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
 
 
-def measure_contention(iters: int, step: TrainStep, rounds: int = 3, sample: Optional[Callable[[int], Any]] = None,
-                       sample_code: Optional[str] = None, settle_s: float = 0.5) -> tuple[float, float]:
+def measure_contention(
+    iters: int,
+    step: TrainStep,
+    rounds: int = 3,
+    sample: Optional[Callable[[int], Any]] = None,
+    sample_code: Optional[str] = None,
+    settle_s: float = 0.5,
+) -> tuple[float, float]:
     """How much slower each side runs while the other core is busy: (data factor, step factor).
 
     The ideal offload ratio assumes the two cores do not slow each other. On a VM whose vCPUs
@@ -99,6 +113,7 @@ def measure_contention(iters: int, step: TrainStep, rounds: int = 3, sample: Opt
     the data core gets `settle_s` to start before each timing (longer when its code imports torch).
     """
     if sample is None:
+
         def sample(i: int) -> Any:
             return C.cpu_sample(i, iters)
 
@@ -124,8 +139,10 @@ def measure_contention(iters: int, step: TrainStep, rounds: int = 3, sample: Opt
             other.kill()
             other.wait()
 
-    matmul = ("import numpy as np\na = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)\n"
-              "while True: a = np.tanh(a @ a * 0.01)")
+    matmul = (
+        "import numpy as np\na = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)\n"
+        "while True: a = np.tanh(a @ a * 0.01)"
+    )
     samples = sample_code or f"i = 0\nwhile True:\n    C.cpu_sample(i, {iters}); i += 1"
     data_f, step_f = [], []
     for _ in range(rounds):
@@ -158,8 +175,9 @@ def start_cluster(cluster: C.LocalCluster, data_slots: int) -> float:
     {"data": data_slots} node on the data core; connect this driver. Returns the seconds it took."""
     t0 = time.perf_counter()
     cluster.start(0, taskset=str(TRAINER_CPU))  # head only: GCS + the driver's raylet, on the trainer's core
-    cluster.add_worker_node(num_cpus=1, resources={"data": data_slots}, object_store_bytes=500_000_000,
-                            taskset=str(DATA_CPU))
+    cluster.add_worker_node(
+        num_cpus=1, resources={"data": data_slots}, object_store_bytes=500_000_000, taskset=str(DATA_CPU)
+    )
     C.connect_driver(cluster.address)
     import ray
 
@@ -173,8 +191,10 @@ def start_cluster(cluster: C.LocalCluster, data_slots: int) -> float:
 def raydl_placement(loader, driver_node: str) -> tuple[bool, list]:
     """(whether every worker of a started raydl loader is on a node other than the driver's, their CPU affinity)."""
     recs = loader.worker_records
-    return (all(r.node_id != driver_node for r in recs),
-            sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()}))
+    return (
+        all(r.node_id != driver_node for r in recs),
+        sorted({c for r in recs for c in psutil.Process(r.pid).cpu_affinity()}),
+    )
 
 
 def children_affinity() -> list:
@@ -190,8 +210,11 @@ def offload_ceilings(data_ms: float, step_ms: float, contention: tuple[float, fl
     side slowed by its factor measured while the other core is busy.
     """
     ideal = f"{(data_ms + step_ms) / max(data_ms, step_ms):.2f}×" if data_ms else "—"
-    contended = (f"{(data_ms + step_ms) / max(data_ms * contention[0], step_ms * contention[1]):.2f}×"
-                 if data_ms and step_ms else ideal)
+    contended = (
+        f"{(data_ms + step_ms) / max(data_ms * contention[0], step_ms * contention[1]):.2f}×"
+        if data_ms and step_ms
+        else ideal
+    )
     return ideal, contended
 
 
@@ -199,14 +222,28 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")
     p.add_argument("--num-workers", type=int, default=2)
-    p.add_argument("--reps", type=int, default=None, help="repetitions per loader, in rotated order (default 3; quick 1)")
+    p.add_argument(
+        "--reps", type=int, default=None, help="repetitions per loader, in rotated order (default 3; quick 1)"
+    )
     p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 2; quick 1)")
     p.add_argument("--samples", type=int, default=None, help="samples per epoch (default 2048; quick 512)")
-    p.add_argument("--train-ms", default="0,32,64,D", help="simulated training step per batch, ms of work (comma list; "
-                   "D = as long as torch's data work per batch, measured by the 0 step, which must come first)")
-    p.add_argument("--quiet-wait-s", type=float, default=None, help="wait up to this long for a quiet second before each measurement (default 10; quick 0)")
-    p.add_argument("--loaders", default="torch,raydl,raydl-auto",
-                   help="comma list: torch, raydl (resources hint), raydl-auto (no placement hints); torch first")
+    p.add_argument(
+        "--train-ms",
+        default="0,32,64,D",
+        help="simulated training step per batch, ms of work (comma list; "
+        "D = as long as torch's data work per batch, measured by the 0 step, which must come first)",
+    )
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help="wait up to this long for a quiet second before each measurement (default 10; quick 0)",
+    )
+    p.add_argument(
+        "--loaders",
+        default="torch,raydl,raydl-auto",
+        help="comma list: torch, raydl (resources hint), raydl-auto (no placement hints); torch first",
+    )
     p.add_argument("--cluster-dir", default="/tmp/raydl-bench-off")
     p.add_argument("--port", type=int, default=6590)
     p.add_argument("--dashboard-port", type=int, default=8590)
@@ -221,7 +258,11 @@ def main() -> int:
     variants = names[1:]
     start = time.perf_counter()
 
-    info = {**C.machine_info(ray_version=importlib.metadata.version("ray")), "trainer_cpu": TRAINER_CPU, "data_cpu": DATA_CPU}
+    info = {
+        **C.machine_info(ray_version=importlib.metadata.version("ray")),
+        "trainer_cpu": TRAINER_CPU,
+        "data_cpu": DATA_CPU,
+    }
     res = C.Results("offload", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
     C.log(C.describe_machine(info))
@@ -233,13 +274,17 @@ def main() -> int:
     if "D" in wanted and wanted[0] != "0":
         p.error("--train-ms: 'D' (a step as long as the data work per batch) needs 0 first, which measures it")
     steps = {float(x): TrainStep(float(x)) for x in wanted if x != "D"}
-    C.log(f"workload: {iters} numpy passes/sample = {per_sample * 1e3:.2f} ms/sample; train steps "
-          + ", ".join(f"{ms:g} ms -> {s.reps} matmuls" for ms, s in steps.items()))
+    C.log(
+        f"workload: {iters} numpy passes/sample = {per_sample * 1e3:.2f} ms/sample; train steps "
+        + ", ".join(f"{ms:g} ms -> {s.reps} matmuls" for ms, s in steps.items())
+    )
 
     # Measured before any Ray process exists: how much the two cores slow each other.
     contention = measure_contention(iters, TrainStep(64.0), rounds=1 if args.quick else 3)
-    C.log(f"contention: a data sample takes {contention[0]:.2f}x as long, a train step {contention[1]:.2f}x, "
-          "while the other core is busy")
+    C.log(
+        f"contention: a data sample takes {contention[0]:.2f}x as long, a train step {contention[1]:.2f}x, "
+        "while the other core is busy"
+    )
     res.write({"section": "contention", "data_factor": contention[0], "step_factor": contention[1]})
 
     cluster = C.LocalCluster(args.cluster_dir, args.port, args.dashboard_port, env={"RAYDL_CLUSTER_HEAD_CPUS": "1"})
@@ -257,16 +302,22 @@ def main() -> int:
                 return torch.utils.data.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True)
             if name == "raydl-auto":  # no placement hints: raydl's own plan decides the node
                 return raydl.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True)
-            return raydl.DataLoader(ds, batch_size=64, num_workers=W, persistent_workers=True,
-                                    ray_remote_args={"resources": {"data": 1}, "num_cpus": 1 / W})
+            return raydl.DataLoader(
+                ds,
+                batch_size=64,
+                num_workers=W,
+                persistent_workers=True,
+                ray_remote_args={"resources": {"data": 1}, "num_cpus": 1 / W},
+            )
 
         # Where everything runs: checked, not assumed.
         placement = {"driver_affinity": sorted(os.sched_getaffinity(0))}
         for name in variants:
             loader = make(name)
             next(iter(loader))
-            (placement[f"{name}_worker_nodes_differ_from_driver"],
-             placement[f"{name}_worker_affinity"]) = raydl_placement(loader, driver_node)
+            (placement[f"{name}_worker_nodes_differ_from_driver"], placement[f"{name}_worker_affinity"]) = (
+                raydl_placement(loader, driver_node)
+            )
             loader.shutdown()
         loader = make("torch")
         it = iter(loader)
@@ -276,11 +327,15 @@ def main() -> int:
         res.write({"section": "placement", **placement})
         C.log(f"placement: {placement}")
         for name in variants:
-            if not placement[f"{name}_worker_nodes_differ_from_driver"] or placement[f"{name}_worker_affinity"] != [DATA_CPU]:
+            if not placement[f"{name}_worker_nodes_differ_from_driver"] or placement[f"{name}_worker_affinity"] != [
+                DATA_CPU
+            ]:
                 notes.append(f"{name}'s workers were NOT where intended: {placement}")
 
         mon_roots = cluster.pids
-        gate = C.QuietGate(args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10), 90, mon_roots)
+        gate = C.QuietGate(
+            args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10), 90, mon_roots
+        )
         queue = list(steps.items())
         while queue:
             ms, step = queue.pop(0)
@@ -294,13 +349,24 @@ def main() -> int:
                 if hasattr(loader, "shutdown"):
                     loader.shutdown()
                 del loader
-                rec = {"section": "offload", "loader": name, "train_ms": ms, "rep": rep, "num_workers": W,
-                       "samples_per_epoch": n, "measured_epochs": epochs, **r,
-                       "foreign_cores": round(mon.foreign_cores, 3), "our_cores": round(mon.ours_cores, 3)}
+                rec = {
+                    "section": "offload",
+                    "loader": name,
+                    "train_ms": ms,
+                    "rep": rep,
+                    "num_workers": W,
+                    "samples_per_epoch": n,
+                    "measured_epochs": epochs,
+                    **r,
+                    "foreign_cores": round(mon.foreign_cores, 3),
+                    "our_cores": round(mon.ours_cores, 3),
+                }
                 res.write(rec)
                 got[name].append(rec)
-                C.log(f"train {ms:g} ms/batch rep {rep} {name:6s} {r['samples_per_s']:7.0f} samples/s "
-                      f"(foreign load {mon.foreign_cores:.2f} cores)")
+                C.log(
+                    f"train {ms:g} ms/batch rep {rep} {name:6s} {r['samples_per_s']:7.0f} samples/s "
+                    f"(foreign load {mon.foreign_cores:.2f} cores)"
+                )
             t = [r["samples_per_s"] for r in got["torch"]]
             fl = C.median([r["foreign_cores"] for name in names for r in got[name]])
             # The best any offload can do: torch's one core does data (D ms/batch, from torch's rate
@@ -317,50 +383,70 @@ def main() -> int:
                 d = [r["samples_per_s"] for r in got[name]]
                 paired, cells = paired_cells(d, t)
                 row += cells
-                res.write({"section": "offload_summary", "loader": name, "train_ms": ms, "torch_median": C.median(t),
-                           "raydl_median": C.median(d), "ratio_paired_median": C.median(paired),
-                           "ratio_paired_all": paired, "foreign_cores_median": fl})
+                res.write(
+                    {
+                        "section": "offload_summary",
+                        "loader": name,
+                        "train_ms": ms,
+                        "torch_median": C.median(t),
+                        "raydl_median": C.median(d),
+                        "ratio_paired_median": C.median(paired),
+                        "ratio_paired_all": paired,
+                        "foreign_cores_median": fl,
+                    }
+                )
             rows.append(row + [ceiling, contended, f"{fl:.2f}"])
     finally:
         C.disconnect_and_stop(cluster)
 
-    lines = [f"## raydl offload benchmark ({'quick' if args.quick else 'full'} run)", "", C.describe_machine(info), "",
-             f"Trainer (this process, torch.set_num_threads(1)) pinned to CPU {TRAINER_CPU}; torch's {W} forked workers "
-             f"inherit that CPU. raydl's {W} workers on a second Ray node started under `taskset -c {DATA_CPU}` "
-             f"(raydl: ray_remote_args={{'resources': {{'data': 1}}, 'num_cpus': {1 / W:g}}}; raydl-auto: no ray_remote_args, "
-             f"raydl's own placement); the head node (GCS, the driver's "
-             f"raylet and object store) under `taskset -c {TRAINER_CPU}`. Workload: {wl.description} "
-             f"({per_sample * 1e3:.2f} ms/sample measured), {n} samples/epoch; steady state over {epochs} epoch(s) after "
-             f"the first; {reps} repetitions in rotated order, median (min–max); raydl / torch = median (min–max) of the "
-             f"per-repetition ratios (loaders measured one after the other in each repetition). Train step = a fixed amount of "
-             f"single-threaded matmul work per batch, calibrated to that many ms on an idle core. Placement checked: "
-             f"{placement}. Before each measurement the run waited up to {gate.max_wait_s:g} s for a quiet second "
-             f"(waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy).", ""]
+    lines = [
+        f"## raydl offload benchmark ({'quick' if args.quick else 'full'} run)",
+        "",
+        C.describe_machine(info),
+        "",
+        f"Trainer (this process, torch.set_num_threads(1)) pinned to CPU {TRAINER_CPU}; torch's {W} forked workers "
+        f"inherit that CPU. raydl's {W} workers on a second Ray node started under `taskset -c {DATA_CPU}` "
+        f"(raydl: ray_remote_args={{'resources': {{'data': 1}}, 'num_cpus': {1 / W:g}}}; raydl-auto: no ray_remote_args, "
+        f"raydl's own placement); the head node (GCS, the driver's "
+        f"raylet and object store) under `taskset -c {TRAINER_CPU}`. Workload: {wl.description} "
+        f"({per_sample * 1e3:.2f} ms/sample measured), {n} samples/epoch; steady state over {epochs} epoch(s) after "
+        f"the first; {reps} repetitions in rotated order, median (min–max); raydl / torch = median (min–max) of the "
+        f"per-repetition ratios (loaders measured one after the other in each repetition). Train step = a fixed amount of "
+        f"single-threaded matmul work per batch, calibrated to that many ms on an idle core. Placement checked: "
+        f"{placement}. Before each measurement the run waited up to {gate.max_wait_s:g} s for a quiet second "
+        f"(waited {gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy).",
+        "",
+    ]
     header = ["train step ms/batch", "torch samples/s"]
     for name in variants:
         header += [f"{name} samples/s", f"{name} / torch (paired)"]
     lines.append(C.md_table(header + ["ideal offload ratio", "ceiling, cores contended", "foreign load (cores)"], rows))
-    lines += ["", f"Ideal offload ratio = (D + S) / max(D, S), D = {data_ms:.0f} ms of data work per batch on one core "
-              "(torch's rate with no step), S = the step: torch's one core does both in turn, an offloaded loader lets "
-              "the slower of the two set the pace. It is 1 with no step and at most 2 (S = D). Ceiling, cores contended = "
-              f"(D + S) / max(D × {contention[0]:.2f}, S × {contention[1]:.2f}): the same with each side slowed by the "
-              "factor measured on this machine while the other core is busy (a data sample, a train step; medians of "
-              "alternated runs before Ray starts). torch's single core runs uncontended; an offloaded loader keeps both "
-              "cores busy, so this is the most any loader can reach here."]
+    lines += [
+        "",
+        f"Ideal offload ratio = (D + S) / max(D, S), D = {data_ms:.0f} ms of data work per batch on one core "
+        "(torch's rate with no step), S = the step: torch's one core does both in turn, an offloaded loader lets "
+        "the slower of the two set the pace. It is 1 with no step and at most 2 (S = D). Ceiling, cores contended = "
+        f"(D + S) / max(D × {contention[0]:.2f}, S × {contention[1]:.2f}): the same with each side slowed by the "
+        "factor measured on this machine while the other core is busy (a data sample, a train step; medians of "
+        "alternated runs before Ray starts). torch's single core runs uncontended; an offloaded loader keeps both "
+        "cores busy, so this is the most any loader can reach here.",
+    ]
     return close_report(res, lines, notes, cluster_start_s, start)
 
 
 def paired_cells(rates: list, torch_rates: list) -> tuple[list, list]:
     """Per-repetition ratios to torch (same repetition: measured close together) and the two table cells."""
     paired = [r / t for r, t in zip(rates, torch_rates)]
-    return paired, [f"{C.median(rates):,.0f} ({min(rates):,.0f}–{max(rates):,.0f})",
-                    f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})"]
+    return paired, [
+        f"{C.median(rates):,.0f} ({min(rates):,.0f}–{max(rates):,.0f})",
+        f"{C.median(paired):.2f}× ({min(paired):.2f}–{max(paired):.2f})",
+    ]
 
 
 def rotation(names: list, reps: int):
     """(repetition, loader) pairs: each repetition runs every loader, starting one further along each time."""
     for rep in range(reps):
-        for name in names[rep % len(names):] + names[: rep % len(names)]:
+        for name in names[rep % len(names) :] + names[: rep % len(names)]:
             yield rep, name
 
 

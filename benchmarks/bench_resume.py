@@ -49,8 +49,16 @@ class NoisyWorkload(C.WorkloadDataset):
 
 
 def _loader(ds: Dataset, workers: int, batch_size: int, **kw) -> raydl.DataLoader:
-    return raydl.DataLoader(ds, batch_size=batch_size, num_workers=workers, shuffle=True, timeout=300, ray_startup_timeout_s=900,
-                            generator=torch.Generator().manual_seed(0), **kw)
+    return raydl.DataLoader(
+        ds,
+        batch_size=batch_size,
+        num_workers=workers,
+        shuffle=True,
+        timeout=300,
+        ray_startup_timeout_s=900,
+        generator=torch.Generator().manual_seed(0),
+        **kw,
+    )
 
 
 def bench_state_dict(res: C.Results, quick: bool) -> list:
@@ -69,11 +77,24 @@ def bench_state_dict(res: C.Results, quick: bool) -> list:
                     loader.state_dict()
                     ts.append(time.perf_counter() - t0)
                 size = len(repr(loader.state_dict()))
-            rec = {"bench": "state_dict", "workers": workers, "worker_rng": noisy, "median_us": C.median(ts) * 1e6,
-                   "p99_us": C.percentile(ts, 99) * 1e6, "state_chars": size}
+            rec = {
+                "bench": "state_dict",
+                "workers": workers,
+                "worker_rng": noisy,
+                "median_us": C.median(ts) * 1e6,
+                "p99_us": C.percentile(ts, 99) * 1e6,
+                "state_chars": size,
+            }
             res.write(rec)
-            rows.append([workers, "draws from torch's RNG" if noisy else "no RNG draws",
-                         f"{rec['median_us']:.0f}", f"{rec['p99_us']:.0f}", f"{size / 1e3:.0f} k"])
+            rows.append(
+                [
+                    workers,
+                    "draws from torch's RNG" if noisy else "no RNG draws",
+                    f"{rec['median_us']:.0f}",
+                    f"{rec['p99_us']:.0f}",
+                    f"{size / 1e3:.0f} k",
+                ]
+            )
             C.log(f"state_dict {rec}")
     return rows
 
@@ -123,7 +144,10 @@ def bench_worker_capture(res: C.Results) -> list:
     tracker = RngTracker()
     tracker.changed()
     rows = []
-    for case, draw in (("generators unchanged (sends nothing)", False), ("torch generator moved (sends its ~6.7 KB)", True)):
+    for case, draw in (
+        ("generators unchanged (sends nothing)", False),
+        ("torch generator moved (sends its ~6.7 KB)", True),
+    ):
         walls, cpus = [], []
         for _ in range(15):
             w0, c0 = time.perf_counter(), time.thread_time()
@@ -133,7 +157,9 @@ def bench_worker_capture(res: C.Results) -> list:
                 tracker.changed()
             walls.append((time.perf_counter() - w0) / 500)
             cpus.append((time.thread_time() - c0) / 500)
-        res.write({"bench": "worker_capture", "case": case, "wall_us": C.median(walls) * 1e6, "cpu_us": C.median(cpus) * 1e6})
+        res.write(
+            {"bench": "worker_capture", "case": case, "wall_us": C.median(walls) * 1e6, "cpu_us": C.median(cpus) * 1e6}
+        )
         rows.append([case, f"{C.median(walls) * 1e6:.1f}", f"{C.median(cpus) * 1e6:.1f}"])
     return rows
 
@@ -169,13 +195,28 @@ def bench_throughput(res: C.Results, quick: bool) -> list:
                 with C.LoadMonitor() as mon:
                     rate = _epoch_rate(loaders[variant], wl.n)
                 rates[variant].append(rate)
-                res.write({"bench": "throughput", "workload": wl.name, "tracking": variant, "rep": r,
-                           "samples_per_s": rate, "foreign_cores": mon.foreign_cores})
+                res.write(
+                    {
+                        "bench": "throughput",
+                        "workload": wl.name,
+                        "tracking": variant,
+                        "rep": r,
+                        "samples_per_s": rate,
+                        "foreign_cores": mon.foreign_cores,
+                    }
+                )
         for loader in loaders.values():
             loader.shutdown()
         ratios = [a / b for a, b in zip(rates["on"], rates["off"])]
-        rows.append([wl.description, f"{C.median(rates['on']):.0f}", f"{C.median(rates['off']):.0f}",
-                     f"{C.median(ratios):.3f}", f"{min(ratios):.3f}-{max(ratios):.3f}"])
+        rows.append(
+            [
+                wl.description,
+                f"{C.median(rates['on']):.0f}",
+                f"{C.median(rates['off']):.0f}",
+                f"{C.median(ratios):.3f}",
+                f"{min(ratios):.3f}-{max(ratios):.3f}",
+            ]
+        )
         C.log(f"throughput {wl.name}: {rows[-1]}")
     return rows
 
@@ -205,11 +246,27 @@ def bench_first_batch(res: C.Results, quick: bool) -> list:
             t0 = time.perf_counter()
             next(iter(loader))
             resumed_s = time.perf_counter() - t0
-        res.write({"bench": "first_batch", "rep": rep, "k": k, "fast_forward_s": ff_s, "fresh_first_batch_s": fresh_s,
-                   "resumed_first_batch_s": resumed_s})
+        res.write(
+            {
+                "bench": "first_batch",
+                "rep": rep,
+                "k": k,
+                "fast_forward_s": ff_s,
+                "fresh_first_batch_s": fresh_s,
+                "resumed_first_batch_s": resumed_s,
+            }
+        )
         rows.append((ff_s, fresh_s, resumed_s))
     ff, fresh, resumed = (C.median([r[i] for r in rows]) for i in range(3))
-    return [[f"{k} of {n // bs}", f"{ff * 1e3:.1f}", f"{fresh * 1e3:.1f}", f"{(ff + fresh) * 1e3:.1f}", f"{resumed * 1e3:.1f}"]]
+    return [
+        [
+            f"{k} of {n // bs}",
+            f"{ff * 1e3:.1f}",
+            f"{fresh * 1e3:.1f}",
+            f"{(ff + fresh) * 1e3:.1f}",
+            f"{resumed * 1e3:.1f}",
+        ]
+    ]
 
 
 def main() -> None:
@@ -219,8 +276,12 @@ def main() -> None:
     args = parser.parse_args()
     res = C.Results("resume", args.quick)
     worker_rows = bench_worker_capture(res)
-    worker_md = ["## (e) per batch in a worker: reading the generators (one process, no Ray)", "",
-                 C.md_table(["case", "wall µs/batch", "CPU µs/batch"], worker_rows), ""]
+    worker_md = [
+        "## (e) per batch in a worker: reading the generators (one process, no Ray)",
+        "",
+        C.md_table(["case", "wall µs/batch", "CPU µs/batch"], worker_rows),
+        "",
+    ]
     if args.only_worker:
         print("\n".join(worker_md))
         res.close()
@@ -230,15 +291,44 @@ def main() -> None:
     ray.init(address="local", include_dashboard=False)
     info = C.machine_info(ray.__version__)
     out = [f"# bench_resume ({'quick' if args.quick else 'full'})", "", C.describe_machine(info), ""]
-    out += ["## (a) state_dict() in the driver, mid-epoch", "",
-            C.md_table(["workers", "dataset", "median µs", "p99 µs", "state size (repr)"], bench_state_dict(res, args.quick)), ""]
-    out += ["## (b) driver bookkeeping per batch (Tracker hooks alone)", "", f"{bench_bookkeeping(res):.1f} µs per batch", ""]
-    out += ["## (c) steady-state throughput, worker RNG tracking on vs off (2 workers, persistent)", "",
-            C.md_table(["workload", "on (samples/s)", "off (samples/s)", "on/off median", "on/off range"],
-                       bench_throughput(res, args.quick)), ""]
-    out += ["## (d) first batch after load_state_dict() + iter(), 2 workers", "",
-            C.md_table(["state at batch", "sampler fast-forward ms", "fresh loader first batch ms", "sum ms",
-                        "resumed first batch ms"], bench_first_batch(res, args.quick)), ""]
+    out += [
+        "## (a) state_dict() in the driver, mid-epoch",
+        "",
+        C.md_table(
+            ["workers", "dataset", "median µs", "p99 µs", "state size (repr)"], bench_state_dict(res, args.quick)
+        ),
+        "",
+    ]
+    out += [
+        "## (b) driver bookkeeping per batch (Tracker hooks alone)",
+        "",
+        f"{bench_bookkeeping(res):.1f} µs per batch",
+        "",
+    ]
+    out += [
+        "## (c) steady-state throughput, worker RNG tracking on vs off (2 workers, persistent)",
+        "",
+        C.md_table(
+            ["workload", "on (samples/s)", "off (samples/s)", "on/off median", "on/off range"],
+            bench_throughput(res, args.quick),
+        ),
+        "",
+    ]
+    out += [
+        "## (d) first batch after load_state_dict() + iter(), 2 workers",
+        "",
+        C.md_table(
+            [
+                "state at batch",
+                "sampler fast-forward ms",
+                "fresh loader first batch ms",
+                "sum ms",
+                "resumed first batch ms",
+            ],
+            bench_first_batch(res, args.quick),
+        ),
+        "",
+    ]
     out += worker_md
     text = "\n".join(out)
     print(text)

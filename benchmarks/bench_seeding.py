@@ -84,20 +84,33 @@ def main() -> int:
         fn(0)  # warm-up
         load_before = os.getloadavg()[0]
         us, cpu = timed_us(fn, calls, reps)
-        rec = {"case": name.strip(), "median_us": statistics.median(us), "min_us": min(us), "max_us": max(us),
-               "cpu_median_us": statistics.median(cpu), "cpu_min_us": min(cpu), "cpu_max_us": max(cpu),
-               "calls": calls, "reps": reps, "loadavg_1min": load_before}
+        rec = {
+            "case": name.strip(),
+            "median_us": statistics.median(us),
+            "min_us": min(us),
+            "max_us": max(us),
+            "cpu_median_us": statistics.median(cpu),
+            "cpu_min_us": min(cpu),
+            "cpu_max_us": max(cpu),
+            "calls": calls,
+            "reps": reps,
+            "loadavg_1min": load_before,
+        }
         print(json.dumps(rec), flush=True)
         rows.append(rec)
     print()
-    print(f"raydl batch and sample seeding, per call (µs): median of {reps} blocks of {calls} calls (min–max); "
-          f"{os.cpu_count()} CPUs, torch {torch.__version__}, numpy {np.__version__}")
+    print(
+        f"raydl batch and sample seeding, per call (µs): median of {reps} blocks of {calls} calls (min–max); "
+        f"{os.cpu_count()} CPUs, torch {torch.__version__}, numpy {np.__version__}"
+    )
     print()
     print("| case | wall µs/call, median (min–max) | CPU µs/call, median (min–max) | load avg (1 min) |")
     print("|---|---|---|---|")
     for r in rows:
-        print(f"| {r['case']} | {r['median_us']:.1f} ({r['min_us']:.1f}–{r['max_us']:.1f}) | "
-              f"{r['cpu_median_us']:.1f} ({r['cpu_min_us']:.1f}–{r['cpu_max_us']:.1f}) | {r['loadavg_1min']:.1f} |")
+        print(
+            f"| {r['case']} | {r['median_us']:.1f} ({r['min_us']:.1f}–{r['max_us']:.1f}) | "
+            f"{r['cpu_median_us']:.1f} ({r['cpu_min_us']:.1f}–{r['cpu_max_us']:.1f}) | {r['loadavg_1min']:.1f} |"
+        )
     return 0
 
 

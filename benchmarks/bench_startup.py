@@ -29,6 +29,7 @@ import time  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
+
 REPO = os.path.dirname(HERE)
 MODES = ("torch", "raydl", "raydl+start")
 
@@ -45,9 +46,17 @@ def _build_model(seconds: float) -> None:
             layers.clear()
 
 
-_KINDS = (("gcs_server", "gcs"), ("raylet", "raylet"), ("dashboard.py", "api server"), ("DashboardAgent", "agents"),
-          ("RuntimeEnvAgent", "agents"), ("log_monitor", "monitors"), ("monitor.py", "monitors"),
-          ("ray::Worker", "workers"), ("ray::IDLE", "idle Ray workers"))
+_KINDS = (
+    ("gcs_server", "gcs"),
+    ("raylet", "raylet"),
+    ("dashboard.py", "api server"),
+    ("DashboardAgent", "agents"),
+    ("RuntimeEnvAgent", "agents"),
+    ("log_monitor", "monitors"),
+    ("monitor.py", "monitors"),
+    ("ray::Worker", "workers"),
+    ("ray::IDLE", "idle Ray workers"),
+)
 
 
 def _cpu_by_process_kind() -> dict:
@@ -80,8 +89,11 @@ def child(mode: str, num_workers: int, build_s: float) -> None:
     class _Marks(logging.Handler):
         def emit(self, record: logging.LogRecord) -> None:
             msg = record.getMessage()
-            for needle, name in (("Ray up", "ray_up"), ("workers ready", "workers_ready"),
-                                 ("starting a local Ray", "ray_start_begin")):
+            for needle, name in (
+                ("Ray up", "ray_up"),
+                ("workers ready", "workers_ready"),
+                ("starting a local Ray", "ray_start_begin"),
+            ):
                 if needle in msg and name not in marks:
                     mark(name)
 
@@ -141,8 +153,16 @@ def _run_child_once(mode: str, num_workers: int, build_s: float) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--num-workers", str(num_workers),
-           "--build-s", str(build_s)]
+    cmd = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "--child",
+        mode,
+        "--num-workers",
+        str(num_workers),
+        "--build-s",
+        str(build_s),
+    ]
     wall0 = time.perf_counter()
     proc, load = _foreign_load(0, lambda: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300))
     rec = child_result(proc, mode)
@@ -170,16 +190,20 @@ def main() -> None:
     modes = args.modes.split(",")
     runs: dict = {m: [] for m in modes}
     for rep in range(args.reps):
-        order = modes[rep % len(modes):] + modes[: rep % len(modes)]
+        order = modes[rep % len(modes) :] + modes[: rep % len(modes)]
         for mode in order:
             rec = run_child(mode, args.num_workers, args.build_s)
             rec["rep"] = rep
             print(json.dumps(rec), flush=True)
             runs[mode].append(rec)
     med = lambda recs, k: statistics.median(r[k] for r in recs if k in r) if any(k in r for r in recs) else None  # noqa: E731
-    print(f"\nCold first batch, {args.num_workers} workers, model build {args.build_s:g} s, median of {args.reps} "
-          f"(s from before `import torch`; machine busy cores = all processes' CPU use during the run, 2 cores)\n")
-    print("| loader | first batch | import torch | import loader | Ray up | workers ready | after model built | busy cores | CPU s (all processes) |")
+    print(
+        f"\nCold first batch, {args.num_workers} workers, model build {args.build_s:g} s, median of {args.reps} "
+        f"(s from before `import torch`; machine busy cores = all processes' CPU use during the run, 2 cores)\n"
+    )
+    print(
+        "| loader | first batch | import torch | import loader | Ray up | workers ready | after model built | busy cores | CPU s (all processes) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     fmt = lambda v: "—" if v is None else f"{v:.2f}"  # noqa: E731
     for mode in modes:
@@ -187,10 +211,12 @@ def main() -> None:
         after_build = None
         if args.build_s:
             after_build = statistics.median(r["first_batch"] - r["model_built"] for r in recs)
-        print(f"| {mode} | {fmt(med(recs, 'first_batch'))} | {fmt(med(recs, 'import_torch'))} | "
-              f"{fmt(med(recs, 'import_loader'))} | {fmt(med(recs, 'ray_up'))} | {fmt(med(recs, 'workers_ready'))} | "
-              f"{fmt(after_build)} | {fmt(med(recs, 'machine_busy_cores'))} | "
-              f"{fmt(statistics.median(sum(r['cpu_s'].values()) for r in recs) if all('cpu_s' in r for r in recs) else None)} |")
+        print(
+            f"| {mode} | {fmt(med(recs, 'first_batch'))} | {fmt(med(recs, 'import_torch'))} | "
+            f"{fmt(med(recs, 'import_loader'))} | {fmt(med(recs, 'ray_up'))} | {fmt(med(recs, 'workers_ready'))} | "
+            f"{fmt(after_build)} | {fmt(med(recs, 'machine_busy_cores'))} | "
+            f"{fmt(statistics.median(sum(r['cpu_s'].values()) for r in recs) if all('cpu_s' in r for r in recs) else None)} |"
+        )
     kinds = sorted({k for m in modes for r in runs[m] for k in r.get("cpu_s", {})})
     if kinds:
         print("\nCPU seconds by process up to the first batch (median), the work itself whatever the load:\n")

@@ -38,8 +38,9 @@ def measure(args: argparse.Namespace, res: C.Results) -> tuple[list, dict]:
     iters = C.calibrate_cpu_iters()
     workloads = [
         C.Workload("trivial", "overhead floor: 16-float sample, batch 64", int(64 * 160 * q) // 64 * 64, 64, "trivial"),
-        C.Workload("cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", max(384, int(2048 * q) // 64 * 64), 64,
-                   "cpu", iters),
+        C.Workload(
+            "cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", max(384, int(2048 * q) // 64 * 64), 64, "cpu", iters
+        ),
     ]
     C.register_by_value()
     T.consume(b.make("raydl", workloads[0], n=64 * 8), time.perf_counter())  # start Ray and warm workers: not measured
@@ -51,7 +52,9 @@ def measure(args: argparse.Namespace, res: C.Results) -> tuple[list, dict]:
             for v in order:
                 rec = T.measure_throughput(b, res, wl, v, rep)
                 out.setdefault((wl.name, v), []).append(rec)
-                C.log(f"  rep {rep} {v:14s} {rec['samples_per_s']:9.0f} samples/s  foreign load {rec['foreign_cores']:.2f}")
+                C.log(
+                    f"  rep {rep} {v:14s} {rec['samples_per_s']:9.0f} samples/s  foreign load {rec['foreign_cores']:.2f}"
+                )
     return workloads, out
 
 
@@ -68,8 +71,8 @@ def micro(n: int = 20000) -> dict:
 
     from raydl.driver.stats import StatsRecorder, batch_nbytes
     from raydl.driver.stats_report import observe_batch_time
-    from raydl.worker.transfer import encode
     from raydl.worker.actor import BatchMeta
+    from raydl.worker.transfer import encode
 
     class Owner:
         pass
@@ -111,21 +114,40 @@ def report(info: dict, args: argparse.Namespace, workloads: list, out: dict, mic
         off = {r["rep"]: r["samples_per_s"] for r in out[(wl.name, "raydl-nostats")]}
         ratios = [on[k] / off[k] for k in on if k in off]
         foreign = [r["foreign_cores"] for v in VARIANTS for r in out[(wl.name, v)]]
-        rows.append([
-            wl.description, T.fmt_rate(list(off.values())), T.fmt_rate(list(on.values())),
-            f"{C.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})", f"{C.median(foreign):.2f}",
-        ])
-    lines.append(C.md_table(["workload", "ray_stats=False samples/s", "ray_stats=True samples/s",
-                             "on / off (paired median, min–max)", "foreign load (cores)"], rows))
+        rows.append(
+            [
+                wl.description,
+                T.fmt_rate(list(off.values())),
+                T.fmt_rate(list(on.values())),
+                f"{C.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})",
+                f"{C.median(foreign):.2f}",
+            ]
+        )
+    lines.append(
+        C.md_table(
+            [
+                "workload",
+                "ray_stats=False samples/s",
+                "ray_stats=True samples/s",
+                "on / off (paired median, min–max)",
+                "foreign load (cores)",
+            ],
+            rows,
+        )
+    )
     floor = C.median([r["samples_per_s"] for r in out[(workloads[0].name, "raydl-nostats")]]) / workloads[0].batch_size
     lines.append("")
-    lines.append(f"CPU time of the stats hooks themselves (`micro()`): {mic['driver_us_per_batch']:.1f} µs per batch in "
-                 f"the driver, {mic['worker_us_per_batch']:.1f} µs per batch in a worker; at this run's overhead-floor "
-                 f"rate without stats ({floor:,.0f} batches/s, {1e6 / floor:,.0f} µs per batch) the driver's part is "
-                 f"{100 * mic['driver_us_per_batch'] * floor / 1e6:.2f}% of its time per batch.")
+    lines.append(
+        f"CPU time of the stats hooks themselves (`micro()`): {mic['driver_us_per_batch']:.1f} µs per batch in "
+        f"the driver, {mic['worker_us_per_batch']:.1f} µs per batch in a worker; at this run's overhead-floor "
+        f"rate without stats ({floor:,.0f} batches/s, {1e6 / floor:,.0f} µs per batch) the driver's part is "
+        f"{100 * mic['driver_us_per_batch'] * floor / 1e6:.2f}% of its time per batch."
+    )
     lines.append("")
-    lines.append(f"{args.num_workers} workers; {args.reps} repetitions alternating the two variants; each a new "
-                 f"persistent loader run for 1 + {args.epochs} epochs, samples/s over the epochs after the first.")
+    lines.append(
+        f"{args.num_workers} workers; {args.reps} repetitions alternating the two variants; each a new "
+        f"persistent loader run for 1 + {args.epochs} epochs, samples/s over the epochs after the first."
+    )
     return "\n".join(lines)
 
 
@@ -133,8 +155,9 @@ def picture(path: str) -> None:
     """An epoch worth looking at: 3 workers on an I/O-like dataset, one of them on a slow 'disk', a fast loop."""
     wl = C.Workload("io", "I/O-like", 16 * 18, 16, "io")
     C.register_by_value()
-    loader = raydl.DataLoader(C.WorkloadDataset(wl), batch_size=16, num_workers=3, persistent_workers=True,
-                              ray_name="picture")
+    loader = raydl.DataLoader(
+        C.WorkloadDataset(wl), batch_size=16, num_workers=3, persistent_workers=True, ray_name="picture"
+    )
     with loader:
         for _ in loader:  # epoch 0: start-up
             pass

@@ -32,7 +32,6 @@ from typing import Any, Callable
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-
 import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.data  # noqa: E402
@@ -147,9 +146,17 @@ def section_cold(b: Bench, res: C.Results) -> dict:
     out["raydl"] = t_import + r["ttfb_s"]
     out["raydl_import_ray_s"] = t_import
     out["raydl_ray_init_s"] = (ray_up[0] - t1) if ray_up else float("nan")
-    res.write({"section": "startup", "case": "cold", "loader": "raydl", "ttfb_s": out["raydl"],
-               "import_ray_s": t_import, "ray_init_s": out["raydl_ray_init_s"],
-               "ray_start_workers_first_batch_s": r["ttfb_s"]})
+    res.write(
+        {
+            "section": "startup",
+            "case": "cold",
+            "loader": "raydl",
+            "ttfb_s": out["raydl"],
+            "import_ray_s": t_import,
+            "ray_init_s": out["raydl_ray_init_s"],
+            "ray_start_workers_first_batch_s": r["ttfb_s"],
+        }
+    )
 
     C.log("cold start: Ray Data's first dataset (Ray already up)")
     t0 = time.perf_counter()
@@ -160,8 +167,16 @@ def section_cold(b: Bench, res: C.Results) -> dict:
     r = consume(b.make("raydata", wl), t1)
     out["raydata"] = t_import + r["ttfb_s"]
     out["raydata_import_s"] = t_import
-    res.write({"section": "startup", "case": "cold", "loader": "raydata", "ttfb_s": out["raydata"],
-               "import_ray_data_s": t_import, "first_batch_s": r["ttfb_s"]})
+    res.write(
+        {
+            "section": "startup",
+            "case": "cold",
+            "loader": "raydata",
+            "ttfb_s": out["raydata"],
+            "import_ray_data_s": t_import,
+            "first_batch_s": r["ttfb_s"],
+        }
+    )
     return out
 
 
@@ -238,11 +253,21 @@ def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, re
         del obj
         assert sum(first["counts"]) == wl.n and n == wl.n * b.args.epochs, (loader, wl.name, n)
         rec = {
-            "section": "throughput", "workload": wl.name, "loader": loader, "rep": rep, "attempt": attempt,
-            "num_workers": b.W, "batch_size": wl.batch_size, "samples_per_epoch": wl.n, "measured_epochs": b.args.epochs,
-            "samples_per_s": n / (t2 - t1), "first_epoch_samples_per_s": wl.n / first["total_s"],
-            "ttfb_s": first["ttfb_s"], "next_epoch_ttfb_s": C.median(ttfb_next),
-            "foreign_cores": round(mon.foreign_cores, 3), "our_cores": round(mon.ours_cores, 3),
+            "section": "throughput",
+            "workload": wl.name,
+            "loader": loader,
+            "rep": rep,
+            "attempt": attempt,
+            "num_workers": b.W,
+            "batch_size": wl.batch_size,
+            "samples_per_epoch": wl.n,
+            "measured_epochs": b.args.epochs,
+            "samples_per_s": n / (t2 - t1),
+            "first_epoch_samples_per_s": wl.n / first["total_s"],
+            "ttfb_s": first["ttfb_s"],
+            "next_epoch_ttfb_s": C.median(ttfb_next),
+            "foreign_cores": round(mon.foreign_cores, 3),
+            "our_cores": round(mon.ours_cores, 3),
             "loadavg1": round(os.getloadavg()[0], 2),
         }
         res.write(rec)
@@ -252,8 +277,10 @@ def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, re
             break
         b.retry_s += mon.wall_s
         again = attempt < b.args.max_retries and b.retry_s < b.args.retry_budget_s
-        C.log(f"  {wl.name}/{loader} rep {rep}: other processes used {mon.foreign_cores:.2f} cores: "
-              f"{'rerunning' if again else 'keeping the least disturbed attempt'}")
+        C.log(
+            f"  {wl.name}/{loader} rep {rep}: other processes used {mon.foreign_cores:.2f} cores: "
+            f"{'rerunning' if again else 'keeping the least disturbed attempt'}"
+        )
         if not again:
             break
     best = dict(best, retries=best["attempt"], attempts=attempt + 1)
@@ -269,16 +296,20 @@ def section_throughput(b: Bench, res: C.Results, workloads: list[C.Workload], no
             if b.has_threads:
                 variants.insert(2, "raydl-threads8")
             else:
-                notes.append("raydl.DataLoader has no `ray_threads_per_worker` keyword: the threads_per_worker=8 "
-                             "variant of the I/O workload was skipped.")
+                notes.append(
+                    "raydl.DataLoader has no `ray_threads_per_worker` keyword: the threads_per_worker=8 "
+                    "variant of the I/O workload was skipped."
+                )
         C.log(f"throughput: {wl.name} ({wl.n} samples/epoch, batch {wl.batch_size}, {b.args.reps} reps of {variants})")
         for rep in range(b.args.reps):
             order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for loader in order:
                 rec = measure_throughput(b, res, wl, loader, rep)
                 results.setdefault((wl.name, loader), []).append(rec)
-                C.log(f"  rep {rep} {loader:15s} {rec['samples_per_s']:9.0f} samples/s  first batch "
-                      f"{rec['ttfb_s'] * 1e3:6.0f} ms  foreign load {rec['foreign_cores']:.2f} cores")
+                C.log(
+                    f"  rep {rep} {loader:15s} {rec['samples_per_s']:9.0f} samples/s  first batch "
+                    f"{rec['ttfb_s'] * 1e3:6.0f} ms  foreign load {rec['foreign_cores']:.2f} cores"
+                )
     return results
 
 
@@ -313,8 +344,14 @@ def section_memory(b: Bench, res: C.Results) -> dict:
         for epoch in range(epochs):
             consume(loader, time.perf_counter(), probe)
             s = C.object_store_stats()
-            rec = {"section": "memory", "loader": name, "epoch": epoch + 1, "rss_bytes": proc.memory_info().rss,
-                   "store_used_bytes": s.get("used_bytes"), "store_objects": s.get("num_objects")}
+            rec = {
+                "section": "memory",
+                "loader": name,
+                "epoch": epoch + 1,
+                "rss_bytes": proc.memory_info().rss,
+                "store_used_bytes": s.get("used_bytes"),
+                "store_objects": s.get("num_objects"),
+            }
             per_epoch.append(rec)
             res.write(rec)
         # Ray's raylet frees released objects in batches (every 1 s, or 100 objects: RAY_free_objects_period_milliseconds,
@@ -329,23 +366,34 @@ def section_memory(b: Bench, res: C.Results) -> dict:
         after = C.object_store_stats()
         rss = [r["rss_bytes"] for r in per_epoch]
         summary = {
-            "section": "memory_summary", "loader": name, "epochs": epochs, "batch_size": wl.batch_size,
-            "rss_epoch1_mib": rss[0] / 2**20, "rss_last_mib": rss[-1] / 2**20, "rss_max_mib": max(rss) / 2**20,
+            "section": "memory_summary",
+            "loader": name,
+            "epochs": epochs,
+            "batch_size": wl.batch_size,
+            "rss_epoch1_mib": rss[0] / 2**20,
+            "rss_last_mib": rss[-1] / 2**20,
+            "rss_max_mib": max(rss) / 2**20,
             "rss_growth_pct": 100.0 * (rss[-1] - rss[0]) / rss[0],
             "store_base_bytes": base_store.get("used_bytes"),
-            "store_end_bytes": per_epoch[-1]["store_used_bytes"], "store_end_objects": per_epoch[-1]["store_objects"],
-            "store_max_bytes_during": state["max_store"], "store_max_objects_during": state["max_objects"],
-            "store_settled_bytes": settled.get("used_bytes"), "store_settled_objects": settled.get("num_objects"),
-            "store_after_shutdown_bytes": after.get("used_bytes"), "store_after_shutdown_objects": after.get("num_objects"),
+            "store_end_bytes": per_epoch[-1]["store_used_bytes"],
+            "store_end_objects": per_epoch[-1]["store_objects"],
+            "store_max_bytes_during": state["max_store"],
+            "store_max_objects_during": state["max_objects"],
+            "store_settled_bytes": settled.get("used_bytes"),
+            "store_settled_objects": settled.get("num_objects"),
+            "store_after_shutdown_bytes": after.get("used_bytes"),
+            "store_after_shutdown_objects": after.get("num_objects"),
             "max_tasks_outstanding": state["max_outstanding"] if name != "raydata" else None,
             "bound": (2 * b.W) if name != "raydata" else None,
             "store_error": base_store.get("error"),
         }
         res.write(summary)
         out[name] = summary
-        C.log(f"memory {name}: RSS {summary['rss_epoch1_mib']:.0f} -> {summary['rss_last_mib']:.0f} MiB "
-              f"({summary['rss_growth_pct']:+.1f}%), store max {summary['store_max_bytes_during'] / 2**20:.1f} MiB, "
-              f"max outstanding {summary['max_tasks_outstanding']}")
+        C.log(
+            f"memory {name}: RSS {summary['rss_epoch1_mib']:.0f} -> {summary['rss_last_mib']:.0f} MiB "
+            f"({summary['rss_growth_pct']:+.1f}%), store max {summary['store_max_bytes_during'] / 2**20:.1f} MiB, "
+            f"max outstanding {summary['max_tasks_outstanding']}"
+        )
     return out
 
 
@@ -366,23 +414,32 @@ def fmt_rate(xs: list[float]) -> str:
     return f"{C.median(xs):,.0f} ({min(xs):,.0f}–{max(xs):,.0f})"
 
 
-def build_report(b: Bench, info: dict, cold: dict, warm: dict, thr: dict, mem: dict, workloads, notes, elapsed_s) -> str:
-    lines = [f"## raydl throughput benchmark ({'quick' if b.args.quick else 'full'} run)", "", C.describe_machine(info), ""]
-    lines.append(f"{b.W} workers for every loader; torch's DataLoader with the default fork context; Ray Data "
-                 f"`range(N).map_batches(same per-sample work, concurrency={b.W}).iter_torch_batches()` with "
-                 f"DataContext.op_resource_reservation_enabled={b.args.raydata_reservation} (Ray Data's default True "
-                 f"would let its map run 1 task at a time on 2 CPUs). "
-                 f"{b.args.reps} alternating repetitions per loader; median (min–max). vs torch: median (min–max) over "
-                 "repetitions of the loader's rate / torch's rate in the same repetition. Steady state: each repetition is a new "
-                 f"loader run for 1 + {b.args.epochs} epochs (torch and raydl with persistent_workers=True; Ray Data "
-                 "re-executes the dataset each epoch); samples/s over the epochs after the first. First batch: time "
-                 "to the first batch of that new loader (raydl: from its warm pool). Foreign load: cores used by "
-                 "processes other than this benchmark (its own local Ray included) during the measurement, "
-                 "median over repetitions; a measurement above "
-                 f"{C.DISTURBED_FOREIGN_CORES} cores was rerun (at most {b.args.max_retries}×, within "
-                 f"{b.args.retry_budget_s:.0f} s in all) and the least disturbed attempt kept. Before each measurement the "
-                 f"run waited up to {b.args.quiet_wait_s:g} s for a quiet second (waited {b.gate.waited_s:.0f} s in all; "
-                 f"{b.gate.gave_up} times the machine stayed busy).")
+def build_report(
+    b: Bench, info: dict, cold: dict, warm: dict, thr: dict, mem: dict, workloads, notes, elapsed_s
+) -> str:
+    lines = [
+        f"## raydl throughput benchmark ({'quick' if b.args.quick else 'full'} run)",
+        "",
+        C.describe_machine(info),
+        "",
+    ]
+    lines.append(
+        f"{b.W} workers for every loader; torch's DataLoader with the default fork context; Ray Data "
+        f"`range(N).map_batches(same per-sample work, concurrency={b.W}).iter_torch_batches()` with "
+        f"DataContext.op_resource_reservation_enabled={b.args.raydata_reservation} (Ray Data's default True "
+        f"would let its map run 1 task at a time on 2 CPUs). "
+        f"{b.args.reps} alternating repetitions per loader; median (min–max). vs torch: median (min–max) over "
+        "repetitions of the loader's rate / torch's rate in the same repetition. Steady state: each repetition is a new "
+        f"loader run for 1 + {b.args.epochs} epochs (torch and raydl with persistent_workers=True; Ray Data "
+        "re-executes the dataset each epoch); samples/s over the epochs after the first. First batch: time "
+        "to the first batch of that new loader (raydl: from its warm pool). Foreign load: cores used by "
+        "processes other than this benchmark (its own local Ray included) during the measurement, "
+        "median over repetitions; a measurement above "
+        f"{C.DISTURBED_FOREIGN_CORES} cores was rerun (at most {b.args.max_retries}×, within "
+        f"{b.args.retry_budget_s:.0f} s in all) and the least disturbed attempt kept. Before each measurement the "
+        f"run waited up to {b.args.quiet_wait_s:g} s for a quiet second (waited {b.gate.waited_s:.0f} s in all; "
+        f"{b.gate.gave_up} times the machine stayed busy)."
+    )
     lines.append("")
     lines.append("### Steady-state throughput (samples/s)")
     lines.append("")
@@ -392,55 +449,117 @@ def build_report(b: Bench, info: dict, cold: dict, warm: dict, thr: dict, mem: d
             recs = thr[(wl.name, loader)]
             rates = [r["samples_per_s"] for r in recs]
             ratios = paired_ratios(thr, wl.name, loader)
-            ratio = f"{C.median(ratios):.2f}×" + (f" ({min(ratios):.2f}–{max(ratios):.2f})" if loader != "torch" else "")
+            ratio = f"{C.median(ratios):.2f}×" + (
+                f" ({min(ratios):.2f}–{max(ratios):.2f})" if loader != "torch" else ""
+            )
             retries = sum(r["retries"] for r in recs)
-            rows.append([wl.description, loader, fmt_rate(rates), ratio,
-                         f"{C.median([r['ttfb_s'] for r in recs]) * 1e3:,.0f}",
-                         f"{C.median([r['foreign_cores'] for r in recs]):.2f}" + (f" ({retries} reruns)" if retries else "")])
-    lines.append(C.md_table(["workload", "loader", "samples/s", "vs torch (paired)", "first batch (ms)", "foreign load (cores)"], rows))
+            rows.append(
+                [
+                    wl.description,
+                    loader,
+                    fmt_rate(rates),
+                    ratio,
+                    f"{C.median([r['ttfb_s'] for r in recs]) * 1e3:,.0f}",
+                    f"{C.median([r['foreign_cores'] for r in recs]):.2f}" + (f" ({retries} reruns)" if retries else ""),
+                ]
+            )
+    lines.append(
+        C.md_table(
+            ["workload", "loader", "samples/s", "vs torch (paired)", "first batch (ms)", "foreign load (cores)"], rows
+        )
+    )
     lines.append("")
     lines.append("### Start-up: time to first batch (ms)")
     lines.append("")
-    rows = [["cold: first loader of the process", f"{cold['torch'] * 1e3:,.0f}",
-             f"{cold['raydl'] * 1e3:,.0f} (import ray {cold['raydl_import_ray_s'] * 1e3:,.0f} + ray.init "
-             f"{cold['raydl_ray_init_s'] * 1e3:,.0f} + actors and first batch "
-             f"{(cold['raydl'] - cold['raydl_import_ray_s'] - cold['raydl_ray_init_s']) * 1e3:,.0f})", "—",
-             f"{cold['raydata'] * 1e3:,.0f} (import ray.data {cold['raydata_import_s'] * 1e3:,.0f}; Ray already up)"]]
+    rows = [
+        [
+            "cold: first loader of the process",
+            f"{cold['torch'] * 1e3:,.0f}",
+            f"{cold['raydl'] * 1e3:,.0f} (import ray {cold['raydl_import_ray_s'] * 1e3:,.0f} + ray.init "
+            f"{cold['raydl_ray_init_s'] * 1e3:,.0f} + actors and first batch "
+            f"{(cold['raydl'] - cold['raydl_import_ray_s'] - cold['raydl_ray_init_s']) * 1e3:,.0f})",
+            "—",
+            f"{cold['raydata'] * 1e3:,.0f} (import ray.data {cold['raydata_import_s'] * 1e3:,.0f}; Ray already up)",
+        ]
+    ]
     med = lambda k: f"{C.median(warm[k]) * 1e3:,.0f}"  # noqa: E731
-    rows.append(["warm: new loader, Ray up", med(("torch", "warm")), med(("raydl", "warm")) + " (warm pool)",
-                 med(("raydl (ray_reuse_workers=False)", "warm")), med(("raydata", "warm"))])
-    rows.append(["next epoch, persistent workers", med(("torch", "next_epoch")), med(("raydl", "next_epoch")), "—",
-                 med(("raydata", "next_epoch")) + " (re-executes the dataset)"])
+    rows.append(
+        [
+            "warm: new loader, Ray up",
+            med(("torch", "warm")),
+            med(("raydl", "warm")) + " (warm pool)",
+            med(("raydl (ray_reuse_workers=False)", "warm")),
+            med(("raydata", "warm")),
+        ]
+    )
+    rows.append(
+        [
+            "next epoch, persistent workers",
+            med(("torch", "next_epoch")),
+            med(("raydl", "next_epoch")),
+            "—",
+            med(("raydata", "next_epoch")) + " (re-executes the dataset)",
+        ]
+    )
     lines.append(C.md_table(["case", "torch", "raydl", "raydl, ray_reuse_workers=False", "Ray Data"], rows))
     lines.append("")
-    lines.append(f"Start-up workload: {b.startup_wl.description}, {b.startup_wl.n} samples; warm and next-epoch values "
-                 f"are medians of {b.args.startup_reps}.")
+    lines.append(
+        f"Start-up workload: {b.startup_wl.description}, {b.startup_wl.n} samples; warm and next-epoch values "
+        f"are medians of {b.args.startup_reps}."
+    )
     lines.append("")
-    lines.append(f"### Memory over {b.args.memory_epochs} epochs ({b.memory_wl.description}, {b.memory_wl.n} samples/epoch, persistent workers)")
+    lines.append(
+        f"### Memory over {b.args.memory_epochs} epochs ({b.memory_wl.description}, {b.memory_wl.n} samples/epoch, persistent workers)"
+    )
     lines.append("")
     rows = []
     for name, s in mem.items():
         mib = lambda x: f"{(x or 0) / 2**20:.1f}"  # noqa: E731
-        store = ("n/a" if s["store_error"] else
-                 f"{mib(s['store_base_bytes'])} / {mib(s['store_max_bytes_during'])} / {mib(s['store_end_bytes'])} "
-                 f"({s['store_end_objects']} obj) / {mib(s['store_settled_bytes'])} ({s['store_settled_objects']} obj) / "
-                 f"{mib(s['store_after_shutdown_bytes'])}")
+        store = (
+            "n/a"
+            if s["store_error"]
+            else f"{mib(s['store_base_bytes'])} / {mib(s['store_max_bytes_during'])} / {mib(s['store_end_bytes'])} "
+            f"({s['store_end_objects']} obj) / {mib(s['store_settled_bytes'])} ({s['store_settled_objects']} obj) / "
+            f"{mib(s['store_after_shutdown_bytes'])}"
+        )
         held = "—" if s["max_tasks_outstanding"] is None else f"{s['max_tasks_outstanding']} (bound {s['bound']})"
-        rows.append([name, f"{s['rss_epoch1_mib']:.0f} → {s['rss_last_mib']:.0f} (max {s['rss_max_mib']:.0f})",
-                     f"{s['rss_growth_pct']:+.1f}%", store, held])
-    lines.append(C.md_table(["loader", "driver RSS MiB, epoch 1 → last", "RSS growth", "object store MiB: before / max during / end of last epoch / 1.5 s later / after shutdown", "max batches in flight"], rows))
+        rows.append(
+            [
+                name,
+                f"{s['rss_epoch1_mib']:.0f} → {s['rss_last_mib']:.0f} (max {s['rss_max_mib']:.0f})",
+                f"{s['rss_growth_pct']:+.1f}%",
+                store,
+                held,
+            ]
+        )
+    lines.append(
+        C.md_table(
+            [
+                "loader",
+                "driver RSS MiB, epoch 1 → last",
+                "RSS growth",
+                "object store MiB: before / max during / end of last epoch / 1.5 s later / after shutdown",
+                "max batches in flight",
+            ],
+            rows,
+        )
+    )
     lines.append("")
-    lines.append("Object store = the driver node's plasma store (what `ray memory --stats-only` reports; sampled every 8 "
-                 "batches and at each epoch's end); torch uses none. Ray's raylet frees released objects in batches "
-                 "(every second or every 100 objects), so right after an epoch the store still holds batches the "
-                 "driver already dropped; the value 1.5 s later shows what is really held. Batches in flight = the "
-                 "iterator's `_tasks_outstanding` after each batch (torch has the same attribute); Ray Data bounds "
-                 "its own read-ahead by bytes.")
+    lines.append(
+        "Object store = the driver node's plasma store (what `ray memory --stats-only` reports; sampled every 8 "
+        "batches and at each epoch's end); torch uses none. Ray's raylet frees released objects in batches "
+        "(every second or every 100 objects), so right after an epoch the store still holds batches the "
+        "driver already dropped; the value 1.5 s later shows what is really held. Batches in flight = the "
+        "iterator's `_tasks_outstanding` after each batch (torch has the same attribute); Ray Data bounds "
+        "its own read-ahead by bytes."
+    )
     for n in notes:
         lines.append("")
         lines.append(f"Note: {n}")
     lines.append("")
-    lines.append(f"Run took {elapsed_s / 60:.1f} min; load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}.")
+    lines.append(
+        f"Run took {elapsed_s / 60:.1f} min; load average at end {' / '.join(f'{x:.2f}' for x in os.getloadavg())}."
+    )
     return "\n".join(lines)
 
 
@@ -473,8 +592,15 @@ def plot(path: str, b: Bench, workloads, thr: dict, cold: dict, warm: dict) -> s
             if loader != "torch":
                 for x, y, wl in zip(xs, ys, [w for w in workloads if thr.get((w.name, loader))]):
                     ratio = C.median(paired_ratios(thr, wl.name, loader))
-                    ax.annotate(f"{ratio:.2f}×", (x, y), ha="center", va="bottom", fontsize=7, xytext=(0, 2),
-                                textcoords="offset points")
+                    ax.annotate(
+                        f"{ratio:.2f}×",
+                        (x, y),
+                        ha="center",
+                        va="bottom",
+                        fontsize=7,
+                        xytext=(0, 2),
+                        textcoords="offset points",
+                    )
     ax.set_xticks(range(len(workloads)))
     ax.set_xticklabels([wl.name for wl in workloads])
     ax.set_yscale("log")
@@ -507,16 +633,27 @@ def main() -> int:
     p.add_argument("--num-workers", type=int, default=2)
     p.add_argument("--reps", type=int, default=None, help="repetitions per loader and workload (default 4; quick 1)")
     p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 2; quick 1)")
-    p.add_argument("--max-retries", type=int, default=None,
-                   help="reruns of a throughput measurement during which other processes used > "
-                        f"{C.DISTURBED_FOREIGN_CORES} cores (default 1; quick 0)")
+    p.add_argument(
+        "--max-retries",
+        type=int,
+        default=None,
+        help="reruns of a throughput measurement during which other processes used > "
+        f"{C.DISTURBED_FOREIGN_CORES} cores (default 1; quick 0)",
+    )
     p.add_argument("--retry-budget-s", type=float, default=120.0, help="total seconds spent on reruns, at most")
-    p.add_argument("--quiet-wait-s", type=float, default=None,
-                   help="before each throughput measurement, wait up to this long for a quiet second (default 10; quick 0)")
+    p.add_argument(
+        "--quiet-wait-s",
+        type=float,
+        default=None,
+        help="before each throughput measurement, wait up to this long for a quiet second (default 10; quick 0)",
+    )
     p.add_argument("--quiet-budget-s", type=float, default=90.0, help="total seconds spent waiting for quiet")
-    p.add_argument("--raydata-reservation", action="store_true",
-                   help="keep Ray Data's per-operator resource reservation on (its default; halves its map "
-                        "concurrency on a 2-CPU machine)")
+    p.add_argument(
+        "--raydata-reservation",
+        action="store_true",
+        help="keep Ray Data's per-operator resource reservation on (its default; halves its map "
+        "concurrency on a 2-CPU machine)",
+    )
     p.add_argument("--scale", type=float, default=1.0, help="multiply every epoch size by this")
     p.add_argument("--only", default="", help="comma-separated workloads to run (cpu,trivial,large,io); default all")
     args = p.parse_args()
@@ -548,15 +685,23 @@ def main() -> int:
     if args.only:
         keep = set(args.only.split(","))
         workloads = [w for w in workloads if w.name in keep]
-    res.write({"section": "workloads", "cpu_iters": iters, "cpu_ms_per_sample_measured": per_sample * 1e3,
-               "workloads": [w.__dict__ for w in workloads]})
+    res.write(
+        {
+            "section": "workloads",
+            "cpu_iters": iters,
+            "cpu_ms_per_sample_measured": per_sample * 1e3,
+            "workloads": [w.__dict__ for w in workloads],
+        }
+    )
 
     RayDataEpochs.reservation = args.raydata_reservation
     b = Bench(args)
     b.retry_s = 0.0
     b.gate = C.QuietGate(args.quiet_wait_s, args.quiet_budget_s)
     b.startup_wl = C.Workload("trivial", "trivial samples, batch 64", 64 * 8, 64, "trivial")
-    b.memory_wl = C.Workload("mem", "3×64×64 f32 samples (cheap), batch 64", 2048 if not args.quick else 1024, 64, "small")
+    b.memory_wl = C.Workload(
+        "mem", "3×64×64 f32 samples (cheap), batch 64", 2048 if not args.quick else 1024, 64, "small"
+    )
     notes: list[str] = []
     try:
         cold = section_cold(b, res)
@@ -569,13 +714,19 @@ def main() -> int:
         except Exception:
             pass
     for (wname, loader), recs in thr.items():
-        res.write({"section": "throughput_summary", "workload": wname, "loader": loader,
-                   "samples_per_s_median": C.median([r["samples_per_s"] for r in recs]),
-                   "samples_per_s_all": [r["samples_per_s"] for r in recs],
-                   "ratio_to_torch_paired_median": C.median(paired_ratios(thr, wname, loader)),
-                   "ratio_to_torch_paired_all": paired_ratios(thr, wname, loader),
-                   "ttfb_s_median": C.median([r["ttfb_s"] for r in recs]),
-                   "foreign_cores_median": C.median([r["foreign_cores"] for r in recs])})
+        res.write(
+            {
+                "section": "throughput_summary",
+                "workload": wname,
+                "loader": loader,
+                "samples_per_s_median": C.median([r["samples_per_s"] for r in recs]),
+                "samples_per_s_all": [r["samples_per_s"] for r in recs],
+                "ratio_to_torch_paired_median": C.median(paired_ratios(thr, wname, loader)),
+                "ratio_to_torch_paired_all": paired_ratios(thr, wname, loader),
+                "ttfb_s_median": C.median([r["ttfb_s"] for r in recs]),
+                "foreign_cores_median": C.median([r["foreign_cores"] for r in recs]),
+            }
+        )
     report = build_report(b, info, cold, warm, thr, mem, workloads, notes, time.perf_counter() - start)
     print(report)
     md = res.write_text(".md", report + "\n")

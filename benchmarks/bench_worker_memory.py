@@ -28,6 +28,7 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
+
 REPO = os.path.dirname(HERE)
 MIB = 2**20
 
@@ -43,8 +44,8 @@ def _pss(pid: int) -> float:
 
 def _pre_fix_imports(worker_id: int) -> None:
     """What a worker imported before raydl's names became lazy: the driver's modules and pyarrow."""
-    import raydl.driver.patch  # noqa: F401
     import raydl.data.arrow  # noqa: F401
+    import raydl.driver.patch  # noqa: F401
     import raydl.loader  # noqa: F401
 
 
@@ -67,7 +68,10 @@ def child(loader_kind: str, num_workers: int) -> None:
         import raydl
 
         DataLoader = raydl.DataLoader
-        kwargs = {"ray_reuse_workers": False, "ray_startup_timeout_s": 900.0}  # 16 starts on a busy 2-core host are slow
+        kwargs = {
+            "ray_reuse_workers": False,
+            "ray_startup_timeout_s": 900.0,
+        }  # 16 starts on a busy 2-core host are slow
         if loader_kind == "raydl-pre-fix-imports":
             kwargs["worker_init_fn"] = _pre_fix_imports
     loader = DataLoader(Samples(), batch_size=16, num_workers=num_workers, persistent_workers=True, **kwargs)
@@ -123,15 +127,17 @@ def main() -> None:
     for rep in range(args.reps):
         for n in counts:
             kinds = args.kinds.split(",")
-            for kind in (kinds if rep % 2 == 0 else kinds[::-1]):
+            for kind in kinds if rep % 2 == 0 else kinds[::-1]:
                 rec = run_child(kind, n)
                 rec["rep"] = rep
                 rec["loadavg_1m"] = round(os.getloadavg()[0], 1)
                 print(json.dumps(rec), flush=True)
                 runs.setdefault((kind, n), []).append(rec)
     print(f"\nIdle PSS per worker (MiB), median of {args.reps} (per run: mean over its workers)\n")
-    print("| workers | torch per worker | raydl per worker | raydl/torch | torch driver | raydl driver | "
-          "raydl's other Ray processes (count, total) |")
+    print(
+        "| workers | torch per worker | raydl per worker | raydl/torch | torch driver | raydl driver | "
+        "raydl's other Ray processes (count, total) |"
+    )
     print("|---|---|---|---|---|---|---|")
     med = statistics.median
     for n in counts:
@@ -140,13 +146,17 @@ def main() -> None:
         t, r = runs[("torch", n)], runs[("raydl", n)]
         tw = med(statistics.mean(x["worker_pss_mib"]) for x in t)
         rw = med(statistics.mean(x["worker_pss_mib"]) for x in r)
-        print(f"| {n} | {tw:.0f} | {rw:.0f} | {rw / tw:.1f}× | {med(x['driver_pss_mib'] for x in t):.0f} | "
-              f"{med(x['driver_pss_mib'] for x in r):.0f} | {med(x['other_processes'] for x in r):.0f}, "
-              f"{med(x['other_pss_mib'] for x in r):.0f} |")
+        print(
+            f"| {n} | {tw:.0f} | {rw:.0f} | {rw / tw:.1f}× | {med(x['driver_pss_mib'] for x in t):.0f} | "
+            f"{med(x['driver_pss_mib'] for x in r):.0f} | {med(x['other_processes'] for x in r):.0f}, "
+            f"{med(x['other_pss_mib'] for x in r):.0f} |"
+        )
     for (kind, n), recs in sorted(runs.items()):
         if kind == "raydl-pre-fix-imports":
-            print(f"\n{n} workers importing what raydl's workers imported before the lazy public names: "
-                  f"{med(statistics.mean(x['worker_pss_mib']) for x in recs):.0f} MiB per worker")
+            print(
+                f"\n{n} workers importing what raydl's workers imported before the lazy public names: "
+                f"{med(statistics.mean(x['worker_pss_mib']) for x in recs):.0f} MiB per worker"
+            )
 
 
 if __name__ == "__main__":

@@ -72,10 +72,14 @@ def main() -> None:
         num_workers=args.num_workers,
         generator=torch.Generator().manual_seed(0),
     )
-    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3))
+    model = nn.Sequential(
+        nn.Conv2d(3, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(8, 3)
+    )
     optimizer = torch.optim.Adam(model.parameters(), lr=1e-2)
     model, optimizer, loader = accelerator.prepare(model, optimizer, loader)
-    print(f"accelerate prepared a {type(loader).__name__} around a {type(loader.base_dataloader).__module__}.DataLoader")
+    print(
+        f"accelerate prepared a {type(loader).__name__} around a {type(loader.base_dataloader).__module__}.DataLoader"
+    )
 
     trainer_pid = os.getpid()
     for epoch in range(args.epochs):

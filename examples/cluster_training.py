@@ -71,7 +71,9 @@ def main() -> None:
         # CPU-only data nodes, never the trainer's node:
         ray_remote_args={"num_cpus": args.cpus_per_worker, "resources": {"data": 1}},
     )
-    model = nn.Sequential(nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3))
+    model = nn.Sequential(
+        nn.Conv2d(3, 16, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 3)
+    )
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     with loader:
         for epoch in range(args.epochs):
@@ -84,7 +86,9 @@ def main() -> None:
                 optimizer.step()
                 per_node.update(nodes)
             spread = ", ".join(f"{node[:8]}: {count}" for node, count in sorted(per_node.items()))
-            print(f"epoch {epoch}: loss {loss.item():.3f} in {time.perf_counter() - start:.2f} s; samples per node: {spread}")
+            print(
+                f"epoch {epoch}: loss {loss.item():.3f} in {time.perf_counter() - start:.2f} s; samples per node: {spread}"
+            )
             assert trainer_node not in per_node, "a worker ran on the trainer's node"
         workers = ", ".join(f"{r.worker_id}->{r.node_id[:8]}" for r in loader.worker_records)
         print(f"workers: {workers}")

@@ -58,12 +58,12 @@ class IndexedPoints(Dataset):
         return self.x[i], self.y[i], torch.tensor([i, os.getpid()])
 
 
-
 def say(*parts: object, flush: bool = True) -> None:
     """Print one line with a single write: lines of concurrent ranks never interleave in a shared pipe."""
     sys.stdout.write(" ".join(str(p) for p in parts) + "\n")
     if flush:
         sys.stdout.flush()
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])

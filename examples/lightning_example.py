@@ -97,7 +97,10 @@ def start_shared_ray_for_ranks() -> None:
 
     ray.init(include_dashboard=False)  # a new local Ray, on 127.0.0.1 (see the variable set at the top)
     os.environ["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address  # inherited by the other ranks
-    print(f"started a local Ray at {os.environ['RAY_ADDRESS']} for {os.environ.get('WORLD_SIZE', 'all')} ranks", flush=True)
+    print(
+        f"started a local Ray at {os.environ['RAY_ADDRESS']} for {os.environ.get('WORLD_SIZE', 'all')} ranks",
+        flush=True,
+    )
 
 
 def main() -> None:
@@ -137,7 +140,9 @@ def main() -> None:
     trainer.fit(Classifier(), loader)
     trainer.train_dataloader.shutdown()  # release the persistent Ray workers now
     if trainer.global_rank == 0:
-        print(f"lightning_example: done, {trainer.global_step} steps per rank on {args.devices} process(es)", flush=True)
+        print(
+            f"lightning_example: done, {trainer.global_step} steps per rank on {args.devices} process(es)", flush=True
+        )
 
 
 if __name__ == "__main__":

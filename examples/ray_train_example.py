@@ -137,7 +137,9 @@ def main() -> None:
         scaling_config=ScalingConfig(
             num_workers=args.train_workers, use_gpu=False, resources_per_worker={"CPU": args.cpus_per_train_worker}
         ),
-        run_config=RunConfig(storage_path=args.storage_path or tempfile.mkdtemp(prefix="raydl_ray_train_"), name="raydl"),
+        run_config=RunConfig(
+            storage_path=args.storage_path or tempfile.mkdtemp(prefix="raydl_ray_train_"), name="raydl"
+        ),
     )
     result = trainer.fit()
     print(f"ray_train_example: done, rank 0's last metrics: {result.metrics}", flush=True)

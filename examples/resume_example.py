@@ -91,8 +91,15 @@ def main() -> None:
 
     def checkpoint(step: int) -> None:
         if step % args.checkpoint_every == 0:
-            torch.save({"step": step, "model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                        "loader": loader.state_dict()}, path)
+            torch.save(
+                {
+                    "step": step,
+                    "model": model.state_dict(),
+                    "optimizer": optimizer.state_dict(),
+                    "loader": loader.state_dict(),
+                },
+                path,
+            )
 
     with loader:
         before = train(model, optimizer, loader, steps=args.stop_after, on_step=checkpoint)
@@ -110,8 +117,10 @@ def main() -> None:
     same = len(resumed) == len(uninterrupted) and all(
         a[0] == b[0] and torch.equal(a[1], b[1]) for a, b in zip(resumed, uninterrupted)
     )
-    print(f"checkpoint at step {ckpt['step']}; uninterrupted run: {len(uninterrupted)} batches; "
-          f"preempted + restarted: {ckpt['step']} + {len(after)} batches")
+    print(
+        f"checkpoint at step {ckpt['step']}; uninterrupted run: {len(uninterrupted)} batches; "
+        f"preempted + restarted: {ckpt['step']} + {len(after)} batches"
+    )
     print(f"resumed run matches the uninterrupted one, augmentation included: {same}")
     print(f"same final weights: {torch.equal(model.weight.detach(), final_uninterrupted)}")
     if not same:

@@ -175,7 +175,7 @@ def _one_over_f(height: int, width: int) -> np.ndarray:
     """Amplitude spectrum 1/f^1.1 on the rfft2 grid of an image (natural images fall off about as 1/f)."""
     f = np.hypot(np.fft.fftfreq(height)[:, None], np.fft.rfftfreq(width)[None, :])
     f[0, 0] = 1.0
-    return (f ** -1.1).astype(np.float32)
+    return (f**-1.1).astype(np.float32)
 
 
 def synthetic_photo(rng: np.random.Generator, width: int, height: int, tint: np.ndarray) -> np.ndarray:
@@ -285,8 +285,11 @@ def main() -> None:
     parser.add_argument("--ray-address", default=None, help="Ray cluster for raydl's workers; default: a local Ray")
     jpeg = parser.add_mutually_exclusive_group()
     jpeg.add_argument("--jpeg-dir", default=None, help="train on the JPEGs of this ImageFolder-style directory")
-    jpeg.add_argument("--real-images", action="store_true",
-                      help="write --samples generated JPEGs (--image-size) to --cache-dir once, then train on them")
+    jpeg.add_argument(
+        "--real-images",
+        action="store_true",
+        help="write --samples generated JPEGs (--image-size) to --cache-dir once, then train on them",
+    )
     parser.add_argument("--image-size", default="160x120", help="WxH of the --real-images JPEGs")
     parser.add_argument("--classes", type=int, default=4, help="class folders of the --real-images JPEGs")
     parser.add_argument("--crop-size", type=int, default=64, help="RandomResizedCrop size of the JPEG pipeline")
@@ -303,8 +306,10 @@ def main() -> None:
             print(f"JPEGs in {root} ({time.perf_counter() - start:.1f} s to write or find)", flush=True)
         dataset = JpegFolder(root, TrainTransform(args.crop_size), limit=args.samples)
         num_classes = len(dataset.classes)
-        what = (f"{len(dataset)} JPEGs in {num_classes} classes, PIL decode + RandomResizedCrop({args.crop_size}) "
-                "+ flip + normalize")
+        what = (
+            f"{len(dataset)} JPEGs in {num_classes} classes, PIL decode + RandomResizedCrop({args.crop_size}) "
+            "+ flip + normalize"
+        )
     else:
         dataset = AugmentedImages(args.samples, args.augment_repeats)
         num_classes = 3

@@ -47,8 +47,15 @@ __all__ = [
     "patch",
     "unpatch",
     "patched",
-    "is_patched", "WorkerDiedError", "WorkerPlacementError", "WorkerRecord", "LoaderStats", "WorkerStats",
-    "StatsTotals", "__version__"]
+    "is_patched",
+    "WorkerDiedError",
+    "WorkerPlacementError",
+    "WorkerRecord",
+    "LoaderStats",
+    "WorkerStats",
+    "StatsTotals",
+    "__version__",
+]
 
 
 def __getattr__(name: str) -> Any:

@@ -68,7 +68,9 @@ class RayOptions:
             )
         j = self.job
         if j is not None and j is not True and not (isinstance(j, str) and j.strip()):
-            raise ValueError(f"ray_job should be None, True (the launcher names the job) or a non-empty name, got {j!r}")
+            raise ValueError(
+                f"ray_job should be None, True (the launcher names the job) or a non-empty name, got {j!r}"
+            )
         if j is not None and self.seed == "worker":
             raise ValueError(
                 "ray_seed='worker' seeds each worker once, so a batch's draws would depend on which worker of the "
@@ -78,7 +80,9 @@ class RayOptions:
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
-            raise ValueError(f"ray_name should be a non-empty str naming the loader in stats and Ray metrics, got {self.name!r}")
+            raise ValueError(
+                f"ray_name should be a non-empty str naming the loader in stats and Ray metrics, got {self.name!r}"
+            )
 
     @classmethod
     def from_loader(cls, loader: Any) -> RayOptions:

@@ -13,14 +13,14 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from .driver.checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, validate
-from .driver.samplers import inexact_sampler
 from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
-from .driver.inprocess import _InProcessIter
-from .driver.iter import _RayLoaderIter
-from .cluster.locality import warn_if_workers_oversubscribe
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
+from .cluster.locality import warn_if_workers_oversubscribe
+from .driver.checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, validate
+from .driver.inprocess import _InProcessIter
+from .driver.iter import _RayLoaderIter
+from .driver.samplers import inexact_sampler
 from .driver.stats import LoaderStats
 
 __all__ = ["DataLoader"]
@@ -413,7 +413,9 @@ class DataLoader(_TorchDataLoader[T_co]):
                 ray_stats=False.
         """
         if self.num_workers == 0:
-            raise RuntimeError("raydl stats cover Ray workers: this loader has num_workers=0 (torch's in-process loading)")
+            raise RuntimeError(
+                "raydl stats cover Ray workers: this loader has num_workers=0 (torch's in-process loading)"
+            )
         if not self.ray_stats:
             raise RuntimeError("stats are off for this loader (ray_stats=False); pass ray_stats=True to record them")
         recorder = self._stats_recorder

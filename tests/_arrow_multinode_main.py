@@ -50,15 +50,21 @@ def main() -> None:
         driver_node = ray.get_runtime_context().get_node_id()
         datasets.Dataset.from_dict(H.metadata_columns(N)).save_to_disk(os.path.join(folder, "hf"))
         hf = datasets.load_from_disk(os.path.join(folder, "hf"))
-        feather.write_feather(pa.table(H.metadata_columns(N)), os.path.join(folder, "t.arrow"), compression="uncompressed")
+        feather.write_feather(
+            pa.table(H.metadata_columns(N)), os.path.join(folder, "t.arrow"), compression="uncompressed"
+        )
         ads = raydl.ArrowDataset(os.path.join(folder, "t.arrow"))
         facts["ipc_mapped"] = ads.is_memory_mapped
-        expected = {name: list(torch.utils.data.DataLoader(ds, batch_size=5)) for name, ds in (("hf", hf), ("ipc", ads))}
+        expected = {
+            name: list(torch.utils.data.DataLoader(ds, batch_size=5)) for name, ds in (("hf", hf), ("ipc", ads))
+        }
 
         os.rename(folder, gone)  # missing on every node from here on
         remote_args = {"num_cpus": 0, "resources": {"other": 1}}
         for name, ds in (("hf", hf), ("ipc", ads)):
-            loader = raydl.DataLoader(ds, batch_size=5, num_workers=2, timeout=60, ray_remote_args=remote_args, persistent_workers=True)
+            loader = raydl.DataLoader(
+                ds, batch_size=5, num_workers=2, timeout=60, ray_remote_args=remote_args, persistent_workers=True
+            )
             got = list(loader)
             same = len(got) == len(expected[name])
             for a, b in zip(expected[name], got):
@@ -71,7 +77,11 @@ def main() -> None:
             facts[f"{name}_driver_node_used"] = any(r.node_id == driver_node for r in loader.worker_records)
             loader.shutdown()
             probe = raydl.DataLoader(
-                H.MemoryProbe(ds, n=1), batch_size=None, num_workers=1, collate_fn=H.identity, timeout=60,
+                H.MemoryProbe(ds, n=1),
+                batch_size=None,
+                num_workers=1,
+                collate_fn=H.identity,
+                timeout=60,
                 ray_remote_args=remote_args,
             )
             facts[f"{name}_places"] = list(probe)[0]["places"]

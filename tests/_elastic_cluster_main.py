@@ -51,7 +51,12 @@ def main() -> None:
     facts: dict = {}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "resources": {"trainer": 1}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": "127.0.0.1",
+            "resources": {"trainer": 1},
+            "include_dashboard": False,
+        },
     )
     node_a = cluster.add_node(num_cpus=1, resources={"data": 1}, node_ip_address="127.0.0.1")
     node_b = cluster.add_node(num_cpus=1, resources={"data": 2}, node_ip_address="127.0.0.1")

@@ -136,6 +136,10 @@ def run_ray_train_driver(mode: str, out: Any, gcs_address: str, timeout_s: int =
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     proc = subprocess.run(
         [sys.executable, os.path.join(repo, "tests", "_ray_train_main.py"), mode, str(out)],
-        cwd=repo, env=env, capture_output=True, text=True, timeout=timeout_s,
+        cwd=repo,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
     )
     assert proc.returncode == 0 and "RESULT " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]

@@ -66,8 +66,14 @@ def _free_port() -> int:
 
 def _env(extra: dict) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "PYTHONUNBUFFERED": "1",
-                "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])), **extra})
+    env.update(
+        {
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")])),
+            **extra,
+        }
+    )
     return env
 
 
@@ -98,11 +104,27 @@ def _launch_ranks(world: int, cfg: dict, tmp: str, tag: str) -> dict:
     for rank in range(world):
         log = os.path.join(tmp, f"{tag}-{rank}.log")
         logs.append(log)
-        env = _env({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world),
-                    "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        env = _env(
+            {
+                "RANK": str(rank),
+                "LOCAL_RANK": str(rank),
+                "WORLD_SIZE": str(world),
+                "LOCAL_WORLD_SIZE": str(world),
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+            }
+        )
         with open(log, "w") as f:
-            procs.append(subprocess.Popen([sys.executable, "-m", "tests._job_rank_main", json.dumps(cfg)], cwd=REPO,
-                                          env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True))
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "tests._job_rank_main", json.dumps(cfg)],
+                    cwd=REPO,
+                    env=env,
+                    stdout=f,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
     return _wait(procs, logs, PHASE_TIMEOUT_S)
 
 
@@ -116,8 +138,11 @@ def _records(path_template: str, world: int) -> list:
 
 
 def _batches(records: list, epoch: int, attempt=None) -> list:
-    return [r for r in records if r["kind"] == "batch" and r["epoch"] == epoch
-            and (attempt is None or r["attempt"] == attempt)]
+    return [
+        r
+        for r in records
+        if r["kind"] == "batch" and r["epoch"] == epoch and (attempt is None or r["attempt"] == attempt)
+    ]
 
 
 def _reference(world: int, epoch: int) -> list:
@@ -150,10 +175,20 @@ def _wait_job_ended(job: str, timeout_s: float) -> dict:
 def _phase_share(address: str, tmp: str, names: dict, facts: dict) -> None:
     job = "jc-share"
     out = os.path.join(tmp, "share-{rank}.jsonl")
-    cfg = {"address": address, "out": out, "n": N, "batch": BATCH, "seed": SEED, "num_workers": 2, "job": job,
-           "delay_s": DELAY_S, "epochs": [0, 1], "count_at": {"epoch": 0, "step": 1},
-           "kill_at": {"epoch": 1, "step": 0},
-           "save_at": {"epoch": 0, "step": K - 1, "path": os.path.join(tmp, "state-{rank}.pt")}}
+    cfg = {
+        "address": address,
+        "out": out,
+        "n": N,
+        "batch": BATCH,
+        "seed": SEED,
+        "num_workers": 2,
+        "job": job,
+        "delay_s": DELAY_S,
+        "epochs": [0, 1],
+        "count_at": {"epoch": 0, "step": 1},
+        "kill_at": {"epoch": 1, "step": 0},
+        "save_at": {"epoch": 0, "step": K - 1, "path": os.path.join(tmp, "state-{rank}.pt")},
+    }
     t0 = time.monotonic()
     run = _launch_ranks(2, cfg, tmp, "share")
     facts["share_s"] = round(time.monotonic() - t0, 1)
@@ -195,8 +230,10 @@ def _phase_share(address: str, tmp: str, names: dict, facts: dict) -> None:
     facts["kill_steps"] = [len(b) for b in epoch1]
     facts["kill_batches_as_uninterrupted"] = [_pairs(epoch1[r]) == reference1[r] for r in range(2)]
     before = sorted(p for p, _ in next(r for r in ranks[0] if r["kind"] == "pool" and r["epoch"] == 1)["workers"])
-    after = [sorted(p for p, _ in next(r for r in recs if r["kind"] == "pool_after" and r["epoch"] == 1)["workers"])
-             for recs in ranks]
+    after = [
+        sorted(p for p, _ in next(r for r in recs if r["kind"] == "pool_after" and r["epoch"] == 1)["workers"])
+        for recs in ranks
+    ]
     facts["kill_killed_was_a_worker"] = killed["pid"] in before
     facts["kill_pool_after_by_rank"] = after
     facts["kill_new_pids"] = sorted({p for a in after for p in set(a) - set(before)})
@@ -216,18 +253,44 @@ def _phase_restart(address: str, tmp: str, facts: dict) -> tuple:
     job = f"torchrun-{run_id}"
     out = os.path.join(tmp, "restart-{rank}.jsonl")
     crash_step = 3
-    cfg = {"address": None, "out": out, "n": N, "batch": BATCH, "seed": SEED, "num_workers": 2, "job": None,
-           "epochs": [0], "checkpoint": os.path.join(tmp, "ckpt-{rank}.pt"),
-           "crash_at": {"rank": 1, "step": crash_step}}
+    cfg = {
+        "address": None,
+        "out": out,
+        "n": N,
+        "batch": BATCH,
+        "seed": SEED,
+        "num_workers": 2,
+        "job": None,
+        "epochs": [0],
+        "checkpoint": os.path.join(tmp, "ckpt-{rank}.pt"),
+        "crash_at": {"rank": 1, "step": crash_step},
+    }
     log = os.path.join(tmp, "torchrun.log")
     # torchrun's default (static) rendezvous on a free port; --rdzv-id names the run (TORCHELASTIC_RUN_ID)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=1", "--nproc-per-node=2", "--max-restarts=1",
-           "--master-addr=127.0.0.1", f"--master-port={_free_port()}", f"--rdzv-id={run_id}",
-           "--monitor-interval=0.2", RANK_SCRIPT, json.dumps(cfg)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--max-restarts=1",
+        "--master-addr=127.0.0.1",
+        f"--master-port={_free_port()}",
+        f"--rdzv-id={run_id}",
+        "--monitor-interval=0.2",
+        RANK_SCRIPT,
+        json.dumps(cfg),
+    ]
     t0 = time.monotonic()
     with open(log, "w") as f:
-        proc = subprocess.Popen(cmd, cwd=REPO, env=_env({"RAY_ADDRESS": address, "RAYDL_JOB_LEASE_S": str(RESTART_LEASE_S)}), stdout=f, stderr=subprocess.STDOUT,
-                                start_new_session=True)
+        proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            env=_env({"RAY_ADDRESS": address, "RAYDL_JOB_LEASE_S": str(RESTART_LEASE_S)}),
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     run = _wait([proc], [log], PHASE_TIMEOUT_S + 60)
     facts["restart_s"] = round(time.monotonic() - t0, 1)
     facts["restart_run"] = run
@@ -246,8 +309,9 @@ def _phase_restart(address: str, tmp: str, facts: dict) -> tuple:
     pools = {(r["rank"], r["attempt"]): r for recs in ranks for r in recs if r["kind"] == "pool"}
     facts["restart_pools_seen"] = sorted(f"{rank}/{attempt}" for rank, attempt in pools)
     facts["restart_coordinators"] = sorted({p["coordinator"] for p in pools.values()}, key=str)
-    facts["restart_worker_pids"] = {f"{rank}/{attempt}": sorted(w for w, _ in p["workers"])
-                                    for (rank, attempt), p in pools.items()}
+    facts["restart_worker_pids"] = {
+        f"{rank}/{attempt}": sorted(w for w, _ in p["workers"]) for (rank, attempt), p in pools.items()
+    }
     resumed = [next((r["step"] for r in recs if r["kind"] == "resumed"), None) for recs in ranks]
     facts["restart_resumed_at"] = resumed
     reference0 = _reference(2, 0)
@@ -262,8 +326,17 @@ def _phase_restart(address: str, tmp: str, facts: dict) -> tuple:
 
 def _phase_resume(address: str, tmp: str, facts: dict) -> None:
     out = os.path.join(tmp, "resume-{rank}.jsonl")
-    cfg = {"address": address, "out": out, "n": N, "batch": BATCH * 2 // 3, "seed": SEED, "num_workers": 2,
-           "job": "jc-resume", "epochs": [0], "load": os.path.join(tmp, "state-0.pt")}
+    cfg = {
+        "address": address,
+        "out": out,
+        "n": N,
+        "batch": BATCH * 2 // 3,
+        "seed": SEED,
+        "num_workers": 2,
+        "job": "jc-resume",
+        "epochs": [0],
+        "load": os.path.join(tmp, "state-0.pt"),
+    }
     t0 = time.monotonic()
     run = _launch_ranks(3, cfg, tmp, "resume")
     facts["resume_s"] = round(time.monotonic() - t0, 1)
@@ -280,10 +353,11 @@ def _phase_resume(address: str, tmp: str, facts: dict) -> None:
     facts["resume_rest_once"] = sorted(got) == expected
     facts["resume_rest_count"] = [len(got), len(expected)]
     facts["resume_content_as_uninterrupted"] = all(
-        content[i] == d for bs in batches for b in bs for i, d in zip(b["idx"], b["draw"]))
+        content[i] == d for bs in batches for b in bs for i, d in zip(b["idx"], b["draw"])
+    )
     steps = min(len(b) for b in batches)
     resumed_global = [sorted(i for r in range(3) for i in batches[r][j]["idx"]) for j in range(steps)]
-    facts["resume_global_batches_as_sets"] = resumed_global == facts["_global"][K:K + steps]
+    facts["resume_global_batches_as_sets"] = resumed_global == facts["_global"][K : K + steps]
     facts["resume_global_batches"] = [len(resumed_global), len(facts["_global"]) - K]
     pools = [next(r for r in recs if r["kind"] == "pool") for recs in ranks]
     facts["resume_pool_by_rank"] = [sorted(p for p, _ in pool["workers"]) for pool in pools]

@@ -98,10 +98,20 @@ def init_gloo(attempt: int) -> None:
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
-                          is_master=not agent_store and rank == 0, timeout=timeout)
-    dist.init_process_group("gloo", store=dist.PrefixStore(f"raydl-test-attempt-{attempt}", store), rank=rank,
-                            world_size=world, timeout=timeout)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        world,
+        is_master=not agent_store and rank == 0,
+        timeout=timeout,
+    )
+    dist.init_process_group(
+        "gloo",
+        store=dist.PrefixStore(f"raydl-test-attempt-{attempt}", store),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
+    )
 
 
 def worker_actors_created() -> int:
@@ -139,8 +149,16 @@ def main() -> None:
     emit(kind="start", world=world, pid=os.getpid(), node=_node_id(), job_env=os.environ.get("TORCHELASTIC_RUN_ID"))
     dataset = Traced(cfg["n"], cfg.get("delay_s", 0.0))
     sampler = DistributedSampler(dataset, shuffle=True, seed=cfg["seed"])
-    loader = raydl.DataLoader(dataset, batch_size=cfg["batch"], sampler=sampler, num_workers=cfg["num_workers"],
-                              persistent_workers=True, ray_job=cfg["job"] or True, ray_seed="sample", timeout=60)
+    loader = raydl.DataLoader(
+        dataset,
+        batch_size=cfg["batch"],
+        sampler=sampler,
+        num_workers=cfg["num_workers"],
+        persistent_workers=True,
+        ray_job=cfg["job"] or True,
+        ray_seed="sample",
+        timeout=60,
+    )
     job = cfg["job"] or f"torchrun-{os.environ['TORCHELASTIC_RUN_ID']}"
 
     def at(key: str, epoch: int, step: int) -> bool:
@@ -161,16 +179,28 @@ def main() -> None:
         crash = cfg.get("crash_at")
         for step, batch in enumerate(loader, start=first_step if epoch == cfg["epochs"][0] else 0):
             dist.all_reduce(torch.ones(1))  # lockstep: every rank has its batch `step` now
-            emit(kind="batch", epoch=epoch, step=step, idx=batch["i"].tolist(), draw=batch["draw"].tolist(),
-                 pid=batch["pid"].tolist(), node=list(batch["node"]))
+            emit(
+                kind="batch",
+                epoch=epoch,
+                step=step,
+                idx=batch["i"].tolist(),
+                draw=batch["draw"].tolist(),
+                pid=batch["pid"].tolist(),
+                node=list(batch["node"]),
+            )
             if step == first_step:
-                emit(kind="pool", epoch=epoch, workers=[[r.pid, r.node_id] for r in loader.worker_records],
-                     coordinator=coordinator_id(job))
+                emit(
+                    kind="pool",
+                    epoch=epoch,
+                    workers=[[r.pid, r.node_id] for r in loader.worker_records],
+                    coordinator=coordinator_id(job),
+                )
             if rank == 0 and at("count_at", epoch, step):
                 emit(kind="count", epoch=epoch, actors=alive_actors(), coordinator=coordinator_id(job))
             if at("save_at", epoch, step):
-                torch.save({"step": step, "state": loader.state_dict()},
-                           cfg["save_at"]["path"].replace("{rank}", str(rank)))
+                torch.save(
+                    {"step": step, "state": loader.state_dict()}, cfg["save_at"]["path"].replace("{rank}", str(rank))
+                )
             if checkpoint:
                 tmp = checkpoint + ".tmp"
                 torch.save({"step": step, "state": loader.state_dict()}, tmp)
@@ -183,8 +213,12 @@ def main() -> None:
                 emit(kind="crash", step=step + 1, time=time.time())
                 out.close()
                 os._exit(1)  # a crash: no clean exit, so this rank never leaves the pool (its lease runs out)
-        emit(kind="pool_after", epoch=epoch, workers=[[r.pid, r.node_id] for r in loader.worker_records],
-             created=worker_actors_created())
+        emit(
+            kind="pool_after",
+            epoch=epoch,
+            workers=[[r.pid, r.node_id] for r in loader.worker_records],
+            created=worker_actors_created(),
+        )
         first_step = 0
     loader.shutdown()  # this rank leaves the job's pool
     dist.barrier()

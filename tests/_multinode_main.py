@@ -62,7 +62,12 @@ def main() -> None:
     facts: dict = {}
     cluster = Cluster(
         initialize_head=True,
-        head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "resources": {"trainer": 1}, "include_dashboard": False},
+        head_node_args={
+            "num_cpus": 1,
+            "node_ip_address": "127.0.0.1",
+            "resources": {"trainer": 1},
+            "include_dashboard": False,
+        },
     )
     data_nodes = [cluster.add_node(num_cpus=1, resources={"data": 4}, node_ip_address="127.0.0.1") for _ in range(2)]
     try:
@@ -89,7 +94,10 @@ def main() -> None:
         # 1b. Batches made on other nodes move to the driver's node while the caller is busy
         # (NOTE [ raydl ordering ]): after a pause, every finished batch is already local.
         loader = raydl.DataLoader(
-            D.ImageDataset(48), batch_size=8, num_workers=2, timeout=60,
+            D.ImageDataset(48),
+            batch_size=8,
+            num_workers=2,
+            timeout=60,
             ray_remote_args={"num_cpus": 0.25, "resources": {"data": 1}},
         )  # ~0.3 MB per batch: in the object store, not inlined
         it = iter(loader)
@@ -112,7 +120,9 @@ def main() -> None:
         facts["placement_warm_reused"] = [sorted(zip(r["nodes"], r["pids"])) for r in runs[1:]] == [
             sorted(zip(runs[0]["nodes"], runs[0]["pids"]))
         ] * 2
-        loader = raydl.DataLoader(D.SlowDataset(24, {i: 0.05 for i in range(24)}), batch_size=2, num_workers=4, timeout=60)
+        loader = raydl.DataLoader(
+            D.SlowDataset(24, {i: 0.05 for i in range(24)}), batch_size=2, num_workers=4, timeout=60
+        )
         it = iter(loader)
         out = [next(it).flatten().tolist()]
         before = [name(r.node_id) for r in it.worker_records]
@@ -146,7 +156,9 @@ def main() -> None:
         facts["recovery_s"] = round(time.monotonic() - t0, 1)
         facts["after_removal_complete_in_order"] = out == [[i, i + 1] for i in range(0, 40, 2)]
         facts["restarts"] = sum(it._pool.restarts)
-        facts["survivor_node_only"] = {r.node_id for r in it.worker_records} == {data_nodes[0].node_id if victim is data_nodes[1] else data_nodes[1].node_id}
+        facts["survivor_node_only"] = {r.node_id for r in it.worker_records} == {
+            data_nodes[0].node_id if victim is data_nodes[1] else data_nodes[1].node_id
+        }
         del it, loader
 
         # 2b. Default placement on what is now a 2-node cluster (the driver's node and the survivor):

@@ -20,7 +20,9 @@ def assert_batches_equal(a: Any, b: Any, where: str = "batch") -> None:
     """Recursive equality that also checks container types, tensor dtypes and shapes."""
     assert type(a) is type(b), f"{where}: type {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        assert a.dtype == b.dtype and a.shape == b.shape, (
+            f"{where}: {a.dtype}{tuple(a.shape)} != {b.dtype}{tuple(b.shape)}"
+        )
         assert torch.equal(a, b), f"{where}: {a} != {b}"
     elif isinstance(a, np.ndarray):
         assert a.dtype == b.dtype and np.array_equal(a, b), f"{where}: {a} != {b}"
@@ -109,8 +111,9 @@ def assert_same_batches(
         t_kwargs["generator"] = torch.Generator().manual_seed(seed)
         r_kwargs["generator"] = torch.Generator().manual_seed(seed)
         _seed_everything(seed)
-    expected = _run_forked(lambda: run_epochs(torch.utils.data.DataLoader(make_dataset(), num_workers=tw, **t_kwargs),
-                                              epochs))
+    expected = _run_forked(
+        lambda: run_epochs(torch.utils.data.DataLoader(make_dataset(), num_workers=tw, **t_kwargs), epochs)
+    )
     if seed is not None:
         _seed_everything(seed)
     with raydl.DataLoader(make_dataset(), num_workers=num_workers, **r_kwargs) as loader:

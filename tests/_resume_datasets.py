@@ -117,8 +117,15 @@ class NoisyPoints(Dataset):
 def ray_train_loader():
     import raydl
 
-    return raydl.DataLoader(NoisyPoints(24), batch_size=4, shuffle=True, num_workers=2, timeout=60,
-                            generator=torch.Generator().manual_seed(3), ray_remote_args={"num_cpus": 0})
+    return raydl.DataLoader(
+        NoisyPoints(24),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        timeout=60,
+        generator=torch.Generator().manual_seed(3),
+        ray_remote_args={"num_cpus": 0},
+    )
 
 
 def ray_train_resume_loop(config: dict) -> None:
@@ -152,7 +159,9 @@ def ray_train_resume_loop(config: dict) -> None:
         done += 1
         seen.append([idx.tolist(), x.tolist()])
         with tempfile.TemporaryDirectory() as d:
-            torch.save({"step": done, "model": model.state_dict(), "loader": loader.state_dict()}, os.path.join(d, "state.pt"))
+            torch.save(
+                {"step": done, "model": model.state_dict(), "loader": loader.state_dict()}, os.path.join(d, "state.pt")
+            )
             ray.train.report({"step": done}, checkpoint=ray.train.Checkpoint.from_directory(d))
     loader.shutdown()
     with open(os.path.join(config["out"], f"seen_{config['tag']}.json"), "w") as f:

@@ -27,7 +27,6 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 import raydl
 from tests._parity import BATCH_TIMEOUT_S, assert_batches_equal
 
-
 _CTX = None
 
 
@@ -163,8 +162,15 @@ def check_resume(
             assert _json_ok(rd_state), f"raydl's state after {k} batches is not JSON though torchdata's is"
         rd_state = _roundtrip(rd_state)
         if k == END:
-            _check_end(make_rd, make_td, rd_state, _roundtrip(td_states[k]) if cross else None, rd_next,
-                       td_next if cross else [], same_uninterrupted)
+            _check_end(
+                make_rd,
+                make_td,
+                rd_state,
+                _roundtrip(td_states[k]) if cross else None,
+                rd_next,
+                td_next if cross else [],
+                same_uninterrupted,
+            )
             continue
         _same(rd_batches[k:], _resume(make_rd, rd_state, check_echo=True), f"raydl resumed from raydl's state at {k}")
         if not cross:

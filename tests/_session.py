@@ -43,8 +43,9 @@ def worker_actors(alive_only: bool = False, detail: bool = False) -> list:
     from ray.util.state import list_actors
 
     filters = [("class_name", "=", "Worker")] + ([("state", "=", "ALIVE")] if alive_only else [])
-    return list_actors(address=gcs_address(), filters=filters, detail=detail, limit=10000,
-                       raise_on_missing_output=False)
+    return list_actors(
+        address=gcs_address(), filters=filters, detail=detail, limit=10000, raise_on_missing_output=False
+    )
 
 
 def alive_worker_actors(release_warm: bool = True) -> int:
@@ -71,8 +72,14 @@ def run_python(code: str, timeout_s: int = 180, env_extra: dict | None = None) -
     """`code` in a new interpreter at the repository root, with no RAY_* variable of this process (no Ray to join)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(env_extra or {})
-    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout_s)
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
 
 
 def read_facts(proc: subprocess.CompletedProcess) -> dict:
@@ -85,5 +92,8 @@ def read_facts(proc: subprocess.CompletedProcess) -> dict:
 def run_main(module: str, timeout_s: int = 240) -> dict:
     """`python -m <module>` (a tests._*_main driver with its own cluster) in a fresh interpreter: its facts."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    return read_facts(subprocess.run([sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True,
-                                timeout=timeout_s))
+    return read_facts(
+        subprocess.run(
+            [sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
+        )
+    )

@@ -83,7 +83,11 @@ def _sources(files) -> dict:
     }
 
 
-KINDS = list(_sources({"parquet": "", "parquet_files": [], "parquet_folder": "", "ipc": "", "feather": "", "csv": "", "hf_cached": ""}))
+KINDS = list(
+    _sources(
+        {"parquet": "", "parquet_files": [], "parquet_folder": "", "ipc": "", "feather": "", "csv": "", "hf_cached": ""}
+    )
+)
 
 
 # ---------------------------------------------------------------------- parity
@@ -104,7 +108,14 @@ def test_columns_and_transform_match_torch(ray_session, files):
     make = lambda: raydl.ArrowDataset(files["parquet"], columns=["caption", "label", "score"], transform=H.row_to_pair)  # noqa: E731
     assert make().column_names == ["caption", "label", "score"]
     batches = assert_same_batches(
-        make, torch_workers=2, num_workers=2, batch_size=8, shuffle=True, drop_last=True, persistent_workers=True, epochs=2
+        make,
+        torch_workers=2,
+        num_workers=2,
+        batch_size=8,
+        shuffle=True,
+        drop_last=True,
+        persistent_workers=True,
+        epochs=2,
     )
     assert batches[0][0][0].dtype == torch.float32 and batches[0][0][0].shape == (8, 2)
 
@@ -132,8 +143,11 @@ def test_getitems_equals_row_by_row(values, picks, chunk):
     table = pa.Table.from_batches(
         [
             pa.RecordBatch.from_pydict(
-                {"v": values[i : i + chunk], "s": [None if v is None else str(v) for v in values[i : i + chunk]],
-                 "l": [None if v is None else [v, 1] for v in values[i : i + chunk]]},
+                {
+                    "v": values[i : i + chunk],
+                    "s": [None if v is None else str(v) for v in values[i : i + chunk]],
+                    "l": [None if v is None else [v, 1] for v in values[i : i + chunk]],
+                },
                 schema=pa.schema([("v", pa.int64()), ("s", pa.string()), ("l", pa.list_(pa.int64()))]),
             )
             for i in range(0, n, chunk)
@@ -158,7 +172,9 @@ def test_plain_pickle_round_trip(files, kind):
     ds = _sources(files)[kind]()
     back = pickle.loads(pickle.dumps(ds))
     assert len(back) == len(ds) and back.__getitems__(range(N)) is not None
-    assert [r["caption"] for r in back.__getitems__(list(range(N)))] == [r["caption"] for r in ds.__getitems__(list(range(N)))]
+    assert [r["caption"] for r in back.__getitems__(list(range(N)))] == [
+        r["caption"] for r in ds.__getitems__(list(range(N)))
+    ]
     assert back.is_memory_mapped == (kind == "ipc")
     if kind == "ipc":
         assert len(pickle.dumps(ds)) < 2000  # the path, not the table
@@ -176,9 +192,10 @@ def test_missing_file_is_named(tmp_path):
 @pytest.mark.parametrize("kind", ["table", "parquet", "ipc", "csv", "hf_cached"])
 def test_unknown_column_is_named(files, kind):
     """columns= naming a column the source lacks: ValueError naming it and listing the real ones."""
-    source = {"table": lambda: pa.table(H.metadata_columns(N)), "hf_cached": lambda: datasets.load_from_disk(files["hf_cached"])}.get(
-        kind, lambda: files[kind]
-    )()
+    source = {
+        "table": lambda: pa.table(H.metadata_columns(N)),
+        "hf_cached": lambda: datasets.load_from_disk(files["hf_cached"]),
+    }.get(kind, lambda: files[kind])()
     with pytest.raises(ValueError, match=r"unknown column\(s\) \['colour'\]; the table has columns \[.*'label'"):
         raydl.ArrowDataset(source, columns=["label", "colour"])
 
@@ -250,8 +267,13 @@ def test_compressed_feather_is_read_with_a_warning(tmp_path):
 def _probe(data, **loader_kwargs) -> dict:
     """What one fresh raydl worker reports about `data` (tests/_arrow_helpers.py MemoryProbe)."""
     loader = raydl.DataLoader(
-        H.MemoryProbe(data, n=1), batch_size=None, num_workers=1, collate_fn=H.identity, timeout=TIMEOUT_S,
-        ray_reuse_workers=False, **loader_kwargs,
+        H.MemoryProbe(data, n=1),
+        batch_size=None,
+        num_workers=1,
+        collate_fn=H.identity,
+        timeout=TIMEOUT_S,
+        ray_reuse_workers=False,
+        **loader_kwargs,
     )
     (report,) = list(loader)
     return report
@@ -309,10 +331,15 @@ def test_list_of_paths_to_pyarrow_array(ray_session):
     """README: a Python list of paths -> pa.array(paths) with ray_shared_dataset_memory=True, same batches, shared."""
     paths = [f"/data/images/{i:07d}.jpg" for i in range(1000)]
     expected = list(torch.utils.data.DataLoader(H.PathsDataset(paths, as_arrow=False), batch_size=100))
-    got = list(raydl.DataLoader(
-        H.PathsDataset(paths, as_arrow=True), batch_size=100, num_workers=2, timeout=TIMEOUT_S,
-        ray_shared_dataset_memory=True,
-    ))
+    got = list(
+        raydl.DataLoader(
+            H.PathsDataset(paths, as_arrow=True),
+            batch_size=100,
+            num_workers=2,
+            timeout=TIMEOUT_S,
+            ray_shared_dataset_memory=True,
+        )
+    )
     assert got == expected
     report = _probe(pa.array(paths), ray_shared_dataset_memory=True)
     assert report["places"] == ["plasma"] and report["write_fails"]
@@ -368,7 +395,9 @@ def test_missing_cache_file_without_a_copy_is_named(ray_session, tmp_path):
     hf = datasets.load_from_disk(str(tmp_path / "hf"))
     os.rename(tmp_path / "hf", tmp_path / "moved")  # the driver's own map stays valid
     loader = raydl.DataLoader(hf, batch_size=5, num_workers=1, timeout=TIMEOUT_S)
-    with pytest.raises(FileNotFoundError, match=r"memory-mapped file .*hf/data-00000-of-00001.arrow is missing on node .* Fix:"):
+    with pytest.raises(
+        FileNotFoundError, match=r"memory-mapped file .*hf/data-00000-of-00001.arrow is missing on node .* Fix:"
+    ):
         list(loader)
 
 

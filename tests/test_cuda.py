@@ -67,7 +67,9 @@ def test_ray_device_hands_out_torchs_batches_on_the_gpu():
     for i, (e, a) in enumerate(zip(expected, loader)):
         assert all(t.is_cuda for t in _tensors(a)), f"batch {i}: a tensor is not on the GPU"
         a["image"].add_(0)  # a step on the current stream uses the batch at once
-        assert_batches_equal(e, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}, f"batch {i}")
+        assert_batches_equal(
+            e, {k: (v.cpu() if isinstance(v, torch.Tensor) else v) for k, v in a.items()}, f"batch {i}"
+        )
         seen += 1
     assert seen == len(expected)
 

@@ -41,7 +41,11 @@ def test_set_num_workers_mid_epoch_keeps_every_batch_once(in_order):
     expected = _torch_batches(D.RangeDataset(120), **kwargs)
     kwargs["generator"] = torch.Generator().manual_seed(5)
     loader = raydl.DataLoader(
-        D.SlowDataset(120, {i: 0.004 for i in range(120)}), num_workers=2, timeout=TIMEOUT_S, in_order=in_order, **kwargs
+        D.SlowDataset(120, {i: 0.004 for i in range(120)}),
+        num_workers=2,
+        timeout=TIMEOUT_S,
+        in_order=in_order,
+        **kwargs,
     )
     it = iter(loader)
     out, sizes = [], []
@@ -88,7 +92,11 @@ def test_new_workers_get_new_ids_and_worker_info():
 def test_persistent_workers_keep_the_new_size():
     """set_num_workers on a persistent loader: the next epochs run on the new pool, batches unchanged."""
     loader = raydl.DataLoader(
-        D.SlowDataset(24, {i: 0.01 for i in range(24)}), batch_size=2, num_workers=1, persistent_workers=True, timeout=TIMEOUT_S
+        D.SlowDataset(24, {i: 0.01 for i in range(24)}),
+        batch_size=2,
+        num_workers=1,
+        persistent_workers=True,
+        timeout=TIMEOUT_S,
     )
     expected = [[i, i + 1] for i in range(0, 24, 2)]
     with loader:
@@ -153,7 +161,10 @@ def test_unplaceable_replacement_leaves_the_survivors_to_finish():
 
     _warm_up(3)
     loader = raydl.DataLoader(
-        D.SlowDataset(40, {i: 0.01 for i in range(40)}), batch_size=2, num_workers=3, timeout=TIMEOUT_S,
+        D.SlowDataset(40, {i: 0.01 for i in range(40)}),
+        batch_size=2,
+        num_workers=3,
+        timeout=TIMEOUT_S,
         ray_startup_timeout_s=3,
     )
     it = iter(loader)
@@ -161,7 +172,10 @@ def test_unplaceable_replacement_leaves_the_survivors_to_finish():
     victim = it.worker_records[1]
     _make_replacements_unplaceable(it)
     ray.kill(it._pool.actors[1], no_restart=True)
-    with pytest.warns(RuntimeWarning, match=rf"raydl worker 1 \(pid {victim.pid}, node 127.0.0.1 .*could not be replaced.*going on with 2 worker"):
+    with pytest.warns(
+        RuntimeWarning,
+        match=rf"raydl worker 1 \(pid {victim.pid}, node 127.0.0.1 .*could not be replaced.*going on with 2 worker",
+    ):
         out += [b.flatten().tolist() for b in it]
     assert out == [[i, i + 1] for i in range(0, 40, 2)]
     assert it._sched.active == [0, 2]
@@ -174,7 +188,10 @@ def test_no_worker_left_is_an_error():
 
     _warm_up(1)
     loader = raydl.DataLoader(
-        D.SlowDataset(20, {i: 0.01 for i in range(20)}), batch_size=2, num_workers=1, timeout=TIMEOUT_S,
+        D.SlowDataset(20, {i: 0.01 for i in range(20)}),
+        batch_size=2,
+        num_workers=1,
+        timeout=TIMEOUT_S,
         ray_startup_timeout_s=3,
     )
     it = iter(loader)
@@ -191,7 +208,11 @@ def test_retiring_worker_death_sends_its_batches_to_the_others():
     import ray
 
     loader = raydl.DataLoader(
-        D.SlowDataset(40, {i: 0.05 for i in range(40)}), batch_size=1, num_workers=2, prefetch_factor=4, timeout=TIMEOUT_S
+        D.SlowDataset(40, {i: 0.05 for i in range(40)}),
+        batch_size=1,
+        num_workers=2,
+        prefetch_factor=4,
+        timeout=TIMEOUT_S,
     )
     it = iter(loader)
     out = [next(it).item()]
@@ -210,7 +231,11 @@ def test_retiring_worker_death_sends_its_batches_to_the_others():
 def test_autoscaler_adds_a_worker_when_the_loop_waits(caplog):
     """An I/O-bound dataset and a fast loop: the autoscaler adds a worker, logging its figures at INFO."""
     loader = raydl.DataLoader(
-        D.SlowDataset(600, {i: 0.01 for i in range(600)}), batch_size=2, num_workers=1, ray_max_workers=2, timeout=TIMEOUT_S
+        D.SlowDataset(600, {i: 0.01 for i in range(600)}),
+        batch_size=2,
+        num_workers=1,
+        ray_max_workers=2,
+        timeout=TIMEOUT_S,
     )
     it = iter(loader)
     with caplog.at_level(logging.INFO, logger="raydl.cluster.elastic"):
@@ -220,7 +245,9 @@ def test_autoscaler_adds_a_worker_when_the_loop_waits(caplog):
     assert len(it._sched.active) == 2, f"no worker added in {k} batches: {it._elastic.decisions}"
     decision = it._elastic.decisions[0]
     assert decision.action == "add" and decision.wait_fraction > 0.1
-    assert any("raydl autoscale: add, 1 -> 2 workers" in r.getMessage() and "waited" in r.getMessage() for r in caplog.records)
+    assert any(
+        "raydl autoscale: add, 1 -> 2 workers" in r.getMessage() and "waited" in r.getMessage() for r in caplog.records
+    )
     del it
 
 
@@ -228,7 +255,11 @@ def test_autoscaler_adds_a_worker_when_the_loop_waits(caplog):
 def test_autoscaler_adds_nothing_for_a_loop_slower_than_its_data():
     """The loop takes 30 ms a batch, the data 4 ms: no worker is added."""
     loader = raydl.DataLoader(
-        D.SlowDataset(80, {i: 0.002 for i in range(80)}), batch_size=2, num_workers=1, ray_max_workers=4, timeout=TIMEOUT_S
+        D.SlowDataset(80, {i: 0.002 for i in range(80)}),
+        batch_size=2,
+        num_workers=1,
+        ray_max_workers=4,
+        timeout=TIMEOUT_S,
     )
     it = iter(loader)
     for _ in it:

@@ -8,10 +8,9 @@ import os
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import torch  # noqa: E402
 
 import raydl  # noqa: E402
 from tests import _elastic_helpers as E  # noqa: E402

@@ -42,9 +42,7 @@ def _run(args: list[str], extra_env: dict | None = None) -> str:
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.run(
-        [sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S
-    )
+    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return output
@@ -53,7 +51,9 @@ def _run(args: list[str], extra_env: dict | None = None) -> str:
 def test_lightning_example_ddp_two_ranks_share_one_ray():
     """lightning_example.py --devices 2: both DDP ranks train on re-instantiated raydl loaders fed by Ray workers."""
     pytest.importorskip("lightning")
-    out = _run([os.path.join(EXAMPLES, "lightning_example.py"), "--devices", "2", "--samples", "256", "--max-epochs", "1"])
+    out = _run(
+        [os.path.join(EXAMPLES, "lightning_example.py"), "--devices", "2", "--samples", "256", "--max-epochs", "1"]
+    )
     assert "lightning_example: done, 4 steps per rank on 2 process(es)" in out
     assert re.search(r"started a local Ray at 127\.0\.0\.1:\d+", out)
     pools = []
@@ -97,15 +97,28 @@ def test_ddp_torchrun_example_ranks_see_disjoint_shards():
     """torchrun, 2 gloo ranks, no Ray running: the ranks share one local Ray and one pool (ray_job=True), each rank's
     raydl loader reads a disjoint half."""
     out = _run(
-        ["-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(EXAMPLES, "ddp_torchrun_example.py"),
-         "--samples", "256", "--epochs", "2"]
+        [
+            "-m",
+            "torch.distributed.run",
+            "--nproc_per_node=2",
+            os.path.join(EXAMPLES, "ddp_torchrun_example.py"),
+            "--samples",
+            "256",
+            "--epochs",
+            "2",
+        ]
     )
-    assert re.search(r"Ray of each rank: \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]; one Ray for the node's ranks: True", out), out[-3000:]
+    assert re.search(
+        r"Ray of each rank: \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]; one Ray for the node's ranks: True", out
+    ), out[-3000:]
     for rank in (0, 1):
         for epoch in (0, 1):
             assert re.search(rf"^rank {rank}: epoch {epoch}: 128 samples, .*not among them\)$", out, re.M), out[-3000:]
-    pools = re.findall(r"samples per rank \[128, 128\], shards disjoint: True, cover the dataset: True; "
-                       r"workers used: (\d+) \(the job's pool has 4\), serving every rank: (\d+)", out)
+    pools = re.findall(
+        r"samples per rank \[128, 128\], shards disjoint: True, cover the dataset: True; "
+        r"workers used: (\d+) \(the job's pool has 4\), serving every rank: (\d+)",
+        out,
+    )
     assert len(pools) == 2, out[-3000:]
     # private pools would never serve both ranks; one pool of 2 x 2 workers does (each rank picks its workers
     # by their batch times, so in a given epoch the ranks may also split the pool between them)
@@ -131,13 +144,23 @@ def test_train_image_classifier_real_images_runs_the_jpeg_pipeline_identically(r
     """--real-images: writes a small JPEG folder, then decode + RandomResizedCrop + flip + normalize in both loaders'
     workers; the same seeds give the same losses (the crops are drawn from the worker's torch RNG)."""
     out = _run(
-        [os.path.join(EXAMPLES, "train_image_classifier.py"), "--real-images", "--samples", "256", "--epochs", "2",
-         "--cache-dir", str(tmp_path)],
+        [
+            os.path.join(EXAMPLES, "train_image_classifier.py"),
+            "--real-images",
+            "--samples",
+            "256",
+            "--epochs",
+            "2",
+            "--cache-dir",
+            str(tmp_path),
+        ],
         _session_ray_env(ray_session),
     )
     assert re.search(r"^256 JPEGs in 4 classes, PIL decode \+ RandomResizedCrop\(64\)", out, re.M), out[-3000:]
-    runs = {name: re.findall(rf"^{name} DataLoader: epoch (\d): [\d.]+ s \(\d+ images/s\), (loss .*)$", out, re.M)
-            for name in ("torch", "raydl")}
+    runs = {
+        name: re.findall(rf"^{name} DataLoader: epoch (\d): [\d.]+ s \(\d+ images/s\), (loss .*)$", out, re.M)
+        for name in ("torch", "raydl")
+    }
     assert [epoch for epoch, _ in runs["torch"]] == ["0", "1"], out[-3000:]
     assert runs["torch"] == runs["raydl"]
     assert len(os.listdir(tmp_path)) == 1  # one cached folder, reused on a second run
@@ -145,8 +168,10 @@ def test_train_image_classifier_real_images_runs_the_jpeg_pipeline_identically(r
 
 def test_resume_example_restarted_job_matches_the_uninterrupted_one(ray_session):
     """resume_example.py: checkpoint with torch.save every step, stop, restart from it: same batches, same weights."""
-    out = _run([os.path.join(EXAMPLES, "resume_example.py"), "--samples", "48", "--stop-after", "3"],
-               _session_ray_env(ray_session))
+    out = _run(
+        [os.path.join(EXAMPLES, "resume_example.py"), "--samples", "48", "--stop-after", "3"],
+        _session_ray_env(ray_session),
+    )
     assert "resumed run matches the uninterrupted one, augmentation included: True" in out, out[-3000:]
     assert "same final weights: True" in out, out[-3000:]
 

@@ -31,17 +31,20 @@ class Augmented(Dataset):
         return self.n
 
     def __getitem__(self, i):
-        return torch.tensor([i, int(torch.randint(0, 1 << 30, ())), random.randrange(1 << 30),
-                             int(np.random.randint(1 << 30))])
+        return torch.tensor(
+            [i, int(torch.randint(0, 1 << 30, ())), random.randrange(1 << 30), int(np.random.randint(1 << 30))]
+        )
 
 
 def _loader(n, world, rank, batch, *, epoch=0, drop_last=False, shuffle=True, seed=3, num_workers=0, **kw):
-    sampler = DistributedSampler(Augmented(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed,
-                                 drop_last=drop_last)
+    sampler = DistributedSampler(
+        Augmented(n), num_replicas=world, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last
+    )
     sampler.set_epoch(epoch)
     extra = {"timeout": 60} if num_workers else {}
-    return raydl.DataLoader(Augmented(n), batch_size=batch, sampler=sampler, num_workers=num_workers,
-                            ray_seed="sample", **extra, **kw)
+    return raydl.DataLoader(
+        Augmented(n), batch_size=batch, sampler=sampler, num_workers=num_workers, ray_seed="sample", **extra, **kw
+    )
 
 
 def _rows(batches) -> list[tuple]:
@@ -166,7 +169,7 @@ def test_a_redealt_epoch_resumes_again_at_a_third_world_size():
 @given(n=st.integers(5, 60), w=st.integers(1, 4), w2=st.integers(1, 4), b=st.integers(1, 5), data=st.data())
 def test_property_any_world_sizes(n, w, w2, b, data):
     """Any dataset length, world sizes and step: the new ranks get exactly the unconsumed samples (then padding)."""
-    steps = -(-(-(-n // w)) // b)  # batches per rank
+    steps = -(-(-(-n // w)) // b)  # noqa: B002 (ceil of ceil) batches per rank
     k = data.draw(st.integers(0, steps))
     b2 = data.draw(st.integers(1, 5))
     check_redeal(n, (w, b), (w2, b2), k)
@@ -196,6 +199,7 @@ def test_states_that_cannot_be_redealt_are_refused():
 
 def test_sample_seeding_is_independent_of_batch_and_workers():
     """ray_seed="sample": a sample's content is the same whatever batch size or pool makes it."""
+
     def rows(**kw):
         return sorted(_rows(list(_loader(24, 1, 0, **kw))))
 

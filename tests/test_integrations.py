@@ -23,7 +23,6 @@ TIMEOUT_S = 60
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-
 pytestmark = pytest.mark.usefixtures("unpatched", "release_warm_workers_after_module")
 
 

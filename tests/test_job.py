@@ -129,8 +129,11 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
     pids = {row[1] for o in out for row in torch.cat(o[8:]).tolist()}
     assert killed[0] not in pids
     assert _job_view("job-kill")["generations"] == [0, 1, 0, 0], "replaced once for the job"
-    assert [it._pool.restarts for it in its] in ([[0, 1, 0, 0]] * 2, [[0, 1, 0, 0], [0, 0, 0, 0]],
-                                                  [[0, 0, 0, 0], [0, 1, 0, 0]])
+    assert [it._pool.restarts for it in its] in (
+        [[0, 1, 0, 0]] * 2,
+        [[0, 1, 0, 0], [0, 0, 0, 0]],
+        [[0, 0, 0, 0], [0, 1, 0, 0]],
+    )
     for loader in loaders:
         loader.shutdown()
 
@@ -205,14 +208,24 @@ def test_a_rank_joining_later_uses_the_jobs_pool_as_it_is(monkeypatch):
 def test_a_two_rank_job_state_resumes_in_a_three_rank_job(monkeypatch):
     """Rank 0's state after 2 steps of a 2-rank job, loaded by every rank of a 3-rank job (one pool each job):
     the samples the old job had not consumed, once each, with the uninterrupted run's content (ray_seed='sample')."""
+
     def ranks(world, batch, job, num_workers=1):
         out = []
         for r in range(world):
             monkeypatch.setenv("RANK", str(r))
             monkeypatch.setenv("WORLD_SIZE", str(world))
             sampler = DistributedSampler(Made(), num_replicas=world, rank=r, shuffle=True, seed=1)
-            out.append(raydl.DataLoader(Made(), batch_size=batch, sampler=sampler, num_workers=num_workers,
-                                        ray_job=job, ray_seed="sample", timeout=60 if num_workers else 0))
+            out.append(
+                raydl.DataLoader(
+                    Made(),
+                    batch_size=batch,
+                    sampler=sampler,
+                    num_workers=num_workers,
+                    ray_job=job,
+                    ray_seed="sample",
+                    timeout=60 if num_workers else 0,
+                )
+            )
         return out
 
     full = _lockstep([iter(loader) for loader in ranks(2, 3, None, num_workers=0)])  # content needs no pool
@@ -281,8 +294,16 @@ def _timed_ranks(monkeypatch, world: int, job, n: int, delay_s: float = 0.0, **k
         monkeypatch.setenv("RANK", str(r))
         monkeypatch.setenv("WORLD_SIZE", str(world))
         sampler = DistributedSampler(Timed(n), num_replicas=world, rank=r, shuffle=True, seed=3)
-        out.append(raydl.DataLoader(Timed(n, delay_s), batch_size=2, sampler=sampler, ray_job=job, ray_seed="sample",
-                                    **{"num_workers": 1, "timeout": 60, **kw}))
+        out.append(
+            raydl.DataLoader(
+                Timed(n, delay_s),
+                batch_size=2,
+                sampler=sampler,
+                ray_job=job,
+                ray_seed="sample",
+                **{"num_workers": 1, "timeout": 60, **kw},
+            )
+        )
     return out
 
 
@@ -363,13 +384,15 @@ def test_the_jobs_autoscaler_adds_workers_for_starved_ranks(monkeypatch):
     assert decisions[0].action == "add" and decisions[0].wait_fraction > 0.1, decisions
     assert all(d.workers_after <= 4 for d in decisions)
     added = {w for it in its for w in it._sched.active} - {0, 1}
-    served = [{its[r]._pool.records[w].pid for w in added} & {row[1] for row in torch.cat(out[r][grown_at:]).tolist()}
-              for r in range(2)]
+    served = [
+        {its[r]._pool.records[w].pid for w in added} & {row[1] for row in torch.cat(out[r][grown_at:]).tolist()}
+        for r in range(2)
+    ]
     assert all(served), "both ranks use the worker the job added"
     for r in range(2):
         sampled = list(DistributedSampler(Timed(n), num_replicas=2, rank=r, shuffle=True, seed=3))
         got = torch.cat(out[r])[:, 0].tolist()
-        assert got == sampled[:len(got)], f"rank {r}"
+        assert got == sampled[: len(got)], f"rank {r}"
     for loader in loaders:
         loader.shutdown()
 
@@ -398,7 +421,9 @@ def test_a_worker_killed_while_the_job_retires_it_costs_no_batch(monkeypatch):
     victim, pid = killed[0]
     assert all(victim not in it._sched.active and it._pool.restarts[victim] == 0 for it in its)
     assert pid not in {row[1] for o in out for row in torch.cat(o[4:]).tolist()}
-    assert wait_until(lambda: len(_job_view("job-retire-kill")["active"]) == 2 and
-                      not _job_view("job-retire-kill")["retiring"], timeout_s=20)
+    assert wait_until(
+        lambda: len(_job_view("job-retire-kill")["active"]) == 2 and not _job_view("job-retire-kill")["retiring"],
+        timeout_s=20,
+    )
     for loader in loaders:
         loader.shutdown()

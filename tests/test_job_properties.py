@@ -73,15 +73,27 @@ class _Rank:
     def __init__(self, coord, member: str) -> None:
         self.coord, self.member = coord, member
         self.changed = threading.Event()
-        reply = coord.join(member, {}, {"num_workers": 2, "world": WORLD, "base_seed": 0, "actor_options": {},
-                                        "node_id": None, "startup_timeout_s": 60.0, "lease_s": 30.0}, ["payload"])
+        reply = coord.join(
+            member,
+            {},
+            {
+                "num_workers": 2,
+                "world": WORLD,
+                "base_seed": 0,
+                "actor_options": {},
+                "node_id": None,
+                "startup_timeout_s": 60.0,
+                "lease_s": 30.0,
+            },
+            ["payload"],
+        )
         self.actors = []
         self.generations = list(reply["generations"])
         self._take(reply)
 
     def _take(self, reply: dict) -> None:
         # as JobPool._take: workers this rank knows keep the generation it knows until its own replace
-        self.generations += list(reply["generations"][len(self.generations):])
+        self.generations += list(reply["generations"][len(self.generations) :])
         self.actors = list(reply["actors"])
         self.active, self.retiring = list(reply["active"]), list(reply["retiring"])
         self.joining = {w: 0.0 for w in reply["joining"]}
@@ -125,7 +137,8 @@ class _Driver:
         coord = self.pool.coord
         assert wid not in coord._pool.released, f"task {idx} sent to worker {wid}, which the job released"
         assert wid not in coord._retiring or self.pool.version < coord._version, (
-            f"task {idx} sent to worker {wid}, which the job retires, by a rank that knows it")
+            f"task {idx} sent to worker {wid}, which the job retires, by a rank that knows it"
+        )
         self.sent[wid] = self.sent.get(wid, 0) + 1
         return object(), object()
 
@@ -175,7 +188,9 @@ ops = st.lists(
 )
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture]
+)
 @given(ops)
 def test_resizes_never_release_a_worker_with_tasks_and_converge(monkeypatch, sequence):
     monkeypatch.setattr("raydl.cluster.pool.WorkerPool", _Pool)

@@ -193,7 +193,10 @@ class TestCleanup:
         gc.collect()
         assert _wait_until(lambda: _alive_worker_actors() == base_actors, timeout_s=60)
         assert _wait_until(
-            lambda: len(list_objects(address=_state_address(), limit=10000, raise_on_missing_output=False)) <= base_objects, timeout_s=60
+            lambda: (
+                len(list_objects(address=_state_address(), limit=10000, raise_on_missing_output=False)) <= base_objects
+            ),
+            timeout_s=60,
         )
         assert threading.active_count() <= base_threads
         assert not [t for t in threading.enumerate() if t.name == "raydl_pin"]
@@ -215,7 +218,9 @@ class TestWarmPool:
     def test_next_loader_reuses_clean_workers(self):
         """A loader that ran to the end hands its started workers to the next loader with the same options."""
         raydl.release_idle_workers()
-        first = {int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S)}
+        first = {
+            int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S)
+        }
         t0 = time.monotonic()
         it = iter(raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S))
         next(it)

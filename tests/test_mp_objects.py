@@ -82,7 +82,9 @@ def test_nested_object_in_worker_init_fn_and_shared_memory_mode(ray_session, man
             pass
 
     loader = raydl.DataLoader(D.RangeDataset(4), num_workers=1, worker_init_fn=init, timeout=TIMEOUT_S)
-    with pytest.raises(TypeError, match=r"send worker_init_fn to its Ray workers: worker_init_fn holds a multiprocessing Lock"):
+    with pytest.raises(
+        TypeError, match=r"send worker_init_fn to its Ray workers: worker_init_fn holds a multiprocessing Lock"
+    ):
         iter(loader)
     shared = raydl.DataLoader(
         HoldsState({"counts": manager.dict()}), num_workers=1, ray_shared_dataset_memory=True, timeout=TIMEOUT_S

@@ -15,9 +15,7 @@ N = 23  # not a multiple of any batch size used, so last-batch handling is exerc
 
 
 # batch_size=None with drop_last=True is refused by torch (and raydl): tested in test_errors.
-@pytest.mark.parametrize(
-    "batch_size, drop_last", [(None, False), (1, False), (1, True), (4, False), (4, True)]
-)
+@pytest.mark.parametrize("batch_size, drop_last", [(None, False), (1, False), (1, True), (4, False), (4, True)])
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_map_style_batching(batch_size, drop_last, shuffle):
     """Map-style: every batch_size / drop_last / shuffle combination matches torch, batch for batch."""
@@ -92,9 +90,7 @@ def test_non_persistent_epochs_reseed():
 
 def test_worker_init_fn_runs_in_each_worker():
     """worker_init_fn(worker_id) runs in each worker and can change that worker's dataset copy."""
-    batches = assert_same_batches(
-        lambda: D.InitSensitiveDataset(8), batch_size=2, worker_init_fn=D.set_offset_init_fn
-    )
+    batches = assert_same_batches(lambda: D.InitSensitiveDataset(8), batch_size=2, worker_init_fn=D.set_offset_init_fn)
     assert batches[0][0].tolist() == [[1000], [1001]]
     assert batches[0][1].tolist() == [[2002], [2003]]
 

@@ -129,6 +129,7 @@ def test_num_workers_zero_stays_torchs_in_process_loading(ray_session):
 
 def test_raydl_dataloader_is_unaffected_by_patch(ray_session):
     """raydl.DataLoader gives the same batches, from Ray workers, patched or not; its persistent iterator is raydl's."""
+
     def make(**kwargs):
         return raydl.DataLoader(
             H.ProvenanceDataset(16),

@@ -7,8 +7,8 @@ import random
 import pytest
 
 import raydl
-from raydl.cluster.placement import NodeWeight, Placement, apportion, has_placement_hints
 from raydl.cluster.connect import worker_actor_options
+from raydl.cluster.placement import NodeWeight, Placement, apportion, has_placement_hints
 from tests import _datasets as D
 
 
@@ -73,8 +73,16 @@ def test_a_jobs_workers_avoid_every_trainer_node_it_heard_of(monkeypatch):
     """A job's pool: candidates leave out each rank's node once known; the trainers' nodes only when none other is alive."""
     import ray
 
-    rows = [{"NodeID": f"n{i}", "Alive": True, "NodeManagerAddress": "127.0.0.1", "NodeManagerPort": 1000 + i,
-             "Resources": {"CPU": 2.0}} for i in range(4)]
+    rows = [
+        {
+            "NodeID": f"n{i}",
+            "Alive": True,
+            "NodeManagerAddress": "127.0.0.1",
+            "NodeManagerPort": 1000 + i,
+            "Resources": {"CPU": 2.0},
+        }
+        for i in range(4)
+    ]
     monkeypatch.setattr(ray, "nodes", lambda: rows)
     monkeypatch.setattr("raydl.cluster.placement._free_cpus_by_node", lambda: None)
     p = Placement("n0")

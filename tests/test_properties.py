@@ -7,10 +7,9 @@ import os
 import pytest
 
 hypothesis = pytest.importorskip("hypothesis")
+import torch  # noqa: E402
 from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
-
-import torch  # noqa: E402
 
 import raydl  # noqa: E402
 from tests import _datasets as D  # noqa: E402
@@ -45,7 +44,12 @@ def configurations(draw):
 
 
 @pytest.mark.usefixtures("ray_session")
-@settings(max_examples=25, deadline=None, derandomize=bool(os.environ.get("CI")), suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25,
+    deadline=None,
+    derandomize=bool(os.environ.get("CI")),
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
 @given(configurations(), st.integers(min_value=0, max_value=2**31 - 1))
 def test_random_configurations_match_torch(config, seed):
     """Any dataset size, batching, sampler, num_workers, prefetch_factor and in_order gives torch's batches."""

@@ -191,7 +191,9 @@ def test_iterable_worker_death_is_a_clear_error():
 
 def test_persistent_worker_killed_between_epochs():
     """A persistent worker killed between epochs is replaced during the next epoch, which is complete."""
-    loader = raydl.DataLoader(D.RangeDataset(10), batch_size=2, num_workers=2, persistent_workers=True, timeout=TIMEOUT_S)
+    loader = raydl.DataLoader(
+        D.RangeDataset(10), batch_size=2, num_workers=2, persistent_workers=True, timeout=TIMEOUT_S
+    )
     with loader:
         assert len(list(loader)) == 5
         os.kill(loader.worker_records[0].pid, signal.SIGKILL)

@@ -123,7 +123,9 @@ def test_iterator_collected_in_a_cycle_gives_back_live_workers(iterable, persist
     """An iterator freed by the cyclic GC mid-epoch returns its workers alive: the next loader uses them, no restart."""
     dataset = D.ShardedIterable(0, 32) if iterable else D.RangeDataset(32)
     _collect_in_a_cycle(
-        lambda: raydl.DataLoader(dataset, batch_size=2, num_workers=2, persistent_workers=persistent, timeout=TIMEOUT_S),
+        lambda: raydl.DataLoader(
+            dataset, batch_size=2, num_workers=2, persistent_workers=persistent, timeout=TIMEOUT_S
+        ),
         take=1,
     )
     assert WARM_POOL.idle_count() >= 2
@@ -230,7 +232,9 @@ def _run_lifecycle(op: dict, kept: list) -> None:
 def _worker_actors() -> dict:
     """actor id -> death reason (None while alive) of every raydl worker actor in this Ray session."""
     return {
-        a.actor_id: ((a.death_cause or {}).get("actor_died_error_context") or {}).get("reason") if a.state == "DEAD" else None
+        a.actor_id: ((a.death_cause or {}).get("actor_died_error_context") or {}).get("reason")
+        if a.state == "DEAD"
+        else None
         for a in worker_actors(detail=True)
     }
 

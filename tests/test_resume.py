@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-from torchdata.stateful_dataloader import sampler as tdl
 from torch.utils.data import RandomSampler
+from torchdata.stateful_dataloader import sampler as tdl
 
 import raydl
 from tests import _datasets as D
@@ -26,14 +26,20 @@ def _seq() -> dict:
 
 def _torch_shuffle() -> dict:
     """shuffle with a generator: torch's RandomSampler, given explicitly (torchdata's shuffle=True uses its own sampler)."""
-    return {"batch_size": 2, "sampler": RandomSampler(range(N), generator=torch.Generator().manual_seed(3)),
-            "generator": torch.Generator().manual_seed(7)}
+    return {
+        "batch_size": 2,
+        "sampler": RandomSampler(range(N), generator=torch.Generator().manual_seed(3)),
+        "generator": torch.Generator().manual_seed(7),
+    }
 
 
 def _stateful_sampler() -> dict:
     """torchdata's RandomSampler, whose iterator has state_dict(): its state is saved and loaded, not fast-forwarded."""
-    return {"batch_size": 2, "sampler": tdl.RandomSampler(range(N), generator=torch.Generator().manual_seed(3)),
-            "generator": torch.Generator().manual_seed(7)}
+    return {
+        "batch_size": 2,
+        "sampler": tdl.RandomSampler(range(N), generator=torch.Generator().manual_seed(3)),
+        "generator": torch.Generator().manual_seed(7),
+    }
 
 
 @pytest.mark.parametrize("num_workers", [0, 2, 3])
@@ -89,7 +95,12 @@ def test_second_epoch_shuffle_true_persistent_workers_raydl_only():
     (torchdata's shuffle=True uses another sampler, so this is raydl against itself)."""
     check_resume(
         lambda: D.RandomAugmentDataset(N),
-        lambda: {"batch_size": 2, "shuffle": True, "generator": torch.Generator().manual_seed(5), "persistent_workers": True},
+        lambda: {
+            "batch_size": 2,
+            "shuffle": True,
+            "generator": torch.Generator().manual_seed(5),
+            "persistent_workers": True,
+        },
         num_workers=2,
         ks=(2,),
         epoch=1,
@@ -100,9 +111,17 @@ def test_second_epoch_shuffle_true_persistent_workers_raydl_only():
 @pytest.mark.parametrize("persistent", [False, True])
 def test_state_after_the_epoch_ended_resumes_into_the_next(persistent):
     """A state taken after StopIteration resumes into the next epoch: same permutation, same worker RNG."""
+
     def make():
-        return raydl.DataLoader(D.RandomAugmentDataset(N), batch_size=2, shuffle=True, num_workers=2,
-                                persistent_workers=persistent, generator=torch.Generator().manual_seed(5), timeout=60)
+        return raydl.DataLoader(
+            D.RandomAugmentDataset(N),
+            batch_size=2,
+            shuffle=True,
+            num_workers=2,
+            persistent_workers=persistent,
+            generator=torch.Generator().manual_seed(5),
+            timeout=60,
+        )
 
     with make() as loader:
         list(loader)
@@ -117,9 +136,16 @@ def test_state_after_the_epoch_ended_resumes_into_the_next(persistent):
 def test_in_order_false_hands_out_every_batch_exactly_once():
     """in_order=False: batches handed out ahead of a slow one are recorded, so the interrupted and the resumed run
     together hand out every batch exactly once (torchdata gives no guarantee here)."""
+
     def make():
-        return raydl.DataLoader(RD.DelayedDataset(16, slow={0, 1}), batch_size=2, num_workers=2, in_order=False,
-                                generator=torch.Generator().manual_seed(1), timeout=60)
+        return raydl.DataLoader(
+            RD.DelayedDataset(16, slow={0, 1}),
+            batch_size=2,
+            num_workers=2,
+            in_order=False,
+            generator=torch.Generator().manual_seed(1),
+            timeout=60,
+        )
 
     with make() as loader:
         it = iter(loader)
@@ -136,6 +162,7 @@ def test_in_order_false_hands_out_every_batch_exactly_once():
 def test_state_taken_after_a_worker_death_is_exact(tmp_path):
     """A worker dies mid-epoch: its replacement starts from its state (RNG included), so batches stay those of the
     run without a death, and a state taken after the replacement resumes exactly."""
+
     def make(exit_index=-1):
         ds = RD.NoisyDataset(16, exit_index=exit_index, marker=str(tmp_path / "died"))
         return raydl.DataLoader(ds, batch_size=2, num_workers=2, generator=torch.Generator().manual_seed(2), timeout=60)
@@ -185,6 +212,7 @@ def test_state_is_plain_data_and_never_changes():
 def test_generator_tracking_can_be_turned_off(monkeypatch):
     """RAYDL_TRACK_WORKER_RNG=0 (README, "Resume"): worker snapshots carry no generator states, and a
     dataset that draws no randomness in its workers still resumes exactly (torchdata parity)."""
+
     def rng_keys(track: str) -> bool:
         monkeypatch.setenv("RAYDL_TRACK_WORKER_RNG", track)
         loader = raydl.DataLoader(D.RandomAugmentDataset(N), batch_size=2, num_workers=2)
@@ -214,7 +242,13 @@ def test_batch_seeding_survives_a_resume(num_workers):
     extra = {"persistent_workers": True} if num_workers else {}
     check_resume(
         lambda: D.RandomAugmentDataset(N),
-        lambda: {"batch_size": 2, "shuffle": True, "generator": torch.Generator().manual_seed(5), "ray_seed": "batch", **extra},
+        lambda: {
+            "batch_size": 2,
+            "shuffle": True,
+            "generator": torch.Generator().manual_seed(5),
+            "ray_seed": "batch",
+            **extra,
+        },
         num_workers=num_workers,
         ks=(3,),
         epoch=1 if num_workers else 0,
@@ -228,16 +262,25 @@ def test_state_dict_before_any_iteration_describes_the_next_iterator():
     state = _roundtrip(loader.state_dict())
     assert state["_num_yielded"] == 0 and state["_iterator_finished"] is False
     batches = list(loader)
-    resumed = raydl.DataLoader(D.RangeDataset(N), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4))
+    resumed = raydl.DataLoader(
+        D.RangeDataset(N), batch_size=2, shuffle=True, generator=torch.Generator().manual_seed(4)
+    )
     resumed.load_state_dict(state)
     _same(batches, list(resumed), "resumed from a state taken before any iteration")
 
 
 def test_state_taken_after_a_resize_resumes_exactly_with_batch_seeding():
     """set_num_workers mid-epoch, then a state: with ray_seed="batch" a loader of the original size resumes exactly."""
+
     def make():
-        return raydl.DataLoader(D.RandomAugmentDataset(16), batch_size=2, num_workers=2, ray_seed="batch", timeout=60,
-                                generator=torch.Generator().manual_seed(6))
+        return raydl.DataLoader(
+            D.RandomAugmentDataset(16),
+            batch_size=2,
+            num_workers=2,
+            ray_seed="batch",
+            timeout=60,
+            generator=torch.Generator().manual_seed(6),
+        )
 
     with make() as loader:
         expected = list(loader)

@@ -12,8 +12,8 @@ import warnings
 
 import pytest
 import torch
-from torch.utils.data import BatchSampler, DataLoader as TorchDataLoader, RandomSampler, SubsetRandomSampler
-from torch.utils.data import WeightedRandomSampler
+from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+from torch.utils.data import DataLoader as TorchDataLoader
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 import raydl
@@ -33,35 +33,53 @@ def _shuffle() -> dict:
 def test_shuffle_true_no_generator_both_ways(num_workers):
     """States before the first batch, after one, mid-epoch, after the last and after StopIteration: raydl resumes its
     own run, torchdata's state continues torchdata's run in raydl, raydl's continues raydl's in torchdata."""
-    check_resume(lambda: D.RangeDataset(N), _shuffle, num_workers=num_workers, ks=(0, 1, 3, 5, END),
-                 same_uninterrupted=False)
+    check_resume(
+        lambda: D.RangeDataset(N), _shuffle, num_workers=num_workers, ks=(0, 1, 3, 5, END), same_uninterrupted=False
+    )
 
 
 @pytest.mark.parametrize("persistent", [False, True])
 def test_shuffle_true_no_generator_second_epoch(persistent):
     """A state in epoch 1 (its seed drawn from the global RNG after epoch 0's), persistent workers or not."""
-    check_resume(lambda: D.RangeDataset(N), lambda: {**_shuffle(), "persistent_workers": persistent},
-                 num_workers=2, ks=(0, 2, END), epoch=1, same_uninterrupted=False)
+    check_resume(
+        lambda: D.RangeDataset(N),
+        lambda: {**_shuffle(), "persistent_workers": persistent},
+        num_workers=2,
+        ks=(0, 2, END),
+        epoch=1,
+        same_uninterrupted=False,
+    )
 
 
 def test_shuffle_true_with_generator_both_ways():
     """shuffle=True with a generator: StatefulDataLoader's sampler shares the generator; still each run continues."""
-    check_resume(lambda: D.RangeDataset(N),
-                 lambda: {**_shuffle(), "generator": torch.Generator().manual_seed(7)},
-                 num_workers=2, ks=(0, 2, END), same_uninterrupted=False)
+    check_resume(
+        lambda: D.RangeDataset(N),
+        lambda: {**_shuffle(), "generator": torch.Generator().manual_seed(7)},
+        num_workers=2,
+        ks=(0, 2, END),
+        same_uninterrupted=False,
+    )
 
 
 def test_shuffle_true_without_batching_both_ways():
     """batch_size=None: the sampler's own iterator state is the whole sampler state, in torchdata's layout."""
-    check_resume(lambda: D.RangeDataset(N), lambda: {"batch_size": None, "shuffle": True},
-                 num_workers=0, ks=(0, 3, N), same_uninterrupted=False)
+    check_resume(
+        lambda: D.RangeDataset(N),
+        lambda: {"batch_size": None, "shuffle": True},
+        num_workers=0,
+        ks=(0, 3, N),
+        same_uninterrupted=False,
+    )
 
 
 def test_shuffle_true_in_order_false_hands_out_each_sample_once():
     """in_order=False, no generator: the interrupted and the resumed run hand out every sample exactly once."""
+
     def make():
-        return raydl.DataLoader(D.RangeDataset(24), batch_size=2, shuffle=True, num_workers=2, in_order=False,
-                                timeout=60)
+        return raydl.DataLoader(
+            D.RangeDataset(24), batch_size=2, shuffle=True, num_workers=2, in_order=False, timeout=60
+        )
 
     torch.manual_seed(0)
     with make() as loader:
@@ -106,6 +124,7 @@ GLOBAL_RNG_SAMPLERS = [_subset, _weighted, _replacement, _batch_sampler, _unbatc
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_global_rng_samplers_match_torch_uninterrupted(make_kwargs, num_workers):
     """Uninterrupted, two epochs: torch's batches and torch's global RNG afterwards (the draws are torch's own)."""
+
     def run(loader_cls, **extra):
         torch.manual_seed(3)
         loader = loader_cls(D.RangeDataset(N), **make_kwargs(), **extra)
@@ -122,8 +141,7 @@ def test_global_rng_samplers_match_torch_uninterrupted(make_kwargs, num_workers)
 def test_global_rng_samplers_resume_exactly(make_kwargs):
     """raydl's state records each of these samplers' epoch: exact at every point, in epoch 0 and 1."""
     for epoch in (0, 1):
-        check_resume(lambda: D.RangeDataset(N), make_kwargs, num_workers=2, ks=(0, 1, 2, END), epoch=epoch,
-                     cross=False)
+        check_resume(lambda: D.RangeDataset(N), make_kwargs, num_workers=2, ks=(0, 1, 2, END), epoch=epoch, cross=False)
 
 
 def test_torchdata_state_of_a_global_rng_sampler_is_refused():
@@ -158,8 +176,9 @@ def test_state_dict_warns_for_a_sampler_it_cannot_rebuild():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         loader.state_dict()  # once per loader
-    seeded = raydl.DataLoader(D.RangeDataset(N), batch_size=2,
-                              sampler=_MyRandomSampler(range(N), generator=torch.Generator().manual_seed(1)))
+    seeded = raydl.DataLoader(
+        D.RangeDataset(N), batch_size=2, sampler=_MyRandomSampler(range(N), generator=torch.Generator().manual_seed(1))
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         seeded.state_dict()

@@ -19,8 +19,14 @@ TIMEOUT_S = 60
 
 
 def _loader(n: int = 24) -> raydl.DataLoader:
-    return raydl.DataLoader(RD.NoisyPoints(n), batch_size=4, shuffle=True, num_workers=2, timeout=TIMEOUT_S,
-                            generator=torch.Generator().manual_seed(3))
+    return raydl.DataLoader(
+        RD.NoisyPoints(n),
+        batch_size=4,
+        shuffle=True,
+        num_workers=2,
+        timeout=TIMEOUT_S,
+        generator=torch.Generator().manual_seed(3),
+    )
 
 
 def _rows(batches) -> list:
@@ -53,8 +59,15 @@ def test_lightning_mid_epoch_checkpoint_resumes_exactly(tmp_path):
             return torch.optim.SGD(self.parameters(), lr=0.1)
 
     def trainer(max_steps, **kwargs):
-        return L.Trainer(accelerator="cpu", devices=1, max_steps=max_steps, logger=False, enable_progress_bar=False,
-                         enable_model_summary=False, **kwargs)
+        return L.Trainer(
+            accelerator="cpu",
+            devices=1,
+            max_steps=max_steps,
+            logger=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            **kwargs,
+        )
 
     full = Module()
     with _loader() as loader:

@@ -18,9 +18,7 @@ N, BATCH = 30, 3
 
 def _draws(batches) -> list:
     """The random draws of each batch (RandomAugmentDataset), without the worker id and seed fields."""
-    return [
-        (b["i"].tolist(), b["torch"].tolist(), b["numpy"].tolist(), b["random"].tolist()) for b in batches
-    ]
+    return [(b["i"].tolist(), b["torch"].tolist(), b["numpy"].tolist(), b["random"].tolist()) for b in batches]
 
 
 def _run(num_workers: int, seed_mode: str = "batch", **kwargs) -> tuple[list, set]:

@@ -82,7 +82,9 @@ raydl.release_idle_workers()
 def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     """In a fresh process: start() returns before Ray is up, Ray listens on loopback, the loader uses the
     started workers (no extra ones), repeated calls only top the idle workers up, workers keep the driver's niceness."""
-    proc = run_python(_SCRIPT, timeout_s=240, env_extra={"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")})
+    proc = run_python(
+        _SCRIPT, timeout_s=240, env_extra={"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    )
     facts = read_facts(proc)
     assert "SIGTERM handler is not set" not in proc.stderr
     assert facts["ray_before"] is False and facts["returned_before_ray_up"]

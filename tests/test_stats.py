@@ -50,7 +50,10 @@ def test_slow_loop_shows_no_stall_and_per_worker_figures(caplog):
     caplog.set_level(logging.INFO, logger="raydl.stats")
     n_batches = 10
     loader = raydl.DataLoader(
-        D.SleepyDataset(n_batches * BATCH, SAMPLE_S), batch_size=BATCH, num_workers=2, persistent_workers=True,
+        D.SleepyDataset(n_batches * BATCH, SAMPLE_S),
+        batch_size=BATCH,
+        num_workers=2,
+        persistent_workers=True,
         timeout=TIMEOUT_S,
     )
     with loader:
@@ -97,7 +100,10 @@ def test_fast_loop_stall_matches_and_hint_is_logged(caplog):
     caplog.set_level(logging.INFO, logger="raydl.stats")
     n_batches, loop_s = 12, 0.02
     loader = raydl.DataLoader(
-        D.SleepyDataset(n_batches * BATCH, SAMPLE_S), batch_size=BATCH, num_workers=1, timeout=TIMEOUT_S,
+        D.SleepyDataset(n_batches * BATCH, SAMPLE_S),
+        batch_size=BATCH,
+        num_workers=1,
+        timeout=TIMEOUT_S,
         ray_name="fast_loop",
     )
     assert _run_epoch(loader, loop_s) == n_batches
@@ -219,8 +225,9 @@ def _metric_sum(text: str, name: str, loader: str) -> float:
 def test_metrics_reach_rays_prometheus_endpoint():
     """Counters and histograms tagged with the loader's name appear on Ray's Prometheus endpoint (127.0.0.1)."""
     n_batches = 6
-    loader = raydl.DataLoader(D.SleepyDataset(n_batches * 4, 0.002), batch_size=4, num_workers=2, timeout=TIMEOUT_S,
-                              ray_name="metrics_test")
+    loader = raydl.DataLoader(
+        D.SleepyDataset(n_batches * 4, 0.002), batch_size=4, num_workers=2, timeout=TIMEOUT_S, ray_name="metrics_test"
+    )
     assert _run_epoch(loader, 0.0) == n_batches
     # Ray exports every metrics_report_interval_ms (tests/conftest.py lowers it to 2 s): bounded wait
     deadline = time.monotonic() + 30
@@ -234,7 +241,7 @@ def test_metrics_reach_rays_prometheus_endpoint():
     while time.monotonic() < deadline:
         text = _prometheus_text()
         seen = {name: _metric_sum(text, name, "metrics_test") for name in wanted}
-        if seen == wanted and 'ray_raydl_wait_seconds_total{' in text:
+        if seen == wanted and "ray_raydl_wait_seconds_total{" in text:
             break
         time.sleep(0.5)
     assert seen == wanted, seen
@@ -265,7 +272,9 @@ def test_stats_options_are_validated():
 def test_batch_nbytes_and_percentile():
     from raydl.worker.transfer import encode
 
-    batch = encode({"x": torch.zeros(4, 8, dtype=torch.float32), "y": [torch.zeros(3, dtype=torch.int64), "ab"], "n": 5})
+    batch = encode(
+        {"x": torch.zeros(4, 8, dtype=torch.float32), "y": [torch.zeros(3, dtype=torch.int64), "ab"], "n": 5}
+    )
     assert batch_nbytes(batch) == 4 * 8 * 4 + 3 * 8 + 2
     assert _percentile([], 50) == 0.0
     xs = sorted(float(i) for i in range(1, 101))
@@ -309,14 +318,40 @@ def _fake_stats(busy_s: float, cpu_s: float, medians=(0.05, 0.05)) -> "raydl.Loa
     from raydl.driver.stats import LoaderStats, StatsTotals, WorkerStats
 
     workers = tuple(
-        WorkerStats(worker_id=i, node_ip="10.0.0.1", node_id="n", pid=100 + i, batches=10, samples=80, median_s=m,
-                    p95_s=m, busy_s=busy_s, cpu_s=cpu_s, bytes=0, restarts=0, total_batches=10, total_bytes=0,
-                    total_busy_s=busy_s)
+        WorkerStats(
+            worker_id=i,
+            node_ip="10.0.0.1",
+            node_id="n",
+            pid=100 + i,
+            batches=10,
+            samples=80,
+            median_s=m,
+            p95_s=m,
+            busy_s=busy_s,
+            cpu_s=cpu_s,
+            bytes=0,
+            restarts=0,
+            total_batches=10,
+            total_bytes=0,
+            total_busy_s=busy_s,
+        )
         for i, m in enumerate(medians)
     )
-    return LoaderStats(name="fake", epoch=0, finished=True, batches=20, samples=160, wall_s=1.0, wait_s=0.6,
-                       workers=workers, batches_in_flight=0, store_bytes_held=0,
-                       total=StatsTotals(1, 20, 160, 1.0, 0.6), first_batch_s=0.1, _first_wait_s=0.1)
+    return LoaderStats(
+        name="fake",
+        epoch=0,
+        finished=True,
+        batches=20,
+        samples=160,
+        wall_s=1.0,
+        wait_s=0.6,
+        workers=workers,
+        batches_in_flight=0,
+        store_bytes_held=0,
+        total=StatsTotals(1, 20, 160, 1.0, 0.6),
+        first_batch_s=0.1,
+        _first_wait_s=0.1,
+    )
 
 
 @pytest.mark.usefixtures("short_epochs_hint")

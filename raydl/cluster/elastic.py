@@ -118,8 +118,9 @@ class AutoscaleRule:
         # an addition being judged: (size before, batches/s and wait fraction before it, windows that failed it)
         self.pending: Optional[tuple[int, float, float, int]] = None
 
-    def decide(self, n: int, wait: float, busy_workers: float, rate: float,
-               has_room: Callable[[], bool]) -> Optional[tuple[str, str]]:
+    def decide(
+        self, n: int, wait: float, busy_workers: float, rate: float, has_room: Callable[[], bool]
+    ) -> Optional[tuple[str, str]]:
         """One window: `n` workers, the loop waiting `wait` of it, `busy_workers` workers' worth of batch making
         (fetch seconds per second), `rate` batches/s. Returns ("add" | "retire" | "undo", why) or None."""
         busy = busy_workers / n
@@ -374,6 +375,14 @@ class ElasticPool:
         logger.info(
             "raydl autoscale: %s, %d -> %d workers: over the last %d batches (%.2f s) the loop waited %.0f%% "
             "of its time, workers were busy %.0f%%, %.1f batches/s (%s)",
-            action, before, after, batches, window_s, 100 * wait, 100 * busy, rate, why,
+            action,
+            before,
+            after,
+            batches,
+            window_s,
+            100 * wait,
+            100 * busy,
+            rate,
+            why,
         )
         self._restart_window()

@@ -50,8 +50,9 @@ def node_ray_dir() -> Optional[str]:
             return None
     except ValueError:
         return None
-    job = ":".join(env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID",
-                                              "TORCHELASTIC_RESTART_COUNT"))
+    job = ":".join(
+        env.get(k, "") for k in ("MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+    )
     key = hashlib.sha1(job.encode()).hexdigest()[:16]
     return os.path.join(tempfile.gettempdir(), f"raydl-node-ray-{key}")
 

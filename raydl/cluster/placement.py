@@ -58,7 +58,9 @@ def has_placement_hints(options: Mapping[str, Any]) -> bool:
     """
     from .connect import resource_request
 
-    return bool(resource_request(options) or options.get("label_selector") or options.get("scheduling_strategy") is not None)
+    return bool(
+        resource_request(options) or options.get("label_selector") or options.get("scheduling_strategy") is not None
+    )
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,9 @@ class Placement:
 
     def __init__(self, driver_node_id: str) -> None:
         self.driver_node_id = driver_node_id
-        self.trainer_nodes = {driver_node_id}  # a job's pool: every rank's node it has heard of (NOTE [ raydl job pool ])
+        self.trainer_nodes = {
+            driver_node_id
+        }  # a job's pool: every rank's node it has heard of (NOTE [ raydl job pool ])
 
     def add_trainer_node(self, node_id: Optional[str]) -> None:
         """Another process that trains runs on `node_id`: its CPUs are busy too, new workers go elsewhere if they can."""
@@ -151,7 +155,9 @@ class Placement:
         if not nodes:
             return None
         wanted = apportion(nodes, len(others) + 1)
-        deficit = {node_id: wanted.count(node_id) - sum(o == node_id for o in others) for node_id in dict.fromkeys(wanted)}
+        deficit = {
+            node_id: wanted.count(node_id) - sum(o == node_id for o in others) for node_id in dict.fromkeys(wanted)
+        }
         best = max(deficit.values())
         # Ties: the first node in the plan's own order.
         return next(node_id for node_id in wanted if deficit[node_id] == best)

@@ -10,10 +10,10 @@ from typing import Any, Callable, Mapping, Optional
 
 from .._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT_RETRIES, STATUS_CHECK_INTERVAL_S
 from .._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
-from .placement import Placement
-from .connect import describe_placement, resource_request
-from .warm import WARM_POOL, warm_key
 from ..worker.actor import Worker
+from .connect import describe_placement, resource_request
+from .placement import Placement
+from .warm import WARM_POOL, warm_key
 
 __all__ = ["WorkerPool"]
 
@@ -116,9 +116,7 @@ class WorkerPool:
         # workers ended before the pool (retired by a resize, or lost with no room for a replacement)
         self.released: set[int] = set()
         self._alive = True
-        logger.debug(
-            "raydl: %d workers (%d warm) with options %s", num_workers, len(warm), self.actor_options
-        )
+        logger.debug("raydl: %d workers (%d warm) with options %s", num_workers, len(warm), self.actor_options)
 
     def abandon(self, worker_id: int, ref: Any) -> None:
         """The driver no longer needs the result of `ref`, a task on worker `worker_id`.
@@ -163,8 +161,13 @@ class WorkerPool:
 
     def _configure(self, worker_id: int) -> Any:
         return self.actors[worker_id].configure.remote(
-            self._payload_ref, worker_id, self._info_num_workers[worker_id], self._base_seed,
-            self._worker_states[worker_id], self._track_rng, self.epoch,
+            self._payload_ref,
+            worker_id,
+            self._info_num_workers[worker_id],
+            self._base_seed,
+            self._worker_states[worker_id],
+            self._track_rng,
+            self.epoch,
         )
 
     def _start_fresh(self, worker_id: int) -> None:
@@ -199,7 +202,8 @@ class WorkerPool:
         """Give worker `worker_id` a node by the plan's rule among the nodes alive now (NOTE [ raydl placement ])."""
         if self._placement is not None:
             others = [
-                self._node_of(w) for w in range(len(self.actors))
+                self._node_of(w)
+                for w in range(len(self.actors))
                 if w != worker_id and w not in self._failed and w not in self.released
             ]
             self.nodes[worker_id] = self._placement.node_for_new_worker(others) or self.nodes[worker_id]
@@ -336,7 +340,9 @@ class WorkerPool:
         start = time.monotonic()
         replanned: dict[int, int] = {}  # worker id -> re-plans in this wait
         while not self.is_ready:
-            pending = {ref: wid for wid, ref in enumerate(self._ready_refs) if ref is not None and wid not in self.joining}
+            pending = {
+                ref: wid for wid, ref in enumerate(self._ready_refs) if ref is not None and wid not in self.joining
+            }
             done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=STATUS_CHECK_INTERVAL_S * 5)
             for ref in done:
                 wid = pending[ref]

@@ -66,8 +66,8 @@ class Startup:
 
     def _run(self) -> None:
         try:
-            from .pool import _worker_actor_class
             from .connect import ensure_ray_initialized
+            from .pool import _worker_actor_class
             from .warm import WARM_POOL
 
             t0 = time.monotonic()
@@ -86,7 +86,11 @@ class Startup:
                 for node_id in dict.fromkeys(plan):
                     key = _warm_key(self._options, node_id)
                     missing = max(0, plan.count(node_id) - WARM_POOL.idle_count(key))
-                    options = self._options if node_id is None else {**self._options, "scheduling_strategy": Placement.strategy(node_id)}
+                    options = (
+                        self._options
+                        if node_id is None
+                        else {**self._options, "scheduling_strategy": Placement.strategy(node_id)}
+                    )
                     cls = _worker_actor_class().options(**options)
                     new = [cls.remote() for _ in range(missing)]  # non-blocking
                     # Handed over with nothing pending, so the next loader takes them even while they start.
@@ -130,7 +134,9 @@ class Startup:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             _, pending = ray.wait(self._ready_refs, num_returns=len(self._ready_refs), timeout=left)
             if pending:
-                raise TimeoutError(f"raydl.start(): {len(pending)} of {self.started} workers not running within {timeout_s} s")
+                raise TimeoutError(
+                    f"raydl.start(): {len(pending)} of {self.started} workers not running within {timeout_s} s"
+                )
             ray.get(self._ready_refs)
 
 
@@ -171,7 +177,11 @@ def start(
     from .._options import RayOptions
     from .connect import resource_request, worker_actor_options
 
-    if isinstance(num_workers, bool) or not isinstance(num_workers, int) or not 0 <= num_workers <= WARM_MAX_IDLE_PER_KEY:
+    if (
+        isinstance(num_workers, bool)
+        or not isinstance(num_workers, int)
+        or not 0 <= num_workers <= WARM_MAX_IDLE_PER_KEY
+    ):
         raise ValueError(
             f"raydl.start(): num_workers should be an int between 0 and {WARM_MAX_IDLE_PER_KEY} "
             f"(the most idle workers kept per option set), got {num_workers!r}"

@@ -192,7 +192,13 @@ class ArrowDataset(Dataset):
         """How raydl's payload pickler ships this dataset (NOTE [ raydl shared memory ] in data/share.py)."""
         if self._mapped is not None:
             fallback = ctx.fallback_ref(self, lambda: self._table)
-            return _reopen_or_shared, (self._mapped, ctx.fingerprints(self._mapped), fallback, self._columns, self._transform)
+            return _reopen_or_shared, (
+                self._mapped,
+                ctx.fingerprints(self._mapped),
+                fallback,
+                self._columns,
+                self._transform,
+            )
         if self._hf is not None:
             return self.__reduce__()  # the pickler ships the dataset's tables
         return _from_shared, (self._shared_ref(), self._transform)
@@ -247,7 +253,9 @@ def _reopen(paths: tuple, columns: Optional[list], transform: Optional[Callable]
     return ds
 
 
-def _reopen_or_shared(paths: tuple, fingerprints: list, fallback: Any, columns: Optional[list], transform: Optional[Callable]) -> ArrowDataset:
+def _reopen_or_shared(
+    paths: tuple, fingerprints: list, fallback: Any, columns: Optional[list], transform: Optional[Callable]
+) -> ArrowDataset:
     from .share import files_here
 
     if files_here(paths, fingerprints, fallback, "ArrowDataset"):
@@ -275,7 +283,9 @@ def _read(source: Any, columns: Optional[list], ds: ArrowDataset) -> pa.Table:
         try:
             return pa.table(dict(source))
         except (pa.ArrowException, TypeError, ValueError) as e:
-            raise ValueError(f"ArrowDataset: this dict of columns is not a table ({e}); pass equal-length columns") from e
+            raise ValueError(
+                f"ArrowDataset: this dict of columns is not a table ({e}); pass equal-length columns"
+            ) from e
     if isinstance(source, (str, os.PathLike)):
         return _read_paths([source], columns, ds)
     if isinstance(source, (list, tuple)) and source and all(isinstance(p, (str, os.PathLike)) for p in source):
@@ -296,8 +306,11 @@ def _is_hf_dataset(source: Any) -> bool:
     if isinstance(source, (getattr(hf, "IterableDataset", ()), getattr(hf, "DatasetDict", ()))):
         raise TypeError(
             f"ArrowDataset needs a map-style Hugging Face datasets.Dataset, got a {type(source).__name__}"
-            + (": pick a split, e.g. ds['train']" if isinstance(source, hf.DatasetDict) else
-               ": load it without streaming=True")
+            + (
+                ": pick a split, e.g. ds['train']"
+                if isinstance(source, hf.DatasetDict)
+                else ": load it without streaming=True"
+            )
         )
     return isinstance(source, hf.Dataset)
 
@@ -345,7 +358,9 @@ def _kind(path: str) -> str:
         return "ipc"
     if low.endswith(_CSV):
         return "csv"
-    raise ValueError(f"ArrowDataset: cannot tell the format of {path}: its name should end with one of {', '.join(_SUFFIXES)}")
+    raise ValueError(
+        f"ArrowDataset: cannot tell the format of {path}: its name should end with one of {', '.join(_SUFFIXES)}"
+    )
 
 
 def _read_parquet(path: str, columns: Optional[list]) -> pa.Table:

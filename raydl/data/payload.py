@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-from .mp_objects import MultiprocessingObjectError, dumps_checked, mp_kind, mp_object_message
 from ..worker.actor import WorkerPayload
+from .mp_objects import MultiprocessingObjectError, dumps_checked, mp_kind, mp_object_message
 
 __all__ = ["put_payload", "find_unpicklable"]
 

@@ -123,7 +123,11 @@ def files_here(paths: Any, fingerprints: list, fallback: Any, what: str) -> bool
     Raises:
         FileNotFoundError: a file is missing or differs here, and the driver shipped no copy.
     """
-    bad = [p for p, size in zip(paths, fingerprints) if size is None or not (os.path.isfile(p) and os.path.getsize(p) == size)]
+    bad = [
+        p
+        for p, size in zip(paths, fingerprints)
+        if size is None or not (os.path.isfile(p) and os.path.getsize(p) == size)
+    ]
     if not bad:
         return True
     if fallback is not None:

@@ -92,15 +92,6 @@ from ..job.global_epoch import (
     rank_length,
     redealt_iter,
 )
-from .samplers import (
-    RngSamplerIter,
-    export_sampler_state,
-    import_sampler_state,
-    new_sampler_iter,
-    rng_record_for_torchdata,
-    rng_sampler,
-    sampler_state,
-)
 from ..worker.state import (
     DATASET_ITER_STATE,
     DATASET_STATE,
@@ -109,6 +100,15 @@ from ..worker.state import (
     RNG,
     WORKER_ID,
     is_stateful,
+)
+from .samplers import (
+    RngSamplerIter,
+    export_sampler_state,
+    import_sampler_state,
+    new_sampler_iter,
+    rng_record_for_torchdata,
+    rng_sampler,
+    sampler_state,
 )
 
 __all__ = ["Tracker", "restore_sampler", "validate", "loader_facts", "worker_key"]
@@ -142,8 +142,9 @@ def worker_key(worker_id: int) -> str:
 # ---------------------------------------------------------------------------------------- samplers
 
 
-def restore_sampler(index_sampler: Any, it: Iterator, main: Mapping, is_iterable: bool, finished: bool = False,
-                    record: Any = None) -> Iterator:
+def restore_sampler(
+    index_sampler: Any, it: Iterator, main: Mapping, is_iterable: bool, finished: bool = False, record: Any = None
+) -> Iterator:
     """The sampler iterator positioned at the state's `_sampler_iter_yielded` batches (at its end if `finished`);
     `record`: the random sampler's epoch record from `_raydl` (`export_sampler_state`)."""
     if is_iterable:  # the index sampler only counts: the workers' streams hold the position
@@ -219,7 +220,9 @@ def loader_facts(loader: Any) -> dict:
 
 
 def _not_a_state(state: Any, why: str) -> ValueError:
-    what = f"a dict with keys {sorted(map(str, state))[:8]}" if isinstance(state, Mapping) else f"a {type(state).__name__}"
+    what = (
+        f"a dict with keys {sorted(map(str, state))[:8]}" if isinstance(state, Mapping) else f"a {type(state).__name__}"
+    )
     return ValueError(
         f"DataLoader.load_state_dict: got {what}, which is not a loader state ({why}). Pass what "
         "DataLoader.state_dict() (raydl's or torchdata's StatefulDataLoader's) returned."
@@ -233,7 +236,11 @@ def validate(state: Any, loader: Any) -> None:
     nw = loader.num_workers
     if SNAPSHOT in state:
         snap = state[SNAPSHOT]
-        if not isinstance(snap, Mapping) or not isinstance(snap.get(MAIN_SNAPSHOT), Mapping) or SNAPSHOT_STEP not in snap:
+        if (
+            not isinstance(snap, Mapping)
+            or not isinstance(snap.get(MAIN_SNAPSHOT), Mapping)
+            or SNAPSHOT_STEP not in snap
+        ):
             raise _not_a_state(state, f"its {SNAPSHOT!r} lacks {MAIN_SNAPSHOT!r} or {SNAPSHOT_STEP!r}")
         state_nw = snap[MAIN_SNAPSHOT].get(NUM_WORKERS)
         workers = snap.get(WORKER_SNAPSHOTS) or {}
@@ -258,8 +265,14 @@ def validate(state: Any, loader: Any) -> None:
         )
     if isinstance(facts, Mapping):
         mine = loader_facts(loader)
-        names = {"dataset": "dataset kind", "dataset_len": "dataset length", "batch_size": "batch size",
-                 "drop_last": "drop_last", "sampler": "sampler type", "batch_sampler": "batch sampler type"}
+        names = {
+            "dataset": "dataset kind",
+            "dataset_len": "dataset length",
+            "batch_size": "batch size",
+            "drop_last": "drop_last",
+            "sampler": "sampler type",
+            "batch_sampler": "batch sampler type",
+        }
         for key, name in names.items():
             if key in facts and facts[key] != mine[key]:
                 raise ValueError(
@@ -440,8 +453,14 @@ class Tracker:
         main = self._loaded[SNAPSHOT][MAIN_SNAPSHOT]
         self.base_seed = int(main[BASE_SEED])
         if not self.replay:
-            it = restore_sampler(self._index_sampler, it, main, self.is_iterable, bool(self._loaded.get(FINISHED)),
-                                 (self._loaded.get(RAYDL) or {}).get(SAMPLER_EPOCH))
+            it = restore_sampler(
+                self._index_sampler,
+                it,
+                main,
+                self.is_iterable,
+                bool(self._loaded.get(FINISHED)),
+                (self._loaded.get(RAYDL) or {}).get(SAMPLER_EPOCH),
+            )
         return it, self.base_seed
 
     def start_epoch(self, it: Iterator, first_iter: bool, epoch: int) -> tuple[int, int]:
@@ -460,7 +479,11 @@ class Tracker:
         start, first_worker = 0, 0
         if first_iter and self._loaded is not None and not self.replay:
             snap = self._loaded[SNAPSHOT]
-            start = int(snap[MAIN_SNAPSHOT].get(SAMPLER_ITER_YIELDED) or 0) if not self.is_iterable else int(snap[SNAPSHOT_STEP])
+            start = (
+                int(snap[MAIN_SNAPSHOT].get(SAMPLER_ITER_YIELDED) or 0)
+                if not self.is_iterable
+                else int(snap[SNAPSHOT_STEP])
+            )
             self.num_yielded = int(snap[SNAPSHOT_STEP])
             self.last_worker = int(snap[LAST_YIELDED_WORKER_ID])
             first_worker = (self.last_worker + 1) % self.num_workers
@@ -579,7 +602,11 @@ class Tracker:
             },
             STEPS_SINCE_SNAPSHOT: 0,
             FINISHED: self.finished,
-            RAYDL: {**self._facts, SAMPLER_EPOCH: record, GLOBAL_EPOCH: self.deal.record(self._frontier),
-                    "done_ahead": sorted(self._done_ahead),
-                    "epoch": self.epoch},
+            RAYDL: {
+                **self._facts,
+                SAMPLER_EPOCH: record,
+                GLOBAL_EPOCH: self.deal.record(self._frontier),
+                "done_ahead": sorted(self._done_ahead),
+                "epoch": self.epoch,
+            },
         }

@@ -15,6 +15,10 @@ from typing import Any, Iterator, Optional
 
 from torch.utils.data import IterableDataset
 
+from ..job.global_epoch import GLOBAL_EPOCH
+from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
+from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
+from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
 from .checkpoint import (
     FINISHED,
     INDEX_SAMPLER_STATE,
@@ -31,12 +35,8 @@ from .checkpoint import (
     restore_sampler,
     saved_base_seed,
 )
-from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 from .device import pin_memory, pin_memory_target, warn_pin_memory_args
-from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
-from ..job.global_epoch import GLOBAL_EPOCH
-from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
-from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
+from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 
 __all__ = ["_InProcessIter"]
 
@@ -77,7 +77,11 @@ class _InProcessIter(Iterator[Any]):
         replay = 0
         if state is not None:
             self._sampler_iter = restore_sampler(
-                self._index_sampler, self._sampler_iter, state, self._is_iterable, bool(state.get(FINISHED)),
+                self._index_sampler,
+                self._sampler_iter,
+                state,
+                self._is_iterable,
+                bool(state.get(FINISHED)),
                 (state.get(RAYDL) or {}).get(SAMPLER_EPOCH),
             )
             self._sampler_iter_yielded = int(state[SAMPLER_ITER_YIELDED])
@@ -136,7 +140,9 @@ class _InProcessIter(Iterator[Any]):
             data = pin_memory(data, self._pin_device)
         self._num_yielded += 1
         if self._is_iterable:
-            warn_if_length_exceeded(self._dataset, self._IterableDataset_len_called, self._num_yielded, multiprocess=False)
+            warn_if_length_exceeded(
+                self._dataset, self._IterableDataset_len_called, self._num_yielded, multiprocess=False
+            )
         return data
 
     @property
@@ -153,7 +159,9 @@ class _InProcessIter(Iterator[Any]):
                 DATASET_ITER_STATE: it.state_dict() if is_stateful(it) else None,
                 FETCHER_ENDED: bool(self._fetcher.ended),
             }
-            dataset_state = self._dataset.state_dict() if it is not self._dataset and is_stateful(self._dataset) else None
+            dataset_state = (
+                self._dataset.state_dict() if it is not self._dataset and is_stateful(self._dataset) else None
+            )
         else:
             fetcher_state = None
             dataset_state = self._dataset.state_dict() if is_stateful(self._dataset) else None
@@ -167,6 +175,11 @@ class _InProcessIter(Iterator[Any]):
             FETCHER_STATE: fetcher_state,
             DATASET_STATE: dataset_state,
             FINISHED: self._finished,
-            RAYDL: {**self._facts, SAMPLER_EPOCH: record, GLOBAL_EPOCH: self._deal.record(self._sampler_iter_yielded),
-                    "done_ahead": [], "base_seed": self._base_seed},
+            RAYDL: {
+                **self._facts,
+                SAMPLER_EPOCH: record,
+                GLOBAL_EPOCH: self._deal.record(self._sampler_iter_yielded),
+                "done_ahead": [],
+                "base_seed": self._base_seed,
+            },
         }

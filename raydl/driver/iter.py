@@ -58,26 +58,26 @@ import torch
 from torch.utils.data import IterableDataset
 
 from .. import _constants
-from .checkpoint import Tracker, draw_base_seed, track_rng_enabled
 from .._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
-from ..cluster.elastic import ElasticPool
-from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
-from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
-from ..cluster.locality import warn_if_workers_oversubscribe
-from ..cluster.startup import wait_for_early_start
 from .._options import RayOptions
-from ..data.payload import put_payload
-from ..worker.transfer import decode
+from ..cluster.connect import ensure_ray_initialized, worker_actor_options
+from ..cluster.elastic import ElasticPool
+from ..cluster.locality import warn_if_workers_oversubscribe
 from ..cluster.placement import worker_placement
 from ..cluster.pool import WorkerPool
+from ..cluster.startup import wait_for_early_start
+from ..data.payload import put_payload
 from ..job.elastic import JobElastic
 from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
+from ..worker.actor import BatchMeta, WorkerPayload
+from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
+from ..worker.transfer import decode
+from .checkpoint import Tracker, draw_base_seed, track_rng_enabled
+from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .stats import make_recorder
-from ..cluster.connect import ensure_ray_initialized, worker_actor_options
-from ..worker.actor import BatchMeta, WorkerPayload
 
 if TYPE_CHECKING:
     from ..loader import DataLoader
@@ -154,7 +154,9 @@ class _RayLoaderIter(Iterator[Any]):
         import ray
 
         self._driver_node_id = ray.get_runtime_context().get_node_id()
-        self._via_client = ray.util.client.ray.is_connected()  # Ray Client: batches are copied (NOTE [ raydl zero-copy ])
+        self._via_client = (
+            ray.util.client.ray.is_connected()
+        )  # Ray Client: batches are copied (NOTE [ raydl zero-copy ])
         payload = WorkerPayload(
             dataset=loader.dataset,
             is_iterable=self._is_iterable,
@@ -176,9 +178,16 @@ class _RayLoaderIter(Iterator[Any]):
             rank, world = rank_and_world()
             self._job_rank = rank
             self._pool = JobPool(
-                job_name(options.job), rank, world, self._num_workers,
-                lambda: put_payload(payload, options.shared_dataset_memory), job_fingerprint(loader, options),
-                self._base_seed, actor_options, options.startup_timeout_s, max_workers=options.max_workers,
+                job_name(options.job),
+                rank,
+                world,
+                self._num_workers,
+                lambda: put_payload(payload, options.shared_dataset_memory),
+                job_fingerprint(loader, options),
+                self._base_seed,
+                actor_options,
+                options.startup_timeout_s,
+                max_workers=options.max_workers,
             )
         else:
             self._pool = WorkerPool(
@@ -196,27 +205,48 @@ class _RayLoaderIter(Iterator[Any]):
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
         self._sched = Schedule(
-            self._pool.num_workers, self._prefetch_factor * self._num_workers, self._in_order, self._submit,
+            self._pool.num_workers,
+            self._prefetch_factor * self._num_workers,
+            self._in_order,
+            self._submit,
             balanced_from=None if self._job_rank is None else self._job_rank * self._num_workers,
         )
         self._elastic: ElasticPool
         if self._job_rank is not None:  # the job's resizes and autoscaler: NOTE [ raydl job elastic ]
-            self._elastic = JobElastic(self._pool, self._sched, self._prefetch_factor, self._try_put_index,
-                                       options.startup_timeout_s, autoscale=options.max_workers is not None)
+            self._elastic = JobElastic(
+                self._pool,
+                self._sched,
+                self._prefetch_factor,
+                self._try_put_index,
+                options.startup_timeout_s,
+                autoscale=options.max_workers is not None,
+            )
         else:  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
             self._elastic = ElasticPool(
-                self._pool, self._sched, self._prefetch_factor, self._try_put_index, options.startup_timeout_s,
-                self._num_workers, options.max_workers, resizable=not self._is_iterable,
+                self._pool,
+                self._sched,
+                self._prefetch_factor,
+                self._try_put_index,
+                options.startup_timeout_s,
+                self._num_workers,
+                options.max_workers,
+                resizable=not self._is_iterable,
             )
         self._recovery = Recovery(  # NOTE [ raydl recovery ] in driver/recovery.py
-            self._pool, self._sched, self._ckpt, self._elastic, is_iterable=self._is_iterable,
-            max_worker_restarts=options.max_worker_restarts, startup_timeout_s=options.startup_timeout_s,
+            self._pool,
+            self._sched,
+            self._ckpt,
+            self._elastic,
+            is_iterable=self._is_iterable,
+            max_worker_restarts=options.max_worker_restarts,
+            startup_timeout_s=options.startup_timeout_s,
         )
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
         # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
-        self.stats_recorder = make_recorder(payload.stats_name, self, options.threads_per_worker,
-                                            loader.__dict__.setdefault("_hint_given", [False]))
+        self.stats_recorder = make_recorder(
+            payload.stats_name, self, options.threads_per_worker, loader.__dict__.setdefault("_hint_given", [False])
+        )
         self._reset(loader, first_iter=True)
 
     # ------------------------------------------------------------------ public surface
@@ -248,7 +278,11 @@ class _RayLoaderIter(Iterator[Any]):
         # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
         with self.stats_recorder.next_call():  # the time spent here is the loop's data stall
             try:
-                data = self._next_pinned() if self._pin_device is not None else decode(self._next_data(), copy=self._via_client)
+                data = (
+                    self._next_pinned()
+                    if self._pin_device is not None
+                    else decode(self._next_data(), copy=self._via_client)
+                )
             except StopIteration:
                 self._ckpt.on_end()
                 raise
@@ -256,7 +290,9 @@ class _RayLoaderIter(Iterator[Any]):
         self._num_yielded += 1
         self._ckpt.on_handed_out()
         if self._is_iterable:
-            warn_if_length_exceeded(self._dataset, self._IterableDataset_len_called, self._num_yielded, multiprocess=True)
+            warn_if_length_exceeded(
+                self._dataset, self._IterableDataset_len_called, self._num_yielded, multiprocess=True
+            )
         return data
 
     def shutdown(self) -> None:
@@ -479,8 +515,8 @@ class _RayLoaderIter(Iterator[Any]):
                 data, meta = ray.get([task.ref, task.meta_ref], timeout=STATUS_CHECK_INTERVAL_S)
                 self._on_batch_made(idx, task, meta)
                 latency_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
-                self._typical_latency_s = latency_s if self._typical_latency_s is None else (
-                    0.8 * self._typical_latency_s + 0.2 * latency_s
+                self._typical_latency_s = (
+                    latency_s if self._typical_latency_s is None else (0.8 * self._typical_latency_s + 0.2 * latency_s)
                 )
                 return data
             except GetTimeoutError:
@@ -511,7 +547,9 @@ class _RayLoaderIter(Iterator[Any]):
         """Every worker has started (`RecoveryHost`): latencies count from now; remote batches start moving here."""
         self._ready_at_s = time.monotonic()
         # Tasks sent before the workers reported where they run: start their transfers now.
-        self._prefetch([t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)])
+        self._prefetch(
+            [t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)]
+        )
 
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
@@ -524,7 +562,9 @@ class _RayLoaderIter(Iterator[Any]):
         """timeout=0: report (once) a batch outstanding far longer than its peers, instead of a silent hang."""
         waited_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
         typical_s = self._typical_latency_s or 0.0
-        if idx in self._stall_reported or waited_s < max(_constants.STALL_WARN_MIN_S, _constants.STALL_FACTOR * typical_s):
+        if idx in self._stall_reported or waited_s < max(
+            _constants.STALL_WARN_MIN_S, _constants.STALL_FACTOR * typical_s
+        ):
             return
         self._stall_reported.add(idx)
         warnings.warn(

@@ -66,8 +66,8 @@ from typing import Any, Iterator, Mapping, Optional
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 
-from .iter import _RayLoaderIter
 from .._options import RayOptions
+from .iter import _RayLoaderIter
 
 __all__ = ["patch", "unpatch", "patched", "is_patched"]
 
@@ -114,7 +114,11 @@ def _source(loader: Any) -> Any:
 def _patched_get_iterator(self):
     """torch's `_get_iterator`, with raydl's Ray-actor iterator when num_workers > 0 (see raydl.patch)."""
     originals = _originals
-    if self.num_workers == 0 and originals is not None and getattr(_source(self), "ray_seed", "worker") in ("batch", "sample"):
+    if (
+        self.num_workers == 0
+        and originals is not None
+        and getattr(_source(self), "ray_seed", "worker") in ("batch", "sample")
+    ):
         from .inprocess import _InProcessIter  # imported late: it pulls in the checkpoint machinery
 
         return _InProcessIter(_source(self))  # NOTE [ raydl batch seeding ], in-process

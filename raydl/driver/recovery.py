@@ -75,7 +75,14 @@ class Recovery:
     """Replaces dead workers of one iterator (NOTE [ raydl recovery ])."""
 
     def __init__(
-        self, pool: Any, sched: Any, ckpt: Any, elastic: Any, *, is_iterable: bool, max_worker_restarts: int,
+        self,
+        pool: Any,
+        sched: Any,
+        ckpt: Any,
+        elastic: Any,
+        *,
+        is_iterable: bool,
+        max_worker_restarts: int,
         startup_timeout_s: float,
     ) -> None:
         self._pool = pool

@@ -21,8 +21,17 @@ from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler, W
 from ..worker.state import is_stateful
 
 __all__ = [
-    "RNG_SAMPLERS", "BatchIter", "RngSamplerIter", "export_sampler_state", "import_sampler_state", "inexact_sampler",
-    "new_sampler_iter", "rng_record_for_torchdata", "rng_sampler", "sampler_iter", "sampler_state",
+    "RNG_SAMPLERS",
+    "BatchIter",
+    "RngSamplerIter",
+    "export_sampler_state",
+    "import_sampler_state",
+    "inexact_sampler",
+    "new_sampler_iter",
+    "rng_record_for_torchdata",
+    "rng_sampler",
+    "sampler_iter",
+    "sampler_state",
 ]
 
 
@@ -177,8 +186,10 @@ def new_sampler_iter(index_sampler: Any) -> Iterator:
 
 def sampler_state(index_sampler: Any, it: Any) -> tuple:
     """(sampler iterator state, index sampler state) now; (None, None) for samplers without state."""
-    return (it.state_dict() if is_stateful(it) else None,
-            index_sampler.state_dict() if is_stateful(index_sampler) else None)
+    return (
+        it.state_dict() if is_stateful(it) else None,
+        index_sampler.state_dict() if is_stateful(index_sampler) else None,
+    )
 
 
 def rng_record_for_torchdata(loader: Any, index_sampler: Any) -> bool:

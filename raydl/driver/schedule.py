@@ -69,8 +69,9 @@ Submit = Callable[[int, int, Any], "tuple[Any, Any]"]
 class Schedule:
     """The tasks in flight of one epoch and the rule that places new ones (NOTE [ raydl scheduling ])."""
 
-    def __init__(self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit,
-                 balanced_from: Optional[int] = None) -> None:
+    def __init__(
+        self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit, balanced_from: Optional[int] = None
+    ) -> None:
         self.active = list(range(num_workers))  # the round robin's worker ids, in cycle order
         self._num_ids = num_workers  # worker ids ever used: the per-worker lists cover them all
         self.max_tasks = max_tasks
@@ -97,7 +98,9 @@ class Schedule:
         self.probation: dict[int, set[int]] = {}
         if self._balanced_from is not None:
             first_worker = self._balanced_from % max(1, self._num_ids)
-        self._pos = self.active.index(first_worker) if first_worker in self.active else 0  # position in `active` of the next worker of the cycle
+        self._pos = (
+            self.active.index(first_worker) if first_worker in self.active else 0
+        )  # position in `active` of the next worker of the cycle
 
     def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
         submit = self._submit_ref()

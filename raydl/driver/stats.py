@@ -178,9 +178,16 @@ class LoaderStats:
         header = ["worker", "node", "pid", "batches", "median ms", "p95 ms", "busy s", "cpu %", "bytes", "restarts"]
         rows = [
             [
-                str(w.worker_id), w.node_ip or "?", str(w.pid or "?"), str(w.batches),
-                f"{w.median_s * 1e3:.1f}", f"{w.p95_s * 1e3:.1f}", f"{w.busy_s:.2f}",
-                f"{100 * w.cpu_s / w.busy_s:.0f}" if w.busy_s > 0 else "-", _fmt_bytes(w.bytes), str(w.restarts),
+                str(w.worker_id),
+                w.node_ip or "?",
+                str(w.pid or "?"),
+                str(w.batches),
+                f"{w.median_s * 1e3:.1f}",
+                f"{w.p95_s * 1e3:.1f}",
+                f"{w.busy_s:.2f}",
+                f"{100 * w.cpu_s / w.busy_s:.0f}" if w.busy_s > 0 else "-",
+                _fmt_bytes(w.bytes),
+                str(w.restarts),
             ]
             for w in self.workers
         ]
@@ -234,8 +241,19 @@ def _percentile(sorted_xs: list[float], q: float) -> float:
 class _WorkerAcc:
     """One worker's running figures: this epoch's, and totals."""
 
-    __slots__ = ("times", "batches", "samples", "busy_s", "cpu_s", "bytes",
-                 "total_batches", "total_bytes", "total_busy_s", "total_cpu_s", "flushed")
+    __slots__ = (
+        "times",
+        "batches",
+        "samples",
+        "busy_s",
+        "cpu_s",
+        "bytes",
+        "total_batches",
+        "total_bytes",
+        "total_busy_s",
+        "total_cpu_s",
+        "flushed",
+    )
 
     def __init__(self) -> None:
         self.total_batches = 0
@@ -274,7 +292,9 @@ class StatsRecorder:
 
     enabled = True
 
-    def __init__(self, name: str, iterator: Any, threads_per_worker: int = 1, hint_given: Optional[list] = None) -> None:
+    def __init__(
+        self, name: str, iterator: Any, threads_per_worker: int = 1, hint_given: Optional[list] = None
+    ) -> None:
         import ray
 
         self.name = name
@@ -406,7 +426,10 @@ class StatsRecorder:
     def _cluster_cpus(self) -> tuple[float, float]:
         """(total, unreserved) CPUs of the cluster, asked of Ray once per iterator (for the hint)."""
         if self._cpus is None:
-            self._cpus = (self._ray.cluster_resources().get("CPU", 0.0), self._ray.available_resources().get("CPU", 0.0))
+            self._cpus = (
+                self._ray.cluster_resources().get("CPU", 0.0),
+                self._ray.available_resources().get("CPU", 0.0),
+            )
         return self._cpus
 
     def _refresh_pool(self) -> None:
@@ -438,23 +461,25 @@ class StatsRecorder:
             w = self._workers.get(wid) or _WorkerAcc()
             rec = self._records[wid] if wid < len(self._records) else None
             times = sorted(w.times)
-            workers.append(WorkerStats(
-                worker_id=wid,
-                node_ip=getattr(rec, "node_ip", ""),
-                node_id=getattr(rec, "node_id", ""),
-                pid=getattr(rec, "pid", 0),
-                batches=w.batches,
-                samples=w.samples,
-                median_s=_percentile(times, 50),
-                p95_s=_percentile(times, 95),
-                busy_s=w.busy_s,
-                cpu_s=w.cpu_s,
-                bytes=w.bytes,
-                restarts=self._restarts[wid] if wid < len(self._restarts) else 0,
-                total_batches=w.total_batches + (0 if self._finished else w.batches),
-                total_bytes=w.total_bytes + (0 if self._finished else w.bytes),
-                total_busy_s=w.total_busy_s + (0.0 if self._finished else w.busy_s),
-            ))
+            workers.append(
+                WorkerStats(
+                    worker_id=wid,
+                    node_ip=getattr(rec, "node_ip", ""),
+                    node_id=getattr(rec, "node_id", ""),
+                    pid=getattr(rec, "pid", 0),
+                    batches=w.batches,
+                    samples=w.samples,
+                    median_s=_percentile(times, 50),
+                    p95_s=_percentile(times, 95),
+                    busy_s=w.busy_s,
+                    cpu_s=w.cpu_s,
+                    bytes=w.bytes,
+                    restarts=self._restarts[wid] if wid < len(self._restarts) else 0,
+                    total_batches=w.total_batches + (0 if self._finished else w.batches),
+                    total_bytes=w.total_bytes + (0 if self._finished else w.bytes),
+                    total_busy_s=w.total_busy_s + (0.0 if self._finished else w.busy_s),
+                )
+            )
         spans = {
             "start_wall_s": self._start_s + self._wall_offset,
             "end_wall_s": self._last_s + self._wall_offset,
@@ -464,10 +489,20 @@ class StatsRecorder:
             "truncated": any(len(x) >= MAX_SPANS for x in (self._batch_spans, self._waits, self._pin_spans)),
         }
         return LoaderStats(
-            name=self.name, epoch=self._epoch, finished=self._finished, batches=self._batches,
-            samples=self._samples, wall_s=wall_s, wait_s=self._wait_s, workers=tuple(workers),
-            batches_in_flight=in_flight, store_bytes_held=held, total=total, first_batch_s=self._first_batch[0],
-            _first_wait_s=self._first_batch[1], _spans=spans,
+            name=self.name,
+            epoch=self._epoch,
+            finished=self._finished,
+            batches=self._batches,
+            samples=self._samples,
+            wall_s=wall_s,
+            wait_s=self._wait_s,
+            workers=tuple(workers),
+            batches_in_flight=in_flight,
+            store_bytes_held=held,
+            total=total,
+            first_batch_s=self._first_batch[0],
+            _first_wait_s=self._first_batch[1],
+            _spans=spans,
         )
 
     def _live_figures(self) -> tuple[int, int]:
@@ -563,7 +598,11 @@ class _Off:
         return None
 
 
-def make_recorder(name: Optional[str], iterator: Any, threads_per_worker: int, hint_given: Optional[list] = None,
-                  ) -> StatsRecorder | _Off:
+def make_recorder(
+    name: Optional[str],
+    iterator: Any,
+    threads_per_worker: int,
+    hint_given: Optional[list] = None,
+) -> StatsRecorder | _Off:
     """The iterator's recorder: a `StatsRecorder` named `name`, or a no-op one for None (ray_stats=False)."""
     return StatsRecorder(name, iterator, threads_per_worker, hint_given) if name is not None else _Off()

@@ -72,24 +72,39 @@ def driver_metrics() -> dict:
         _DRIVER_METRICS = {
             "batches": Counter("raydl_batches", description="Batches made by a raydl worker.", tag_keys=lw),
             "bytes": Counter("raydl_batch_bytes", description="Bytes of the batches a raydl worker made.", tag_keys=lw),
-            "busy": Counter("raydl_worker_busy_seconds", description="Seconds a raydl worker spent making batches.",
-                            tag_keys=lw),
-            "cpu": Counter("raydl_worker_cpu_seconds", description="CPU seconds of a raydl worker while making batches.",
-                           tag_keys=lw),
-            "restarts": Counter("raydl_worker_restarts", description="Replacements of a dead raydl worker.", tag_keys=lw),
-            "samples": Counter("raydl_samples", description="Samples a raydl loader handed to the training loop.",
-                               tag_keys=("loader",)),
-            "wait": Counter("raydl_wait_seconds",
-                            description="Seconds the training loop waited inside next() on a raydl loader (data stall).",
-                            tag_keys=("loader",)),
+            "busy": Counter(
+                "raydl_worker_busy_seconds", description="Seconds a raydl worker spent making batches.", tag_keys=lw
+            ),
+            "cpu": Counter(
+                "raydl_worker_cpu_seconds",
+                description="CPU seconds of a raydl worker while making batches.",
+                tag_keys=lw,
+            ),
+            "restarts": Counter(
+                "raydl_worker_restarts", description="Replacements of a dead raydl worker.", tag_keys=lw
+            ),
+            "samples": Counter(
+                "raydl_samples", description="Samples a raydl loader handed to the training loop.", tag_keys=("loader",)
+            ),
+            "wait": Counter(
+                "raydl_wait_seconds",
+                description="Seconds the training loop waited inside next() on a raydl loader (data stall).",
+                tag_keys=("loader",),
+            ),
             "epochs": Counter("raydl_epochs", description="Epochs a raydl loader finished.", tag_keys=("loader",)),
-            "in_flight": Gauge("raydl_batches_in_flight", description="Batches asked of raydl workers, not yet handed out.",
-                               tag_keys=("loader",)),
-            "share": Histogram("raydl_epoch_wait_share", description="Share of an epoch the loop waited for data.",
-                               boundaries=_SHARE_BUCKETS, tag_keys=("loader",)),
+            "in_flight": Gauge(
+                "raydl_batches_in_flight",
+                description="Batches asked of raydl workers, not yet handed out.",
+                tag_keys=("loader",),
+            ),
+            "share": Histogram(
+                "raydl_epoch_wait_share",
+                description="Share of an epoch the loop waited for data.",
+                boundaries=_SHARE_BUCKETS,
+                tag_keys=("loader",),
+            ),
         }
     return _DRIVER_METRICS
-
 
 
 # --------------------------------------------------------------------------- the hint
@@ -130,8 +145,11 @@ def hint(stats: LoaderStats, threads_per_worker: int, cluster_cpus: Callable[[],
     elif cpu < HINT_IO_CPU_SHARE * busy:
         parts.append(
             f"workers use the CPU {cpu / busy:.0%} of their batch time (they wait on I/O): "
-            + ("ray_threads_per_worker=8 fetches a batch's samples on 8 threads" if threads_per_worker == 1 else
-               f"more threads per worker (ray_threads_per_worker={threads_per_worker} now) or more workers")
+            + (
+                "ray_threads_per_worker=8 fetches a batch's samples on 8 threads"
+                if threads_per_worker == 1
+                else f"more threads per worker (ray_threads_per_worker={threads_per_worker} now) or more workers"
+            )
         )
     else:
         total, free = cluster_cpus()

@@ -41,27 +41,72 @@ def trace_events(stats: LoaderStats) -> list[dict]:
     us = lambda t: round((t - t0) * 1e6, 1)  # noqa: E731
     pid = 1
     events: list[dict] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "args": {"name": f"raydl loader {stats.name!r}, epoch {stats.epoch}"}},
-        {"ph": "M", "name": "thread_name", "pid": pid, "tid": _LOOP_TID, "args": {"name": "training loop: waiting in next()"}},
+        {
+            "ph": "M",
+            "name": "process_name",
+            "pid": pid,
+            "args": {"name": f"raydl loader {stats.name!r}, epoch {stats.epoch}"},
+        },
+        {
+            "ph": "M",
+            "name": "thread_name",
+            "pid": pid,
+            "tid": _LOOP_TID,
+            "args": {"name": "training loop: waiting in next()"},
+        },
         {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": _LOOP_TID, "args": {"sort_index": 0}},
     ]
     for a, b in sp["waits"]:
-        events.append({"ph": "X", "name": "wait", "cat": "loop", "pid": pid, "tid": _LOOP_TID, "ts": us(a),
-                       "dur": round((b - a) * 1e6, 1)})
+        events.append(
+            {
+                "ph": "X",
+                "name": "wait",
+                "cat": "loop",
+                "pid": pid,
+                "tid": _LOOP_TID,
+                "ts": us(a),
+                "dur": round((b - a) * 1e6, 1),
+            }
+        )
     if sp["pins"]:
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _PIN_TID, "args": {"name": "pin / device copy"}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": _PIN_TID, "args": {"name": "pin / device copy"}}
+        )
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": _PIN_TID, "args": {"sort_index": 1}})
         for a, b in sp["pins"]:
-            events.append({"ph": "X", "name": "pin", "cat": "pin", "pid": pid, "tid": _PIN_TID, "ts": us(a),
-                           "dur": round((b - a) * 1e6, 1)})
+            events.append(
+                {
+                    "ph": "X",
+                    "name": "pin",
+                    "cat": "pin",
+                    "pid": pid,
+                    "tid": _PIN_TID,
+                    "ts": us(a),
+                    "dur": round((b - a) * 1e6, 1),
+                }
+            )
     worker_ids = sorted({w.worker_id for w in stats.workers} | {s[0] for s in sp["batches"]})
     for wid in worker_ids:
         tid = _WORKER_TID0 + wid
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": _worker_label(stats, wid)}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": 10 + wid}})
+        events.append(
+            {"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": _worker_label(stats, wid)}}
+        )
+        events.append(
+            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": 10 + wid}}
+        )
     for wid, idx, start, dur in sp["batches"]:
-        events.append({"ph": "X", "name": f"batch {idx}", "cat": "worker", "pid": pid, "tid": _WORKER_TID0 + wid,
-                       "ts": us(start), "dur": round(dur * 1e6, 1), "args": {"idx": idx}})
+        events.append(
+            {
+                "ph": "X",
+                "name": f"batch {idx}",
+                "cat": "worker",
+                "pid": pid,
+                "tid": _WORKER_TID0 + wid,
+                "ts": us(start),
+                "dur": round(dur * 1e6, 1),
+                "args": {"idx": idx},
+            }
+        )
     return events
 
 
@@ -71,8 +116,12 @@ def write_trace(stats: LoaderStats, path: str) -> str:
         "traceEvents": trace_events(stats),
         "displayTimeUnit": "ms",
         "otherData": {
-            "loader": stats.name, "epoch": stats.epoch, "wall_s": stats.wall_s, "wait_s": stats.wait_s,
-            "wait_share": stats.wait_share, "truncated": stats._spans["truncated"],
+            "loader": stats.name,
+            "epoch": stats.epoch,
+            "wall_s": stats.wall_s,
+            "wait_s": stats.wait_s,
+            "wait_share": stats.wait_share,
+            "truncated": stats._spans["truncated"],
         },
     }
     directory = os.path.dirname(os.path.abspath(path))
@@ -128,4 +177,3 @@ def write_png(stats: LoaderStats, path: str, width_in: float = 9.0) -> Optional[
         fig.tight_layout()
     fig.savefig(path, dpi=100)
     return path
-

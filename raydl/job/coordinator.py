@@ -85,8 +85,11 @@ class _Coordinator:
             if self._ended:
                 return {"ended": True}
             if self._fingerprint is not None and fingerprint != self._fingerprint:
-                diff = sorted(k for k in set(fingerprint) | set(self._fingerprint)
-                              if fingerprint.get(k) != self._fingerprint.get(k))
+                diff = sorted(
+                    k
+                    for k in set(fingerprint) | set(self._fingerprint)
+                    if fingerprint.get(k) != self._fingerprint.get(k)
+                )
                 return {"mismatch": {k: (self._fingerprint.get(k), fingerprint.get(k)) for k in diff}}
             if self._pool is None:
                 if payload is None:
@@ -104,8 +107,13 @@ class _Coordinator:
                 self._target = config["num_workers"] * self._world
                 self._placement = worker_placement(options, config["node_id"])
                 self._pool = WorkerPool(
-                    self._payload_ref, self._target, config["base_seed"], options, reuse=False,
-                    placement=self._placement, track_rng=False,
+                    self._payload_ref,
+                    self._target,
+                    config["base_seed"],
+                    options,
+                    reuse=False,
+                    placement=self._placement,
+                    track_rng=False,
                 )
                 self._generations = [0] * self._target
                 if config.get("max_workers") is not None:
@@ -124,9 +132,17 @@ class _Coordinator:
 
     def _view(self) -> dict:
         pool = self._pool
-        return {"actors": list(pool.actors), "generations": list(self._generations), "records": list(pool.records),
-                "active": self._active(), "joining": sorted(pool.joining), "retiring": sorted(self._retiring),
-                "world": self._world, "version": self._version, "decisions": list(self._decisions)}
+        return {
+            "actors": list(pool.actors),
+            "generations": list(self._generations),
+            "records": list(pool.records),
+            "active": self._active(),
+            "joining": sorted(pool.joining),
+            "retiring": sorted(self._retiring),
+            "world": self._world,
+            "version": self._version,
+            "decisions": list(self._decisions),
+        }
 
     def view(self) -> dict:
         with self._lock:
@@ -134,8 +150,11 @@ class _Coordinator:
 
     def _active(self) -> list[int]:
         pool = self._pool
-        return [w for w in range(len(pool.actors))
-                if w not in pool.released and w not in pool.joining and w not in self._retiring]
+        return [
+            w
+            for w in range(len(pool.actors))
+            if w not in pool.released and w not in pool.joining and w not in self._retiring
+        ]
 
     def wait_ready(self, timeout_s: float) -> dict:
         with self._lock:
@@ -152,8 +171,7 @@ class _Coordinator:
                 self._pool.replace(worker_id)
                 self._generations[worker_id] += 1
                 self._pool.records[worker_id] = None
-            return {"actor": self._pool.actors[worker_id], "generation": self._generations[worker_id],
-                    "retired": gone}
+            return {"actor": self._pool.actors[worker_id], "generation": self._generations[worker_id], "retired": gone}
 
     # ------------------------------------------------------------------ resizing (NOTE [ raydl job pool ])
 
@@ -242,11 +260,21 @@ class _Coordinator:
         action, why = step
         after = n + 1 if action == "add" else n - 1
         self._resize_to(after)
-        self._decisions.append(AutoscaleDecision(action, n, after, sum(r[0] for r in reports), window_s, wait,
-                                                 busy_workers / n, rate, 0))
-        logger.info("raydl job %r autoscale: %s, %d -> %d workers: over %.2f s the most starved rank waited %.0f%%, "
-                    "workers were busy %.0f%% (%s)", self._name, action, n, after, window_s, 100 * wait,
-                    100 * busy_workers / n, why)
+        self._decisions.append(
+            AutoscaleDecision(action, n, after, sum(r[0] for r in reports), window_s, wait, busy_workers / n, rate, 0)
+        )
+        logger.info(
+            "raydl job %r autoscale: %s, %d -> %d workers: over %.2f s the most starved rank waited %.0f%%, "
+            "workers were busy %.0f%% (%s)",
+            self._name,
+            action,
+            n,
+            after,
+            window_s,
+            100 * wait,
+            100 * busy_workers / n,
+            why,
+        )
 
     def _poll_joining(self) -> None:
         if not self._pool.joining:
@@ -311,7 +339,9 @@ class _Coordinator:
                 last_check = now
                 for m, seen in list(self._members.items()):
                     if now - seen > self._lease_s:
-                        logger.info("raydl job %r: a rank was not heard from for %.0f s: dropped", self._name, now - seen)
+                        logger.info(
+                            "raydl job %r: a rank was not heard from for %.0f s: dropped", self._name, now - seen
+                        )
                         self._drop(m)
                 self._end_if_unused()
 
@@ -337,6 +367,9 @@ def start_coordinator(name: str) -> Any:
     if _COORDINATOR_CLASS is None:
         _COORDINATOR_CLASS = ray.remote(num_cpus=0, max_concurrency=16)(_Coordinator)
     return _COORDINATOR_CLASS.options(
-        name=coordinator_name(name), namespace=JOB_NAMESPACE, lifetime="detached", get_if_exists=True,
+        name=coordinator_name(name),
+        namespace=JOB_NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
         max_restarts=0,
     ).remote(name)

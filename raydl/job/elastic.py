@@ -34,8 +34,15 @@ __all__ = ["JobElastic"]
 class JobElastic(ElasticPool):
     """Follows the job's worker set in this rank's `Schedule` (NOTE [ raydl job elastic ])."""
 
-    def __init__(self, pool: Any, sched: Any, prefetch_factor: int, put_index: Callable[[], None],
-                 startup_timeout_s: float, autoscale: bool) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        sched: Any,
+        prefetch_factor: int,
+        put_index: Callable[[], None],
+        startup_timeout_s: float,
+        autoscale: bool,
+    ) -> None:
         self._epoch = -1  # epochs started, for the coordinator's rule (its cap is per epoch)
         super().__init__(pool, sched, prefetch_factor, put_index, startup_timeout_s, 1, None, resizable=True)
         self._autoscale = autoscale

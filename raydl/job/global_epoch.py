@@ -77,8 +77,11 @@ def check_record(record: Any, sampler: Optional[DistributedSampler]) -> None:
             "DataLoader.load_state_dict: the state was saved by a loader with torch's DistributedSampler; this loader "
             "has none, so the job's position cannot be re-dealt. Build the loader with a DistributedSampler."
         )
-    mine = {"dataset_len": len(sampler.dataset), "seed": int(sampler.seed),  # type: ignore[arg-type]
-            "shuffle": bool(sampler.shuffle)}
+    mine = {
+        "dataset_len": len(sampler.dataset),
+        "seed": int(sampler.seed),  # type: ignore[arg-type]
+        "shuffle": bool(sampler.shuffle),
+    }
     for key, value in mine.items():
         if record.get(key) != value:
             raise ValueError(
@@ -96,18 +99,24 @@ def needs_redeal(record: Mapping, sampler: DistributedSampler, same_batches: boo
 def redealt_indices(record: Mapping, sampler: DistributedSampler) -> list:
     """This rank's share of the samples the saved job had not consumed in the record's epoch."""
     n = int(record["dataset_len"])
-    whole = DistributedSampler(sampler.dataset, num_replicas=1, rank=0, shuffle=bool(record["shuffle"]),
-                               seed=int(record["seed"]), drop_last=False)
+    whole = DistributedSampler(
+        sampler.dataset,
+        num_replicas=1,
+        rank=0,
+        shuffle=bool(record["shuffle"]),
+        seed=int(record["seed"]),
+        drop_last=False,
+    )
     whole.set_epoch(int(record["epoch"]))
     order = list(iter(whole))  # torch's permutation P of the epoch
-    rest = order[min(int(record["position"]), n):]
+    rest = order[min(int(record["position"]), n) :]
     w = sampler.num_replicas
     size = _deal_size(len(rest), w, sampler.drop_last) * w
     if size > len(rest) and rest:  # pad from the head, as torch pads
         rest = (rest * math.ceil(size / len(rest)))[:size]
     else:
         rest = rest[:size]
-    return rest[sampler.rank::w]
+    return rest[sampler.rank :: w]
 
 
 def redealt_iter(record: Mapping, index_sampler: Any) -> tuple[Iterator, int, int]:
@@ -123,7 +132,7 @@ def redealt_iter(record: Mapping, index_sampler: Any) -> tuple[Iterator, int, in
 
 def _batches(indices: list, batch_size: int, drop_last: bool) -> Iterator[list]:
     for i in range(0, len(indices), batch_size):
-        batch = indices[i:i + batch_size]
+        batch = indices[i : i + batch_size]
         if drop_last and len(batch) < batch_size:
             return
         yield batch

@@ -131,18 +131,35 @@ def job_fingerprint(loader: Any, options: Any) -> dict:
 class JobPool:
     """A rank's view of the job's pool, with the `WorkerPool` surface the iterator, recovery and elastic use."""
 
-    def __init__(self, name: str, rank: int, world: int, num_workers: int, make_payload_ref: Callable[[], Any],
-                 fingerprint: Mapping[str, Any], base_seed: int, actor_options: Mapping[str, Any],
-                 startup_timeout_s: float, max_workers: Optional[int] = None) -> None:
+    def __init__(
+        self,
+        name: str,
+        rank: int,
+        world: int,
+        num_workers: int,
+        make_payload_ref: Callable[[], Any],
+        fingerprint: Mapping[str, Any],
+        base_seed: int,
+        actor_options: Mapping[str, Any],
+        startup_timeout_s: float,
+        max_workers: Optional[int] = None,
+    ) -> None:
         import ray
 
         self.name, self.rank, self.world = name, rank, world
         self.actor_options = dict(actor_options)
         self._make_payload_ref = make_payload_ref
         self._fingerprint = dict(fingerprint)
-        self._config = {"num_workers": num_workers, "world": world, "max_workers": max_workers, "base_seed": base_seed,
-                        "actor_options": self.actor_options, "node_id": ray.get_runtime_context().get_node_id(),
-                        "startup_timeout_s": startup_timeout_s, "lease_s": lease_s()}
+        self._config = {
+            "num_workers": num_workers,
+            "world": world,
+            "max_workers": max_workers,
+            "base_seed": base_seed,
+            "actor_options": self.actor_options,
+            "node_id": ray.get_runtime_context().get_node_id(),
+            "startup_timeout_s": startup_timeout_s,
+            "lease_s": lease_s(),
+        }
         self._renew_s = min(JOB_LEASE_RENEW_S, self._config["lease_s"] / 4)
         self._member = f"{rank}-{uuid.uuid4().hex[:8]}"
         self._startup_timeout_s = startup_timeout_s
@@ -158,8 +175,9 @@ class JobPool:
         # actor, not two callers', so no task of this rank may reach a worker before it is ready.
         self.wait_ready(startup_timeout_s)
         self._stop = threading.Event()
-        threading.Thread(target=_renew_loop, args=(weakref.ref(self), self._stop, self._renew_s), name="raydl_job_lease",
-                         daemon=True).start()
+        threading.Thread(
+            target=_renew_loop, args=(weakref.ref(self), self._stop, self._renew_s), name="raydl_job_lease", daemon=True
+        ).start()
 
     # ------------------------------------------------------------------ the coordinator
 
@@ -170,8 +188,9 @@ class JobPool:
             self._coord = start_coordinator(self.name)
             reply = ray.get(self._coord.join.remote(self._member, self._fingerprint, self._config))
             if reply.get("need_payload"):
-                reply = ray.get(self._coord.join.remote(self._member, self._fingerprint, self._config,
-                                                        [self._make_payload_ref()]))
+                reply = ray.get(
+                    self._coord.join.remote(self._member, self._fingerprint, self._config, [self._make_payload_ref()])
+                )
             if reply.get("ended"):  # the last rank just left: a new coordinator comes up
                 time.sleep(0.5)
                 continue

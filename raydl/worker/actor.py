@@ -36,11 +36,10 @@ from torch.utils.data import default_collate
 
 from .._errors import annotate_traceback
 from ..data.share import open_payload
-from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
-from .seeding import seed_batch, seed_sample
 from ..driver.stats import batch_nbytes
 from ..driver.stats_report import observe_batch_time
-from .transfer import encode
+from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
+from .seeding import seed_batch, seed_sample
 from .state import (
     DATASET_ITER_STATE,
     DATASET_STATE,
@@ -51,6 +50,7 @@ from .state import (
     make_worker_snapshot,
     restore_rng,
 )
+from .transfer import encode
 
 __all__ = ["WorkerPayload", "BatchMeta", "Worker", "numpy_seed_state", "get_worker_info"]
 
@@ -285,8 +285,16 @@ class Worker:
             return batch, BatchMeta(self._worker_id, idx, started_s, fetch_s, state=state, rng=rng, signal=signal)
         observe_batch_time(name, self._worker_id, fetch_s)
         return batch, BatchMeta(
-            self._worker_id, idx, started_s, fetch_s, self._samples(index), batch_nbytes(batch), time.process_time() - c0,
-            state=state, rng=rng, signal=signal,
+            self._worker_id,
+            idx,
+            started_s,
+            fetch_s,
+            self._samples(index),
+            batch_nbytes(batch),
+            time.process_time() - c0,
+            state=state,
+            rng=rng,
+            signal=signal,
         )
 
     def _samples(self, index: Any) -> int:

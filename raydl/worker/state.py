@@ -26,8 +26,18 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-__all__ = ["RngTracker", "restore_rng", "is_stateful", "make_worker_snapshot", "WORKER_ID", "FETCHER_STATE",
-           "FETCHER_ENDED", "DATASET_STATE", "DATASET_ITER_STATE", "RNG"]
+__all__ = [
+    "RngTracker",
+    "restore_rng",
+    "is_stateful",
+    "make_worker_snapshot",
+    "WORKER_ID",
+    "FETCHER_STATE",
+    "FETCHER_ENDED",
+    "DATASET_STATE",
+    "DATASET_ITER_STATE",
+    "RNG",
+]
 
 # torchdata's worker snapshot keys (torchdata/stateful_dataloader/incremental_state.py)
 WORKER_ID = "worker_id"

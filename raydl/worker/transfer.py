@@ -33,7 +33,6 @@ import torch
 __all__ = ["encode", "decode"]
 
 
-
 class _TensorView:
     """A CPU tensor's memory as a NumPy array, plus what is needed to rebuild the exact tensor."""
 
