@@ -69,8 +69,8 @@ def micro(n: int = 20000) -> dict:
     """
     import torch
 
-    from raydl.driver.stats import StatsRecorder, batch_nbytes
-    from raydl.driver.stats_report import observe_batch_time
+    from raydl._measures import batch_nbytes, observe_batch_time
+    from raydl.driver.stats import StatsRecorder
     from raydl.worker.actor import BatchMeta
     from raydl.worker.transfer import encode
 

@@ -24,7 +24,7 @@ An epoch runs from `iter()` (the iterator's `_reset`) to the `next()` that raise
   * figures are exported through `ray.util.metrics` (also every METRICS_FLUSH_S during an
     epoch): counters tagged with the loader's name (`ray_name`) and worker id, so the Ray
     dashboard and Prometheus show them beside Ray's own. The per-batch time histogram is
-    observed by the workers themselves (`observe_batch_time` in driver/stats_report.py): a Ray histogram costs ~7 us
+    observed by the workers themselves (`observe_batch_time` in raydl/_measures.py): a Ray histogram costs ~7 us
     per observation, which the driver would pay in its critical path.
 `snapshot()` copies the figures into a plain `LoaderStats` (what `DataLoader.stats()` returns),
 with the spans for `LoaderStats.timeline()`. Totals cover every epoch of one iterator, i.e. of
@@ -43,6 +43,7 @@ from typing import Any, Callable, Optional
 
 __all__ = ["LoaderStats", "WorkerStats", "StatsTotals", "StatsRecorder", "make_recorder", "batch_nbytes"]
 
+from .._measures import batch_nbytes
 from .stats_report import driver_metrics, hint, logger
 
 # How often (seconds) counters are pushed to Ray's metrics during an epoch (and at its end).
@@ -51,23 +52,6 @@ METRICS_FLUSH_S = 2.0
 MAX_SPANS = 200_000
 
 # --------------------------------------------------------------------------- worker side
-
-
-def batch_nbytes(data: Any) -> int:
-    """Bytes of the array data in an encoded batch (tensors, NumPy arrays, bytes, str), for stats."""
-    from ..worker.transfer import _TensorView
-
-    kind = type(data)
-    if kind is _TensorView:
-        return int(data.array.nbytes)
-    if kind is dict:
-        return sum(batch_nbytes(v) for v in data.values())
-    if kind is list or isinstance(data, tuple):
-        return sum(batch_nbytes(v) for v in data)
-    if isinstance(data, (bytes, bytearray, str)):
-        return len(data)
-    nbytes = getattr(data, "nbytes", None)  # NumPy arrays, and torch tensors (torch >= 2.1)
-    return nbytes if isinstance(nbytes, int) else 0
 
 
 # --------------------------------------------------------------------------- public snapshot

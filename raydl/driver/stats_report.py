@@ -1,6 +1,6 @@
 """What raydl's stats tell the outside: the data-stall hint and Ray metrics (NOTE [ raydl stats ] in driver/stats.py).
 
-Imported by the workers too (`observe_batch_time`): stdlib only at module level.
+The measures a worker takes itself (batch bytes, the batch-time histogram) live in raydl/_measures.py.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 if TYPE_CHECKING:
     from .stats import LoaderStats
 
-__all__ = ["hint", "driver_metrics", "observe_batch_time", "logger"]
+__all__ = ["hint", "driver_metrics", "logger"]
 
 logger = logging.getLogger("raydl.stats")
 # The hint is INFO: give this logger that level (a user's own setLevel overrides it).
@@ -34,29 +34,10 @@ HINT_BUSY_SHARE = 0.3
 # Workers whose CPU seconds are below this share of their batch time mostly wait (I/O, sleeps).
 HINT_IO_CPU_SHARE = 0.5
 
-_BATCH_TIME_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 _SHARE_BUCKETS = [0.01, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 0.9]
 
 
 # --------------------------------------------------------------------------- Ray metrics
-
-
-_batch_time_hist = None
-
-
-def observe_batch_time(name: str, worker_id: int, fetch_s: float) -> None:
-    """In a worker: one observation of the `raydl_batch_seconds` histogram (see NOTE [ raydl stats ])."""
-    global _batch_time_hist
-    if _batch_time_hist is None:
-        from ray.util.metrics import Histogram
-
-        _batch_time_hist = Histogram(
-            "raydl_batch_seconds",
-            description="Seconds a raydl worker spent making one batch (fetch, collate, encode).",
-            boundaries=_BATCH_TIME_BUCKETS_S,
-            tag_keys=("loader", "worker"),
-        )
-    _batch_time_hist.observe(fetch_s, tags={"loader": name, "worker": str(worker_id)})
 
 
 _DRIVER_METRICS: Optional[dict] = None

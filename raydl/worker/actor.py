@@ -35,9 +35,8 @@ import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
 from .._errors import annotate_traceback
+from .._measures import batch_nbytes, observe_batch_time
 from ..data.share import open_payload
-from ..driver.stats import batch_nbytes
-from ..driver.stats_report import observe_batch_time
 from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
 from .seeding import seed_batch, seed_sample
 from .state import (
