@@ -20,26 +20,30 @@ from torch.utils.data import Dataset, get_worker_info
 from raydl import DataLoader
 
 
-class SyntheticImages(Dataset):
-    """Random 3x32x32 'images' whose label is the brightest channel; a worker-side augmentation flips them."""
+class TintedNoise(Dataset):
+    """3x32x32 noise images; the class (0, 1, 2 = red, green, blue) brightens its own channel by `tint`.
 
-    def __init__(self, n: int) -> None:
-        self.n = n
-        rng = np.random.default_rng(0)
-        self.images = rng.random((n, 3, 32, 32), dtype=np.float32)
-        self.labels = self.images.mean(axis=(2, 3)).argmax(axis=1)
+    Deterministic from `seed`. A worker-side augmentation flips images at random, drawn from the
+    worker's seeded RNG exactly as in torch's workers.
+    """
+
+    def __init__(self, n: int, tint: float = 0.3, seed: int = 0) -> None:
+        rng = np.random.default_rng(seed)
+        self.labels = rng.integers(0, 3, n)
+        self.images = rng.random((n, 3, 32, 32), dtype=np.float32)  # uniform in [0, 1)
+        self.images[np.arange(n), self.labels] += tint
 
     def __len__(self) -> int:
-        return self.n
+        return len(self.labels)
 
     def __getitem__(self, i: int):
         image = torch.from_numpy(self.images[i])
-        if torch.rand(()) < 0.5:  # drawn from the worker's seeded RNG, exactly as in torch's workers
+        if torch.rand(()) < 0.5:
             image = image.flip(-1)
         return image, int(self.labels[i])
 
 
-def worker_ids_seen(dataset: Dataset) -> None:
+def announce_worker(worker_id: int) -> None:
     """worker_init_fn: torch's get_worker_info() works inside raydl's Ray actors."""
     info = get_worker_info()
     print(f"  worker {info.id}/{info.num_workers} started with seed {info.seed}")
@@ -54,15 +58,15 @@ def main() -> None:
     parser.add_argument("--ray-address", default=None, help="Ray cluster to use; default: start a local Ray")
     args = parser.parse_args()
 
-    torch.manual_seed(0)
+    torch.manual_seed(0)  # the model's initial weights
     loader = DataLoader(
-        SyntheticImages(args.samples),
+        TintedNoise(args.samples),
         batch_size=args.batch_size,
         shuffle=True,
         num_workers=args.num_workers,
         persistent_workers=True,
-        worker_init_fn=lambda worker_id: worker_ids_seen(None),
-        generator=torch.Generator().manual_seed(0),
+        worker_init_fn=announce_worker,
+        generator=torch.Generator().manual_seed(0),  # the shuffle order and the workers' seeds
         ray_address=args.ray_address,
     )
     model = nn.Sequential(
