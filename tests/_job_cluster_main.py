@@ -53,9 +53,12 @@ BATCH = 6  # per rank in the 2-rank jobs (3 x 4 = 2 x 6 in the 3-rank job)
 SEED = 5
 DELAY_S = 0.01  # per sample: a batch takes ~60 ms, so every worker has batches in flight while the ranks step
 K = 2  # steps the 2-rank job had taken when its state was saved
-PHASE_TIMEOUT_S = 120
-RESTART_LEASE_S = 10.0  # RAYDL_JOB_LEASE_S for the torchrun phase: the crashed rank's hold ends sooner than JOB_LEASE_S
-JOB_END_TIMEOUT_S = 40.0  # that lease plus the coordinator's check, with room
+PHASE_TIMEOUT_S = 240  # a phase takes 10-40 s here; sized for a loaded 2-core machine
+# RAYDL_JOB_LEASE_S for the torchrun phase. The crashed rank is dead, so its hold on the pool lasts this long after
+# its last renewal, and the restarted ranks must rejoin within it: they do in 5-20 s here ("restart_rejoin_s"), loaded
+# or not. A live rank never loses its hold to a late renewal (its Ray job is alive: NOTE [ raydl job pool ]).
+RESTART_LEASE_S = 45.0
+JOB_END_TIMEOUT_S = RESTART_LEASE_S + 90.0  # that lease plus the coordinator's check, with room for a loaded machine
 
 
 def _free_port() -> int:
@@ -65,7 +68,8 @@ def _free_port() -> int:
 
 
 def _env(extra: dict) -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    # no RAY_* of this driver (the ranks join by address), except the suite's worker niceness
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k == "RAY_worker_niceness"}
     env.update(
         {
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
@@ -314,6 +318,8 @@ def _phase_restart(address: str, tmp: str, facts: dict) -> tuple:
     }
     resumed = [next((r["step"] for r in recs if r["kind"] == "resumed"), None) for recs in ranks]
     facts["restart_resumed_at"] = resumed
+    rejoined = [p["time"] for (_, attempt), p in pools.items() if attempt == 1 and p.get("time")]
+    facts["restart_rejoin_s"] = round(max(rejoined) - crash_t, 1) if rejoined and crash_t else None
     reference0 = _reference(2, 0)
     combined = []
     for r in range(2):

@@ -194,6 +194,7 @@ def main() -> None:
                     epoch=epoch,
                     workers=[[r.pid, r.node_id] for r in loader.worker_records],
                     coordinator=coordinator_id(job),
+                    time=time.time(),
                 )
             if rank == 0 and at("count_at", epoch, step):
                 emit(kind="count", epoch=epoch, actors=alive_actors(), coordinator=coordinator_id(job))

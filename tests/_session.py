@@ -68,10 +68,21 @@ def settled_alive_worker_actors(timeout_s: float = 20.0) -> int:
     return last
 
 
+# Variables a fresh interpreter keeps although it must not join this session's Ray: the suite's
+# worker niceness (tests/conftest.py).
+SUITE_RAY_ENV = ("RAY_worker_niceness",)
+
+
+def fresh_env(extra: dict | None = None) -> dict:
+    """This process's environment without the RAY_* variables that would join its Ray, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in SUITE_RAY_ENV}
+    env.update(extra or {})
+    return env
+
+
 def run_python(code: str, timeout_s: int = 180, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """`code` in a new interpreter at the repository root, with no RAY_* variable of this process (no Ray to join)."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    env.update(env_extra or {})
+    env = fresh_env(env_extra)
     return subprocess.run(
         [sys.executable, "-c", textwrap.dedent(code)],
         cwd=REPO,
@@ -91,7 +102,7 @@ def read_facts(proc: subprocess.CompletedProcess) -> dict:
 
 def run_main(module: str, timeout_s: int = 240) -> dict:
     """`python -m <module>` (a tests._*_main driver with its own cluster) in a fresh interpreter: its facts."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = fresh_env()
     return read_facts(
         subprocess.run(
             [sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s

@@ -92,6 +92,22 @@ def test_two_ranks_share_one_pool_and_every_sample_comes_once(monkeypatch):
     assert wait_until(lambda: not _coordinator_alive("job-share"), timeout_s=20), "the pool outlived its last rank"
 
 
+def test_a_live_rank_whose_renewals_stop_keeps_the_pool(monkeypatch):
+    """The lease is renewed by liveness: a rank whose renewal thread falls silent for several leases (as a starved
+    process's would on a loaded machine) keeps the pool while its process lives, and finishes its epoch."""
+    monkeypatch.setenv("RAYDL_JOB_LEASE_S", "2")  # the coordinator checks every 0.5 s
+    loader = _rank_loader(monkeypatch, 0, 1, "job-liveness")
+    it = iter(loader)
+    first = next(it)
+    it._pool._stop.set()  # no renewal from here on
+    time.sleep(5.0)  # more than two leases with no renewal
+    assert _coordinator_alive("job-liveness"), "the pool ended under a live rank"
+    rows = torch.cat([first, *it]).tolist()
+    assert sorted(row[0] for row in rows) == list(range(N))
+    loader.shutdown()
+    assert wait_until(lambda: not _coordinator_alive("job-liveness"), timeout_s=20), "the pool outlived its rank"
+
+
 def test_job_batches_equal_private_loaders_with_sample_seeding(monkeypatch):
     """ray_seed='sample': a job's batches are the private loaders' ones, sample for sample."""
     private = []

@@ -13,6 +13,9 @@ import pytest
 
 from tests._session import run_main
 
+# The driver runs 4 phases of real rank processes on a 3-node cluster: ~2 min here when quiet; sized for a loaded machine.
+pytestmark = pytest.mark.timeout(1200)
+
 N = 96  # the driver's dataset: 2 ranks x 8 batches of 6, or 3 ranks x 8 batches of 4
 K = 2  # steps taken when the state was saved
 
@@ -20,7 +23,7 @@ K = 2  # steps taken when the state was saved
 @pytest.fixture(scope="module")
 def facts():
     """Runs tests/_job_cluster_main.py once and returns what it saw."""
-    return run_main("tests._job_cluster_main", timeout_s=300)
+    return run_main("tests._job_cluster_main", timeout_s=1100)
 
 
 def _ran(facts, phase: str, ranks: int) -> None:
@@ -117,7 +120,7 @@ def test_a_rank_restarted_by_torchrun_rejoins_the_pool(facts):
 
 def test_the_restarted_job_pool_ends_once_the_crashed_rank_lease_runs_out(facts):
     """The crashed rank never left: its lease held the pool after the restarted ranks left, and once it ran out
-    (the lease after the crash, RAYDL_JOB_LEASE_S=10 here, give or take a renewal) the pool ended. No actor is left in the cluster."""
+    (the lease after the crash, RAYDL_JOB_LEASE_S=45 here, give or take a renewal) the pool ended. No actor is left in the cluster."""
     _ran(facts, "restart", 1)
     assert facts["restart_pool_after_ranks_left"]
     assert facts["restart_pool_ended_after_crash_s"] >= facts["restart_lease_s"] / 2

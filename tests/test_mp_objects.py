@@ -152,8 +152,10 @@ def test_a_ray_actor_is_the_shared_counter():
     import subprocess
     import sys
 
+    from tests._session import fresh_env
+
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    env = fresh_env()
     proc = subprocess.run(
         [sys.executable, "-c", _COUNTER_SCRIPT], cwd=repo, env=env, capture_output=True, text=True, timeout=240
     )

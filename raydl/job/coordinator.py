@@ -65,7 +65,8 @@ class _Coordinator:
         self._payload_ref: Any = None
         self._fingerprint: Optional[dict] = None
         self._generations: list[int] = []
-        self._members: dict[str, float] = {}
+        self._members: dict[str, float] = {}  # member -> when it was last heard from (monotonic)
+        self._member_jobs: dict[str, str] = {}  # member -> its process's Ray job id (a driver's), for liveness
         self._ended = False
         self._version = 0
         self._lease_s = JOB_LEASE_S
@@ -121,6 +122,8 @@ class _Coordinator:
             if self._placement is not None:  # workers added or replaced later avoid every rank's node
                 self._placement.add_trainer_node(config.get("node_id"))
             self._members[member] = time.monotonic()
+            if config.get("job_id"):
+                self._member_jobs[member] = config["job_id"]
             return self._view()
 
     @staticmethod
@@ -317,6 +320,7 @@ class _Coordinator:
 
     def _drop(self, member: str) -> None:
         self._members.pop(member, None)
+        self._member_jobs.pop(member, None)
         self._reports.pop(member, None)
         for wid in list(self._retiring):
             self._retiring[wid].discard(member)
@@ -337,13 +341,39 @@ class _Coordinator:
                 if now - last_check < check_s:
                     continue
                 last_check = now
-                for m, seen in list(self._members.items()):
-                    if now - seen > self._lease_s:
-                        logger.info(
-                            "raydl job %r: a rank was not heard from for %.0f s: dropped", self._name, now - seen
-                        )
-                        self._drop(m)
+                late = [m for m, seen in self._members.items() if now - seen > self._lease_s]
+                alive = self._alive_members(late) if late else set()
+                for m in late:
+                    if m in alive:  # its renewals are late (a starved process), but it lives: it keeps its hold
+                        self._members[m] = now
+                        continue
+                    logger.info(
+                        "raydl job %r: a rank was not heard from for %.0f s and its process is gone: dropped",
+                        self._name,
+                        now - self._members[m],
+                    )
+                    self._drop(m)
                 self._end_if_unused()
+
+    def _alive_members(self, members: list) -> set:
+        """Those of `members` whose process is known to live: a driver whose Ray job GCS has not marked dead.
+
+        A lease is renewed by liveness (NOTE [ raydl job pool ]): on a loaded machine a rank's renewal
+        thread can be starved for longer than the lease, and a live rank must never lose the pool for
+        it. A member with no job id (it runs inside an actor, e.g. a Ray Train worker, whose job outlives
+        it) or a GCS that does not answer gives no liveness signal: the lease alone decides then."""
+        by_job = {m: self._member_jobs[m] for m in members if m in self._member_jobs}
+        if not by_job:
+            return set()
+        try:
+            import ray._private.worker as ray_worker
+
+            info = ray_worker.global_worker.gcs_client.get_all_job_info(timeout=5)
+            live_jobs = {job_id.hex() for job_id, data in info.items() if not data.is_dead}
+        except Exception as e:  # private API changed or GCS busy: fall back to the lease alone
+            logger.debug("raydl job %r: job liveness unknown (%s)", self._name, e)
+            return set()
+        return {m for m, job in by_job.items() if job in live_jobs}
 
     def _end_if_unused(self) -> None:
         if self._members or self._ended:

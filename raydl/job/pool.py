@@ -22,9 +22,12 @@ detached, so that no rank's exit takes the pool with it; job/coordinator.py):
     coordinator to replace the worker generation it knew; the first asks starts a replacement,
     the others get it. Every rank re-sends its own lost batches (NOTE [ raydl recovery ]).
   * membership: each rank's pool client registers with the coordinator and renews its lease from
-    a daemon thread (every JOB_LEASE_RENEW_S); a rank that leaves (iterator shut down) or whose
-    lease runs out (JOB_LEASE_S, or RAYDL_JOB_LEASE_S in the environment of the rank that starts
-    the pool: its process died) is dropped. With no member left the
+    a daemon thread (every JOB_LEASE_RENEW_S); a rank that leaves (iterator shut down) is dropped,
+    and so is one whose lease ran out (JOB_LEASE_S, or RAYDL_JOB_LEASE_S in the environment of the
+    rank that starts the pool) once its process is gone. The lease is renewed by liveness: a rank
+    that is a Ray driver registers its Ray job, and a lease that runs out while GCS still lists
+    that job alive is renewed (a starved renewal thread on a loaded machine never costs a live
+    rank the pool); a rank inside an actor (Ray Train) has only the lease. With no member left the
     coordinator ends the workers and itself; a restarted rank finds the pool while any rank
     holds it, or starts a new one. A coordinator that died is recreated by the next rank that
     calls it (its workers die with it: each rank's recovery asks for a replacement, finds the
@@ -159,6 +162,9 @@ class JobPool:
             "node_id": ray.get_runtime_context().get_node_id(),
             "startup_timeout_s": startup_timeout_s,
             "lease_s": lease_s(),
+            # a driver's Ray job id: the coordinator keeps its hold while the job lives (NOTE [ raydl job pool ]);
+            # inside an actor (Ray Train) the job outlives the rank, so the lease alone decides there
+            "job_id": None if ray.get_runtime_context().get_actor_id() else ray.get_runtime_context().get_job_id(),
         }
         self._renew_s = min(JOB_LEASE_RENEW_S, self._config["lease_s"] / 4)
         self._member = f"{rank}-{uuid.uuid4().hex[:8]}"
