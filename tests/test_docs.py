@@ -186,6 +186,7 @@ def test_syntax_only_block_compiles(block):
     compile(block.code, block.name, "exec")
 
 
+@pytest.mark.usefixtures("release_warm_workers_after_module")
 @pytest.mark.parametrize("block", [b for b in BLOCKS if not b.syntax_only], ids=lambda b: b.name)
 def test_block_runs(block, ray_session, tmp_path, monkeypatch):
     """The block runs to its end on the local Ray (in a temporary directory) and releases its workers."""
