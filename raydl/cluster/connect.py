@@ -40,13 +40,44 @@ from typing import Any, Iterator, Mapping, Optional
 from .._constants import CONNECT_PROBE_TIMEOUT_S, DEFAULT_WORKER_OPTIONS, LOCAL_FREE_OBJECTS_PERIOD_MS
 from .node_ray import share_node_ray
 
-__all__ = ["ensure_ray_initialized", "worker_actor_options", "resource_request", "describe_placement", "fits_available"]
+__all__ = [
+    "ensure_ray_initialized",
+    "ray_session",
+    "worker_actor_options",
+    "resource_request",
+    "describe_placement",
+    "fits_available",
+]
 
 logger = logging.getLogger(__name__)
 
 _LOOPBACK_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WORKER_NICENESS_ENV_VAR = "RAY_worker_niceness"
 _init_lock = threading.Lock()
+_last_session: Optional[str] = None  # the Ray session this process last used, to say when it is gone
+
+
+def ray_session() -> Optional[str]:
+    """This process's Ray session ("GCS address/job id"), or None while Ray is not initialized.
+
+    NOTE [ raydl no Ray behind the user's back ]
+    Ray starts a brand-new local Ray (dashboard included) when a process that is not connected
+    calls `ray.get`, `ray.wait`, `ray.kill`, `ray.get_actor`, `ray.get_runtime_context` or
+    `.remote()`. raydl's background paths (the warm pool's reaper, the job lease renewal, the
+    finalizers of collected loaders and pools, the exit hook) run whenever they run, also after
+    the user's `ray.shutdown()`: each asks this function first and does nothing with Ray when it
+    returns None or another session than the one its actors belong to (their handles died with
+    that session). Only a loader's own iteration (or `raydl.start()`) connects, by the module's
+    precedence, and it says so when Ray was shut down after this process used it.
+    """
+    ray = sys.modules.get("ray")
+    if ray is None or not ray.is_initialized():
+        return None
+    try:
+        ctx = ray.get_runtime_context()  # connected: no auto-init
+        return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+    except Exception:  # shutting down under us
+        return None
 
 
 def ensure_ray_initialized(ray_address: Optional[str]) -> None:
@@ -55,16 +86,36 @@ def ensure_ray_initialized(ray_address: Optional[str]) -> None:
     Raises:
         ConnectionError: `ray_address` or `RAY_ADDRESS` names no reachable Ray cluster.
     """
+    global _last_session
     with _init_lock:
         ray = sys.modules.get("ray")  # not imported yet: not initialized (NOTE [ raydl node Ray ] needs it unimported)
         if ray is not None and ray.is_initialized():
+            _last_session = _last_session or ray_session()
             return
-        if ray_address is not None:
-            _connect(ray_address, source="ray_address")
-        elif os.environ.get("RAY_ADDRESS"):
-            _connect(os.environ["RAY_ADDRESS"], source="RAY_ADDRESS")
-        elif not share_node_ray(_start_local_ray, _connect_loopback):
-            _start_local_ray()
+        if _last_session is not None:
+            how = (
+                f"joining {ray_address!r} (ray_address)"
+                if ray_address is not None
+                else f"joining RAY_ADDRESS={os.environ['RAY_ADDRESS']!r}"
+                if os.environ.get("RAY_ADDRESS")
+                else "starting Ray again as on first use"
+            )
+            logger.warning(
+                "raydl: Ray was shut down after this process used it (session %s); a loader is iterated: %s",
+                _last_session,
+                how,
+            )
+        _connect_by_precedence(ray_address)
+        _last_session = ray_session()
+
+
+def _connect_by_precedence(ray_address: Optional[str]) -> None:
+    if ray_address is not None:
+        _connect(ray_address, source="ray_address")
+    elif os.environ.get("RAY_ADDRESS"):
+        _connect(os.environ["RAY_ADDRESS"], source="RAY_ADDRESS")
+    elif not share_node_ray(_start_local_ray, _connect_loopback):
+        _start_local_ray()
 
 
 def _probe(address: str, source: str) -> None:

@@ -72,6 +72,9 @@ class WorkerPool:
         track_rng: bool = True,
         epoch: int = 0,
     ) -> None:
+        from .connect import ray_session
+
+        self._session = ray_session()  # its actors live and die with this Ray session
         self.num_workers = num_workers
         # the snapshot each worker starts from (NOTE [ raydl checkpoint ]); None: a fresh start
         self._worker_states: list[Optional[dict]] = list(worker_states) if worker_states else [None] * num_workers
@@ -118,12 +121,21 @@ class WorkerPool:
         self._alive = True
         logger.debug("raydl: %d workers (%d warm) with options %s", num_workers, len(warm), self.actor_options)
 
+    def in_session(self) -> bool:
+        """Whether Ray still runs the session this pool's actors belong to (never starts one)."""
+        from .connect import ray_session
+
+        return self._session is not None and ray_session() == self._session
+
     def abandon(self, worker_id: int, ref: Any) -> None:
         """The driver no longer needs the result of `ref`, a task on worker `worker_id`.
 
         Only unfinished refs are kept (finished ones are dropped so their objects are freed).
         """
         import ray
+
+        if not self.in_session():  # Ray shut down: nothing to keep, no call (it would start a new Ray)
+            return
 
         refs = self._abandoned[worker_id] + [ref]
         _, pending = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
@@ -429,6 +441,13 @@ class WorkerPool:
         if not self._alive:
             return
         self._alive = False
+        if not self.in_session():
+            # Ray was shut down since this pool started: its actors died with that session, and a
+            # call now would start a new Ray behind the user's back (NOTE [ raydl no Ray behind the user's back ]).
+            self._ready_refs = [None] * len(self.actors)
+            self.joining = {}
+            logger.debug("raydl: pool ended with its Ray session")
+            return
         import ray
 
         reusable: dict[str, list] = {}

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .._constants import WARM_DRAIN_TIMEOUT_S, WARM_IDLE_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
+from .connect import ray_session
 
 __all__ = ["WARM_POOL", "release_idle_workers", "warm_key"]
 
@@ -58,17 +59,12 @@ def _idle_timeout_s() -> float:
         return WARM_IDLE_TIMEOUT_S
 
 
-def _session_id() -> str:
-    import ray
-
-    ctx = ray.get_runtime_context()
-    return f"{ctx.gcs_address}/{ctx.get_job_id()}"
-
-
 def _kill(actor: Any) -> None:
     import ray
 
-    if not ray.is_initialized():  # Ray already shut down: its actors went with it (and never auto-init)
+    if (
+        ray_session() is None
+    ):  # Ray already shut down: its actors went with it (NOTE [ raydl no Ray behind the user's back ])
         return
     try:
         ray.kill(actor, no_restart=True)
@@ -84,6 +80,8 @@ class _Idle:
     pending: list
 
     def drained(self) -> bool:
+        if self.pending and ray_session() is None:  # Ray shut down: the tasks went with it (never auto-init)
+            self.pending = []
         if self.pending:
             import ray
 
@@ -106,7 +104,7 @@ class WarmPool:
 
     def take(self, key: str, n: int) -> list[Any]:
         """Up to `n` idle actors started with options `key` (fresher ones first)."""
-        session = _session_id()
+        session = ray_session()
         now = time.monotonic()
         limit_s = _idle_timeout_s() * 0.8  # leave the reaper a margin: never hand out one it is killing
         with self._lock:
@@ -132,7 +130,11 @@ class WarmPool:
         """Keep `(actor, unfinished abandoned refs)` pairs (reset queued) for later loaders; kill the surplus."""
         if not actors:
             return
-        session = _session_id()
+        session = ray_session()
+        if session is None:  # Ray was shut down: these actors died with it, and no call may start a new one
+            with self._lock:
+                self._idle.clear()
+            return
         now = time.monotonic()
         surplus = []
         with self._lock:
@@ -180,6 +182,13 @@ class WarmPool:
         while True:
             self._wake.wait(timeout=1.0)
             self._wake.clear()
+            if ray_session() != self._session:
+                # Ray was shut down (or restarted): the idle actors died with their session, so this thread
+                # forgets them and ends without one Ray call (NOTE [ raydl no Ray behind the user's back ]).
+                with self._lock:
+                    self._idle.clear()
+                    self._reaper = None
+                return
             timeout_s = _idle_timeout_s()
             now = time.monotonic()
             expired = []

@@ -470,8 +470,9 @@ class _RayLoaderIter(Iterator[Any]):
 
     @property
     def reusable(self) -> bool:
-        """Whether a persistent loader can start its next epoch on this iterator's workers."""
-        return self._state != _State.SHUT_DOWN and self._pool.alive
+        """Whether a persistent loader can start its next epoch on this iterator's workers (they live in this
+        process's current Ray session: after the user's `ray.shutdown()` a new iterator starts anew)."""
+        return self._state != _State.SHUT_DOWN and self._pool.alive and self._pool.in_session()
 
     def _deadline(self) -> Optional[float]:
         return time.monotonic() + self._timeout if self._timeout > 0 else None

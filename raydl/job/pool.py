@@ -168,6 +168,9 @@ class JobPool:
         }
         self._renew_s = min(JOB_LEASE_RENEW_S, self._config["lease_s"] / 4)
         self._member = f"{rank}-{uuid.uuid4().hex[:8]}"
+        from ..cluster.connect import ray_session
+
+        self._session = ray_session()
         self._startup_timeout_s = startup_timeout_s
         self.epoch = 0
         self.joining: dict[int, float] = {}
@@ -323,7 +326,16 @@ class JobPool:
     def shutdown(self, tasks_known: bool = True) -> None:
         if self._alive:
             self._alive = False
-            _leave(self._coord, self._member, self._stop)
+            if self.in_session():  # else Ray was shut down: the coordinator's handle died with it
+                _leave(self._coord, self._member, self._stop)
+            else:
+                self._stop.set()
+
+    def in_session(self) -> bool:
+        """Whether Ray still runs the session this rank joined the job in (never starts one)."""
+        from ..cluster.connect import ray_session
+
+        return self._session is not None and ray_session() == self._session
 
     def renew(self) -> bool:
         import ray
@@ -338,10 +350,10 @@ class JobPool:
 
 
 def _leave(coord: Any, member: str, stop: threading.Event) -> None:
-    import ray
+    from ..cluster.connect import ray_session
 
     stop.set()
-    if not ray.is_initialized():  # Ray already shut down (a call would start a new one): the lease runs out
+    if ray_session() is None:  # Ray already shut down (a call would start a new one): the lease runs out
         return
     try:
         coord.leave.remote(member)
@@ -350,9 +362,11 @@ def _leave(coord: Any, member: str, stop: threading.Event) -> None:
 
 
 def _renew_loop(pool_ref: Any, stop: threading.Event, every_s: float) -> None:
+    from ..cluster.connect import ray_session
+
     while not stop.wait(every_s):
         pool = pool_ref()
-        if pool is None or not pool.alive:
+        if pool is None or not pool.alive or ray_session() is None:  # never a call that would start a Ray
             return
         pool.renew()
         del pool
