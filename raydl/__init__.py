@@ -24,6 +24,9 @@ from ._errors import WorkerDiedError, WorkerPlacementError, WorkerRecord
 _LAZY = {
     "DataLoader": ".loader",
     "ArrowDataset": ".data.arrow",
+    "ParquetDataset": ".data.parquet",
+    "ParquetShuffleSampler": ".data.parquet",
+    "ParquetDistributedSampler": ".data.parquet",
     "get_worker_info": ".worker.actor",
     "release_idle_workers": ".cluster.warm",
     "start": ".cluster.startup",
@@ -40,6 +43,9 @@ _LAZY = {
 __all__ = [
     "DataLoader",
     "ArrowDataset",
+    "ParquetDataset",
+    "ParquetShuffleSampler",
+    "ParquetDistributedSampler",
     "get_worker_info",
     "release_idle_workers",
     "start",

@@ -217,10 +217,14 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._next_iter_state: Optional[Mapping] = None  # from load_state_dict, for the next iter()
         self._state_source: Any = None  # what state_dict() reads: the last iterator's (or its tracker)
         self._prepared_iter: Any = None  # made by state_dict() before any iteration; the next iter() returns it
+        torch_shuffle = shuffle
+        if shuffle and sampler is None and batch_sampler is None and hasattr(dataset, "raydl_shuffle_sampler"):
+            # the dataset supplies what shuffle=True means over it (NOTE [ raydl parquet shuffle ] in data/parquet.py)
+            sampler, torch_shuffle = dataset.raydl_shuffle_sampler(generator), False
         super().__init__(
             dataset,
             batch_size=batch_size,
-            shuffle=shuffle,
+            shuffle=torch_shuffle,
             sampler=sampler,
             batch_sampler=batch_sampler,
             num_workers=num_workers,

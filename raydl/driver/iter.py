@@ -61,6 +61,7 @@ from .. import _constants
 from .._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
 from .._options import RayOptions
+from ..cluster.cache import CacheFeed
 from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
@@ -128,6 +129,10 @@ class _RayLoaderIter(Iterator[Any]):
         self._state = _State.RUNNING
         self._pin_stage: Optional[PinStage] = None
         self._source_ended = False
+        # a dataset streamed through the node cache, which is told the epoch's order (NOTE [ raydl node cache ])
+        self._feed = CacheFeed.for_dataset(
+            loader.dataset, getattr(self._index_sampler, "batch_size", 1) if self._auto_collation else 1
+        )
 
         warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
         self._pin_device = pin_memory_target(loader.pin_memory)
@@ -333,6 +338,9 @@ class _RayLoaderIter(Iterator[Any]):
         self._elastic.new_epoch()
         for _ in range(self._sched.max_tasks):
             self._try_put_index()
+        if self._feed is not None:
+            in_flight = {i: t.index for i, t in self._sched.task_info.items()}
+            self._feed.begin_epoch(self._sampler_iter, in_flight, self._rcvd_idx, self._send_idx)
 
     def _try_put_index(self) -> None:
         """Draw the next index from the sampler and give it to the next eligible worker (torch's rule)."""
@@ -357,6 +365,8 @@ class _RayLoaderIter(Iterator[Any]):
         elif self._job_rank is not None:  # a job's batch, keyed by its rank (NOTE [ raydl job pool ])
             work = (("batch", self._base_seed, self._epoch, self._send_idx, self._job_rank), work)
         self._sched.add(self._send_idx, worker_id, index, work)
+        if self._feed is not None:
+            self._feed.on_send(self._send_idx, index)
         self._send_idx += 1
 
     def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
@@ -447,6 +457,8 @@ class _RayLoaderIter(Iterator[Any]):
         self._sched.pop(idx)
         if idx == self._rcvd_idx:
             self._rcvd_idx += 1
+        if self._feed is not None:
+            self._feed.advance(self._rcvd_idx, self._send_idx)
 
     def _retire_worker(self, worker_id: int) -> None:
         """Iterable worker `worker_id` has no more data this epoch: send it nothing more."""
@@ -455,11 +467,15 @@ class _RayLoaderIter(Iterator[Any]):
     def _release_workers(self) -> None:
         """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors (or keep them warm)."""
         self._drop_all_tasks()
+        if getattr(self, "_feed", None) is not None:
+            self._feed.close()
         self._release_pool.detach()
         self._pool.shutdown()
 
     def _end_epoch(self) -> None:
         self._state = _State.EXHAUSTED
+        if self._feed is not None:
+            self._feed.close()
         if not self._persistent_workers:
             self._release_workers()
 

@@ -121,6 +121,12 @@ class LoaderStats:
             handed out (now). Batches handed out without pinning keep their object-store memory
             while the loop holds their tensors (NOTE [ raydl zero-copy ]); those are not counted.
         total: `StatsTotals` over every epoch of these workers.
+        cache: for a dataset streamed through the node cache (`raydl.ParquetDataset`), that
+            cache's figures for the epoch: `hits`, `misses`, `hit_rate` (units present when a
+            worker asked), `bytes_fetched` from storage, `retries` (transient storage errors),
+            `evictions`, `prefetch_depth` (units held ahead of the cursor, now), `bytes_held`,
+            `peak_bytes` and `limit_bytes`, `wait_s` (workers' time waiting on storage) and
+            `storage_wait_share` (its share of the workers' busy time); else None.
     `str(stats)` is a compact table; `stats.timeline(path)` writes a Chrome trace (and a PNG).
     """
 
@@ -136,6 +142,7 @@ class LoaderStats:
     store_bytes_held: int
     total: StatsTotals
     first_batch_s: float = 0.0
+    cache: Optional[dict] = None
     _first_wait_s: float = field(default=0.0, repr=False)
     _spans: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -178,6 +185,14 @@ class LoaderStats:
         widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
         for r in [header, *rows]:
             lines.append("  ".join(c.rjust(wd) if i else c.ljust(wd) for i, (c, wd) in enumerate(zip(r, widths))))
+        c = self.cache
+        if c:
+            lines.append(
+                f"node cache: {c['hits']} hits, {c['misses']} misses ({c['hit_rate']:.0%}), "
+                f"{_fmt_bytes(c['bytes_fetched'])} fetched, {c['retries']} retries, prefetch depth "
+                f"{c['prefetch_depth']} units, {_fmt_bytes(c['bytes_held'])} held (peak {_fmt_bytes(c['peak_bytes'])}, "
+                f"limit {_fmt_bytes(c['limit_bytes'])}), workers waited on storage {c['storage_wait_share']:.1%} of their time"
+            )
         t = self.total
         lines.append(
             f"total over {t.epochs} epoch(s): {t.batches} batches, {t.samples} samples in {t.wall_s:.2f} s; "
@@ -485,9 +500,15 @@ class StatsRecorder:
             store_bytes_held=held,
             total=total,
             first_batch_s=self._first_batch[0],
+            cache=self._cache_figures(sum(w.busy_s for w in workers)),
             _first_wait_s=self._first_batch[1],
             _spans=spans,
         )
+
+    def _cache_figures(self, busy_s: float) -> Optional[dict]:
+        """The node cache's figures for a streamed dataset (NOTE [ raydl node cache ]), else None."""
+        feed = getattr(self._iter_ref(), "_feed", None)
+        return feed.stats(busy_s) if feed is not None else None
 
     def _live_figures(self) -> tuple[int, int]:
         """(batches in flight, object-store bytes of those already made), read from the live iterator."""

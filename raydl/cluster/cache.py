@@ -1,0 +1,667 @@
+"""The node cache: one actor per node and cache folder, holding units (byte ranges of files) fetched ahead in the known order.
+
+NOTE [ raydl node cache ]
+What a streamed dataset (data/parquet.py) reads is split into units: a row group's column
+chunks, a few byte ranges of one file. Every node has one `NodeCache` actor per cache folder
+(named after the node and the folder, detached, found with `get_if_exists`), shared by every
+worker of the node and by every rank of a `ray_job` there.
+  * the order ahead: the driver (`CacheFeed`, called by driver/iter.py) tells the cache, per
+    stream (one per loader iterator, so per rank), which units each batch of the epoch uses, by
+    batch position: the whole epoch when the sampler knows it (the dataset's shuffle sampler),
+    else each batch as it is sent to a worker. It also reports its cursor: the next batch to
+    hand out, and the end of the batches in flight.
+  * fetching: a scheduler thread starts up to FETCH_PARALLEL fetches at once, always of the
+    missing unit used first: a unit a worker is waiting for (`acquire`), then the next unit in
+    the plans' order of first use. A fetch reserves its bytes before it starts, writes to a
+    temporary name in the folder and renames it to the unit's key when whole: a unit is
+    visible only whole, and the bytes held (reserved included) never exceed the limit.
+  * eviction (Belady): to make room, the unit whose next use is farthest in the future goes
+    first (a unit no plan uses again is at infinity), and only if that is later than the next
+    use of the unit to fetch; otherwise prefetching waits. A unit a worker is reading (pinned
+    between `acquire` and `release`) is never evicted; one used by a batch in flight is evicted
+    only to serve a worker that waits on a missing unit when nothing else can go (a limit too
+    small for the batches in flight: refetched, never a deadlock).
+  * workers `acquire` the units of a batch: they get the local paths of those present (pinned),
+    read them, `release` them, and ask again for the rest; no worker holds a pin while it waits,
+    so a limit of two units always makes progress. Every wait is bounded (ACQUIRE_SLICE_S per
+    call, READ_TIMEOUT_S in all).
+  * storage faults: transient errors (HTTP 5xx, SlowDown, throttling, connection reset,
+    timeouts) are retried with exponential backoff up to STORAGE_ATTEMPTS times and counted;
+    others (a missing file, access denied) fail the unit at once, and the worker raises naming
+    the file. A full disk is named with the folder.
+  * the folder: units are files named by their key (a hash of path, size, mtime, row group and
+    ranges), so two loaders, or two Ray clusters, on one node share a folder safely: each sees
+    only whole files, adopts a file another wrote instead of fetching it, and a worker whose file
+    vanished (evicted by the other) asks again. A restarted cache adopts the intact files (right
+    name, right size) of the units it is told about, up to its limit; temporary files older than
+    an hour are removed. Each cache counts its own files against its limit.
+Known limits: the plan goes to the cache on the driver's node; a worker on another node uses its
+own node's cache on demand (no order ahead, no locality in the choice of worker).
+"""
+
+from __future__ import annotations
+
+import bisect
+import errno
+import hashlib
+import logging
+import os
+import random
+import threading
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import numpy as np
+
+__all__ = ["NodeCache", "CacheFeed", "node_cache", "read_units", "with_retries", "is_transient"]
+
+logger = logging.getLogger(__name__)
+
+FETCH_PARALLEL = 8  # concurrent storage requests per node cache
+STORAGE_ATTEMPTS = 6  # tries per request on a transient error
+BACKOFF_S = 0.05  # first backoff; doubles per try, capped at BACKOFF_MAX_S, with jitter
+BACKOFF_MAX_S = 2.0
+ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
+READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
+IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
+_TMP = ".tmp-"
+_NOT_TRANSIENT = ("NO_SUCH_KEY", "NoSuchKey", "ACCESS_DENIED", "AccessDenied", "does not exist", "NoSuchBucket")
+INF = float("inf")
+
+
+def is_transient(e: BaseException) -> bool:
+    """Whether a storage error is worth retrying: 5xx, SlowDown, throttling, resets, timeouts (not a missing file)."""
+    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
+        return False
+    if isinstance(e, (TimeoutError, ConnectionError)):
+        return True
+    return isinstance(e, OSError) and not any(s in str(e) for s in _NOT_TRANSIENT)
+
+
+def with_retries(fn: Callable[[], Any], what: str, on_retry: Optional[Callable[[BaseException], None]] = None) -> Any:
+    """`fn()`, retried with exponential backoff on transient storage errors (NOTE [ raydl node cache ])."""
+    for attempt in range(STORAGE_ATTEMPTS):
+        try:
+            return fn()
+        except Exception as e:
+            if not is_transient(e) or attempt == STORAGE_ATTEMPTS - 1:
+                raise
+            if on_retry is not None:
+                on_retry(e)
+            delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * (0.5 + random.random())
+            logger.debug("raydl cache: %s failed (%s); retry in %.2f s", what, e, delay)
+            time.sleep(delay)
+    raise AssertionError("unreachable")
+
+
+class _Stream:
+    """One loader iterator's plan: the units of each batch position, and its cursors."""
+
+    def __init__(self) -> None:
+        self.steps: dict[int, list] = {}  # batch position -> unit keys
+        self.uses: dict[str, list] = {}  # unit key -> sorted batch positions using it
+        self.cursor = 0  # next batch to hand out
+        self.sent = 0  # end of the batches in flight
+        self.last = -1  # last position known
+
+    def add(self, step: int, keys: list) -> None:
+        self.steps[step] = keys
+        self.last = max(self.last, step)
+        for k in keys:
+            lst = self.uses.setdefault(k, [])
+            if not lst or lst[-1] < step:
+                lst.append(step)
+            else:
+                bisect.insort(lst, step)
+
+    def next_use(self, key: str) -> tuple[float, bool]:
+        """(batches until the key's next use, whether a batch in flight uses it)."""
+        lst = self.uses.get(key)
+        if not lst:
+            return INF, False
+        i = bisect.bisect_left(lst, self.cursor)
+        if i == len(lst):
+            return INF, False
+        return float(lst[i] - self.cursor), lst[i] < self.sent
+
+
+class NodeCache:
+    """The node's cache actor (NOTE [ raydl node cache ]); made by `node_cache`, never directly."""
+
+    def __init__(self, cache_dir: str, limit_bytes: int) -> None:
+        os.makedirs(cache_dir, exist_ok=True)
+        self._dir = cache_dir
+        self._limit = int(limit_bytes)
+        self._cv = threading.Condition()
+        self._specs: dict[str, tuple] = {}  # key -> (fs token, path, file size, segments, nbytes)
+        self._fs: dict[str, Any] = {}
+        self._keys: dict[str, list] = {}  # dataset token -> unit keys by unit id
+        self._ready: dict[str, int] = {}  # key -> nbytes, whole on disk
+        self._fetching: dict[str, int] = {}  # key -> nbytes reserved
+        self._pins: dict[str, int] = {}
+        self._failed: dict[str, str] = {}
+        self._urgent: dict[str, int] = {}  # key -> order of the request
+        self._streams: dict[str, _Stream] = {}
+        self._used = 0
+        self._n = 0
+        self._stats = dict(
+            hits=0, misses=0, bytes_fetched=0, fetches=0, adopted=0, evictions=0, retries=0, failures=0, peak_bytes=0
+        )
+        self._wait_s = 0.0
+        self._last_call = time.monotonic()
+        self._pool = ThreadPoolExecutor(FETCH_PARALLEL)
+        self._clean_tmp()
+        threading.Thread(target=self._loop, name="raydl-cache", daemon=True).start()
+
+    def __repr__(self) -> str:
+        return f"raydl.NodeCache({self._dir})"
+
+    # ------------------------------------------------------------------ driver and worker calls
+
+    def register(self, token: str, fs: Any, units: list) -> None:
+        """A dataset's units: (path, file size, segments, key) per unit id; intact files already there are adopted."""
+        with self._cv:
+            self._touch()
+            if token in self._keys:
+                return
+            self._fs[token] = fs
+            keys = []
+            for path, size, segs, key in units:
+                nbytes = sum(n for _, n in segs)
+                self._specs.setdefault(key, (token, path, size, segs, nbytes))
+                keys.append(key)
+                if key not in self._ready and key not in self._fetching and self._intact(key, nbytes):
+                    if self._used + nbytes <= self._limit:
+                        self._ready[key] = nbytes
+                        self._used += nbytes
+                        self._stats["adopted"] += 1
+                    else:  # left by an earlier cache beyond this one's limit: the folder stays within it
+                        _unlink(os.path.join(self._dir, key))
+            self._keys[token] = keys
+            self._peak()
+
+    def plan(self, sid: str, token: str, first: int, steps: list) -> None:
+        """Stream `sid`'s batches from position `first` on: `steps[j]` = unit ids of batch first + j."""
+        with self._cv:
+            self._touch()
+            keys = self._keys[token]
+            s = self._streams.setdefault(sid, _Stream())  # an `extend` may have come first
+            s.cursor = s.sent = first
+            for j, units in enumerate(steps):
+                s.add(first + j, [keys[u] for u in units])
+            self._cv.notify_all()
+
+    def extend(self, sid: str, token: str, step: int, units: list) -> None:
+        with self._cv:
+            s = self._streams.setdefault(sid, _Stream())
+            s.add(step, [self._keys[token][u] for u in units])
+            self._cv.notify_all()
+
+    def advance(self, sid: str, cursor: int, sent: int) -> None:
+        with self._cv:
+            self._touch()
+            s = self._streams.get(sid)
+            if s is not None and cursor >= s.cursor:  # calls may run out of order: cursors only move on
+                for step in [k for k in s.steps if k < cursor]:
+                    del s.steps[step]
+                s.cursor, s.sent = cursor, sent
+                self._cv.notify_all()
+
+    def close(self, sid: str) -> None:
+        with self._cv:
+            self._streams.pop(sid, None)
+            self._cv.notify_all()
+
+    def acquire(self, token: str, units: list, timeout_s: float, count: bool = True) -> dict:
+        """Pin and return {unit id: local path} of the units present, waiting (bounded) until one is.
+
+        Units absent are asked for at once (before any unit of a plan). `count`: this is the
+        batch's first call, whose units count as hits (present) or misses (absent).
+
+        Returns {"ready": {...}, "errors": {unit id: message}, "unknown": dataset not registered}.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + min(timeout_s, ACQUIRE_SLICE_S)
+        with self._cv:
+            self._touch()
+            keys = self._keys.get(token)
+            if keys is None:
+                return {"ready": {}, "errors": {}, "unknown": True}
+            waited = False
+            if count:
+                for u in units:
+                    self._stats["hits" if keys[u] in self._ready else "misses"] += 1
+            while True:
+                ready, errors = {}, {}
+                for u in units:
+                    k = keys[u]
+                    if k in self._ready:
+                        ready[u] = os.path.join(self._dir, k)
+                    elif k in self._failed:
+                        errors[u] = self._failed.pop(k)
+                for u in units:
+                    k = keys[u]
+                    if k not in self._ready and k not in self._fetching and k not in self._urgent:
+                        self._n += 1
+                        self._urgent[k] = self._n
+                if ready or errors:
+                    for u in ready:
+                        k = keys[u]
+                        self._pins[k] = self._pins.get(k, 0) + 1
+                    if waited:
+                        self._wait_s += time.monotonic() - t0
+                    return {"ready": ready, "errors": errors, "unknown": False}
+                waited = True
+                self._cv.notify_all()
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._wait_s += time.monotonic() - t0
+                    return {"ready": {}, "errors": {}, "unknown": False}
+                self._cv.wait(left)
+
+    def release(self, token: str, units: list, lost: tuple = ()) -> None:
+        """Unpin units read; `lost`: units whose file had vanished (another cache evicted it): forget them."""
+        with self._cv:
+            keys = self._keys.get(token, [])
+            for u in units:
+                k = keys[u]
+                if self._pins.get(k, 0) > 1:
+                    self._pins[k] -= 1
+                else:
+                    self._pins.pop(k, None)
+            for u in lost:
+                k = keys[u]
+                if k in self._ready and not self._pins.get(k):
+                    self._used -= self._ready.pop(k)
+            self._cv.notify_all()
+
+    def stats(self) -> dict:
+        """Counters, bytes held now and at peak, the limit, and the prefetch depth (units held ahead of the cursors)."""
+        with self._cv:
+            ahead = sum(1 for k in self._ready if self._next_use(k)[0] < INF)
+            return dict(
+                self._stats,
+                bytes_held=self._used,
+                limit_bytes=self._limit,
+                units_held=len(self._ready),
+                prefetch_depth=ahead,
+                fetching=len(self._fetching),
+                wait_s=self._wait_s,
+            )
+
+    def reset_stats(self) -> None:
+        with self._cv:
+            for k in self._stats:
+                self._stats[k] = 0
+            self._stats["peak_bytes"] = self._used
+            self._wait_s = 0.0
+
+    # ------------------------------------------------------------------ scheduling
+
+    def _touch(self) -> None:
+        self._last_call = time.monotonic()
+
+    def _peak(self) -> None:
+        if self._used > self._stats["peak_bytes"]:
+            self._stats["peak_bytes"] = self._used
+        assert self._used <= self._limit, (self._used, self._limit)
+
+    def _next_use(self, key: str) -> tuple[float, bool]:
+        best, in_flight = INF, False
+        for s in self._streams.values():
+            d, f = s.next_use(key)
+            best, in_flight = min(best, d), in_flight or f
+        return best, in_flight
+
+    def _candidate(self) -> Optional[tuple[float, str]]:
+        """The missing unit used first: a unit a worker waits for, else the plans' next in order of first use."""
+        if self._urgent:
+            key = min(self._urgent, key=self._urgent.__getitem__)
+            return -1.0, key
+        best: Optional[tuple[float, str]] = None
+        for s in self._streams.values():
+            for step in range(s.cursor, s.last + 1):
+                if best is not None and step - s.cursor >= best[0]:
+                    break
+                keys = s.steps.get(step, ())
+                hit = next(
+                    (k for k in keys if k not in self._ready and k not in self._fetching and k not in self._failed),
+                    None,
+                )
+                if hit is not None:
+                    best = (float(step - s.cursor), hit)
+                    break
+        return best
+
+    def _make_room(self, nbytes: int, dist: float) -> bool:
+        """Evict (Belady) until `nbytes` fit, only units used later than `dist`; False if they cannot fit now."""
+        while self._used + nbytes > self._limit:
+            victim, far, victim_in_flight = None, -2.0, True
+            for k in self._ready:
+                if self._pins.get(k):
+                    continue
+                d, in_flight = self._next_use(k)
+                # units of batches in flight go last, and only for a worker waiting now (dist < 0)
+                if (in_flight, -d) < (victim_in_flight, -far):
+                    victim, far, victim_in_flight = k, d, in_flight
+            if victim is None or far <= dist or (victim_in_flight and dist >= 0):
+                return False
+            self._evict(victim)
+        return True
+
+    def _evict(self, key: str) -> None:
+        self._used -= self._ready.pop(key)
+        self._stats["evictions"] += 1
+        try:
+            os.unlink(os.path.join(self._dir, key))
+        except FileNotFoundError:
+            pass
+
+    def _loop(self) -> None:
+        with self._cv:
+            while True:
+                while len(self._fetching) < FETCH_PARALLEL:
+                    cand = self._candidate()
+                    if cand is None:
+                        break
+                    dist, key = cand
+                    nbytes = self._specs[key][4]
+                    if nbytes > self._limit or not self._make_room(nbytes, dist):
+                        break
+                    self._urgent.pop(key, None)
+                    self._fetching[key] = nbytes
+                    self._used += nbytes
+                    self._peak()
+                    self._pool.submit(self._fetch, key)
+                self._cv.wait(0.2)
+                if not self._streams and time.monotonic() - self._last_call > IDLE_EXIT_S:
+                    logger.info("raydl cache %s: idle for %.0f s, exiting", self._dir, IDLE_EXIT_S)
+                    os._exit(0)
+
+    def _fetch(self, key: str) -> None:
+        token, path, size, segs, nbytes = self._specs[key]
+        fs = self._fs[token]
+        final = os.path.join(self._dir, key)
+        error = None
+        try:
+            if not self._intact(key, nbytes):  # another loader sharing the folder may have written it
+
+                def on_retry(e: BaseException) -> None:
+                    with self._cv:
+                        self._stats["retries"] += 1
+
+                def read() -> list:
+                    with fs.open_input_file(path) as f:
+                        return [f.read_at(n, off) for off, n in segs]
+
+                parts = with_retries(read, f"reading {path}", on_retry)
+                got = sum(len(p) for p in parts)
+                if got != nbytes:
+                    raise OSError(f"{path} is truncated: read {got} of {nbytes} bytes of its column chunks")
+                tmp = os.path.join(self._dir, f"{_TMP}{key}-{uuid.uuid4().hex[:8]}")
+                try:
+                    with open(tmp, "wb") as out:
+                        for p in parts:
+                            out.write(p)
+                    os.replace(tmp, final)
+                except OSError as e:
+                    _unlink(tmp)
+                    if e.errno == errno.ENOSPC:
+                        raise OSError(e.errno, f"the cache folder {self._dir} is full (no space left on device)") from e
+                    raise
+                with self._cv:
+                    self._stats["bytes_fetched"] += nbytes
+                    self._stats["fetches"] += 1
+            else:
+                with self._cv:
+                    self._stats["adopted"] += 1
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+        with self._cv:
+            self._fetching.pop(key, None)
+            if error is None:
+                self._ready[key] = nbytes
+            else:
+                self._used -= nbytes
+                self._failed[key] = error
+                self._stats["failures"] += 1
+            self._cv.notify_all()
+
+    def _intact(self, key: str, nbytes: int) -> bool:
+        try:
+            return os.path.getsize(os.path.join(self._dir, key)) == nbytes
+        except OSError:
+            return False
+
+    def _clean_tmp(self) -> None:
+        now = time.time()
+        for name in os.listdir(self._dir):
+            if name.startswith(_TMP):
+                p = os.path.join(self._dir, name)
+                try:
+                    if now - os.path.getmtime(p) > 3600:
+                        os.unlink(p)
+                except OSError:
+                    pass
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+# ---------------------------------------------------------------------- handles
+
+_handles: dict[str, Any] = {}
+_registered: set = set()
+_handles_lock = threading.Lock()
+
+
+def _name(node_id: str, cache_dir: str) -> str:
+    return f"raydl-cache-{node_id[:16]}-{hashlib.sha1(cache_dir.encode()).hexdigest()[:10]}"
+
+
+def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, fresh: bool = False) -> Any:
+    """The cache actor of this (or `node_id`'s) node for `cache_dir`: found by name, else started there."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node_id = node_id or ray.get_runtime_context().get_node_id()
+    name = _name(node_id, cache_dir)
+    with _handles_lock:
+        if fresh:
+            _handles.pop(name, None)
+            _registered.difference_update({r for r in _registered if r[0] == name})
+        h = _handles.get(name)
+        if h is None:
+            h = _handles[name] = (
+                ray.remote(NodeCache)
+                .options(
+                    name=name,
+                    namespace="raydl",
+                    get_if_exists=True,
+                    lifetime="detached",
+                    num_cpus=0,
+                    max_concurrency=64,
+                    scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
+                )
+                .remote(cache_dir, limit_bytes)
+            )
+        return h
+
+
+def _ensure_registered(actor: Any, dataset: Any, name: str) -> None:
+    import ray
+
+    if (name, dataset.token) not in _registered:
+        ray.get(
+            actor.register.remote(dataset.token, dataset.filesystem, dataset.raydl_cache_units()),
+            timeout=READ_TIMEOUT_S,
+        )
+        _registered.add((name, dataset.token))
+
+
+def read_units(dataset: Any, units: list) -> dict:
+    """{unit: its bytes}, read from this node's cache (in a worker), or from storage without Ray.
+
+    Raises:
+        OSError / FileNotFoundError: storage failed for good; names the file and row group.
+        TimeoutError: the units did not arrive within READ_TIMEOUT_S.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return {u: _read_direct(dataset, u) for u in units}
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    name = _name(ray.get_runtime_context().get_node_id(), dataset.cache_dir)
+    out: dict = {}
+    todo = list(units)
+    fresh = False
+    first = True  # the batch's first call counts its hits and misses
+    while todo:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"raydl cache: {dataset.describe_unit(todo[0])} (and {len(todo) - 1} more) did not arrive in "
+                f"{READ_TIMEOUT_S:.0f} s (RAYDL_CACHE_READ_TIMEOUT_S)"
+            )
+        actor = node_cache(dataset.cache_dir, dataset.cache_limit, fresh=fresh)
+        fresh = False
+        try:
+            _ensure_registered(actor, dataset, name)
+            got = ray.get(actor.acquire.remote(dataset.token, todo, left, first), timeout=ACQUIRE_SLICE_S + 30)
+            first = False
+        except (RayActorError, GetTimeoutError):  # the cache died (or was replaced): find or start another
+            fresh = True
+            time.sleep(0.1)
+            continue
+        if got["unknown"]:
+            _registered.discard((name, dataset.token))
+            continue
+        for u, msg in got["errors"].items():
+            kind = FileNotFoundError if msg.startswith("FileNotFoundError") else OSError
+            raise kind(f"raydl cache: cannot fetch {dataset.describe_unit(u)}: {msg}")
+        lost = []
+        for u, path in got["ready"].items():
+            try:
+                with open(path, "rb") as f:
+                    out[u] = f.read()
+            except FileNotFoundError:
+                lost.append(u)
+        actor.release.remote(dataset.token, list(got["ready"]), tuple(lost))
+        todo = [u for u in todo if u not in out]
+    return out
+
+
+def _read_direct(dataset: Any, unit: int) -> bytes:
+    path, _size, segs, _key = dataset.raydl_cache_units()[unit]
+
+    def read() -> bytes:
+        with dataset.filesystem.open_input_file(path) as f:
+            return b"".join(f.read_at(n, off) for off, n in segs)
+
+    return with_retries(read, f"reading {path}")
+
+
+# ---------------------------------------------------------------------- the driver's side
+
+
+class CacheFeed:
+    """What the driver tells its node's cache about one iterator's order (NOTE [ raydl node cache ])."""
+
+    def __init__(self, dataset: Any, batch_size: int) -> None:
+        self._ds = dataset
+        self._batch = max(1, batch_size)
+        self._sid = uuid.uuid4().hex
+        self._actor: Any = None
+        self._known_until = 0  # batch positions below this are in the plan
+        self._last: tuple = (-1, -1)
+        self._open = False  # whether the stream is open (the actor stays known for stats after it closes)
+        self._base: Any = None  # the cache's counters when the epoch began (a ref), for per-epoch figures
+
+    @staticmethod
+    def for_dataset(dataset: Any, batch_size: Optional[int]) -> Optional[CacheFeed]:
+        """A feed for a dataset that streams through the node cache, else None."""
+        if not callable(getattr(dataset, "raydl_cache_units", None)):
+            return None
+        return CacheFeed(dataset, batch_size or 1)
+
+    def begin_epoch(self, sampler_iter: Any, in_flight: dict, first: int, sent: int) -> None:
+        """Send the epoch's plan: the batches in flight (`in_flight`: position -> indices), then what the sampler knows ahead."""
+        import ray
+
+        self.close()
+        self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
+        self._actor = node_cache(self._ds.cache_dir, self._ds.cache_limit)
+        self._open = True
+        self._base = self._actor.stats.remote()
+        _ensure_registered(self._actor, self._ds, _name(ray.get_runtime_context().get_node_id(), self._ds.cache_dir))
+        steps = [
+            np.unique(self._ds.units_of(in_flight[p])).tolist() if p in in_flight else [] for p in range(first, sent)
+        ]
+        ahead = self._ds.raydl_order_ahead(sampler_iter)
+        if ahead is not None and len(ahead):
+            units = self._ds.units_of(ahead)
+            for i in range(0, len(units), self._batch):
+                steps.append(np.unique(units[i : i + self._batch]).tolist())
+        self._known_until = first + len(steps)
+        self._actor.plan.remote(self._sid, self._ds.token, first, steps)
+        self._last = (first, sent)
+
+    def on_send(self, position: int, index: Any) -> None:
+        """A batch sent to a worker: added to the plan unless the plan already had it."""
+        if self._open and position >= self._known_until:
+            units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
+            self._actor.extend.remote(self._sid, self._ds.token, position, units)
+            self._known_until = position + 1
+
+    def advance(self, cursor: int, sent: int) -> None:
+        if self._open and (cursor, sent) != self._last:
+            self._last = (cursor, sent)
+            self._actor.advance.remote(self._sid, cursor, sent)
+
+    def close(self) -> None:
+        if self._open:
+            self._open = False
+            try:
+                self._actor.close.remote(self._sid)
+            except Exception:  # Ray already shut down
+                pass
+
+    def stats(self, busy_s: float) -> Optional[dict]:
+        """This epoch's cache figures (counters since its start; bytes held and peak now), or None; bounded wait.
+
+        `busy_s`: the workers' time making batches, of which `storage_wait_share` is the part spent
+        waiting for units to arrive from storage.
+        """
+        import ray
+
+        if self._actor is None:
+            return None
+        try:
+            now, base = ray.get([self._actor.stats.remote(), self._base], timeout=10)
+        except Exception:
+            return None
+        out = dict(now)
+        for k in (
+            "hits",
+            "misses",
+            "bytes_fetched",
+            "fetches",
+            "adopted",
+            "evictions",
+            "retries",
+            "failures",
+            "wait_s",
+        ):
+            out[k] = now[k] - base[k]
+        asked = out["hits"] + out["misses"]
+        out["hit_rate"] = out["hits"] / asked if asked else 0.0
+        out["storage_wait_share"] = min(1.0, out["wait_s"] / busy_s) if busy_s > 0 else 0.0
+        return out

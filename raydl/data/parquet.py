@@ -1,0 +1,563 @@
+"""`raydl.ParquetDataset`: Parquet files in object storage or a folder, read by row group through a node cache.
+
+NOTE [ raydl parquet ]
+The footers are the index. The driver lists the files and reads every footer once, with parallel
+requests (`_read_footers`); from them it knows each row group's rows and the byte ranges of its
+column chunks (only the selected `columns`). Row `i` lives in unit `u` (one row group) where
+`starts[u] <= i < starts[u + 1]`. The dataset is pickled to the workers with the footers, so no
+worker or rank reads a footer again.
+A worker reads a batch unit by unit: it asks its node's cache (NOTE [ raydl node cache ] in
+cluster/cache.py) for the unit's bytes, which the cache fetched ahead of time from storage into
+a local file, decodes the row group from them (`ParquetFile(metadata=footer)` over a file
+object that serves the original offsets from the cached ranges: no footer read, no re-encoding)
+and keeps a few decoded units in memory (a window shuffle reads each unit over several
+consecutive batches). Without Ray (plain `ds[i]` in a process with no Ray) it reads the ranges
+straight from storage.
+
+NOTE [ raydl parquet shuffle ]
+`shuffle=True` over a ParquetDataset does not make torch's RandomSampler: the dataset supplies
+`ParquetShuffleSampler`, an order a cache can serve. Each epoch draws one seed exactly as
+RandomSampler draws its own (`torch.empty((), dtype=torch.int64).random_(generator=g)`, from the
+loader's `generator`, else from torch's global RNG), then:
+  1. the row groups are permuted with that seed;
+  2. consecutive runs of `shuffle_window` row groups of that permutation form windows;
+  3. the rows of each window are permuted, and the windows are concatenated.
+Every row comes once per epoch; the row-group permutation leaves no trace of storage order (the
+rank correlation with it is about 1/sqrt(number of row groups)); a batch mixes the rows of a
+whole window, hence of several files. Each row group is used only inside its window, so with a
+window that fits in half the cache every byte is fetched once per epoch. The sampler's iterator
+has a state (`{"seed", "yielded"}`), recorded by raydl's checkpoint as torchdata's sampler
+iterator state: a resume rebuilds the epoch from its seed and skips what was handed out.
+`ParquetDistributedSampler` is torch's DistributedSampler (seed + epoch, padding, rank r taking
+positions r, r + W, ...) over the same order, so ranks stay equal and share one node cache.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import re
+import tempfile
+import threading
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Iterator, Optional, Sequence, Union
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset, Sampler
+from torch.utils.data.distributed import DistributedSampler
+
+__all__ = [
+    "ParquetDataset",
+    "ParquetShuffleSampler",
+    "ParquetDistributedSampler",
+    "parse_size",
+    "shard_aware_order",
+]
+
+_SUFFIXES = (".parquet", ".pq")
+_FOOTER_THREADS = 16
+_DECODED_CACHE_BYTES = (
+    64 << 20
+)  # decoded row groups a worker keeps, at most a quarter of cache_limit (NOTE [ raydl parquet ])
+_DEFAULT_LIMIT = "10GB"
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+_UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 10**3, "M": 10**6, "G": 10**9})
+
+
+def parse_size(value: Union[int, str]) -> int:
+    """Bytes from an int or a string such as "20GB", "512 MiB", "1.5e9"."""
+    if isinstance(value, bool):
+        raise TypeError(f"cache_limit should be a number of bytes or a string such as '20GB', got {value!r}")
+    if isinstance(value, (int, np.integer)):
+        n = int(value)
+    elif isinstance(value, str):
+        m = re.fullmatch(r"\s*([0-9.eE+]+)\s*([A-Za-z]*)\s*", value)
+        if m is None or m.group(2).upper() not in _UNITS:
+            raise ValueError(f"cache_limit: cannot read {value!r} as a size (examples: 20GB, 512MiB, 1000000)")
+        n = int(float(m.group(1)) * _UNITS[m.group(2).upper()])
+    else:
+        raise TypeError(f"cache_limit should be a number of bytes or a string such as '20GB', got {value!r}")
+    if n <= 0:
+        raise ValueError(f"cache_limit should be positive, got {value!r}")
+    return n
+
+
+def shard_aware_order(starts: np.ndarray, rows: np.ndarray, window: int, seed: int) -> np.ndarray:
+    """The epoch's row order for `seed` (NOTE [ raydl parquet shuffle ]): row groups permuted, rows shuffled per window."""
+    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)
+    perm = rng.permutation(len(rows))
+    parts = []
+    for w0 in range(0, len(perm), window):
+        units = perm[w0 : w0 + window]
+        idx = np.concatenate([np.arange(starts[u], starts[u] + rows[u], dtype=np.int64) for u in units])
+        rng.shuffle(idx)
+        parts.append(idx)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def _draw_seed(generator: Optional[torch.Generator]) -> int:
+    """One int64 drawn as torch's RandomSampler draws its seed (from `generator`, else torch's global RNG)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+class _ShuffleIter(Iterator[int]):
+    """One epoch of `ParquetShuffleSampler`; its state is `{"seed", "yielded"}` (NOTE [ raydl parquet shuffle ])."""
+
+    def __init__(self, sampler: ParquetShuffleSampler) -> None:
+        self._sampler = sampler
+        self.seed: Optional[int] = None  # drawn at the first step, when torch's RandomSampler draws its own
+        self.yielded = 0
+        self._order: Optional[np.ndarray] = None
+
+    def __iter__(self) -> _ShuffleIter:
+        return self
+
+    def _begin(self, seed: Optional[int]) -> None:
+        self.seed = _draw_seed(self._sampler.generator) if seed is None else int(seed)
+        self._order = self._sampler.dataset.shuffled_order(self.seed)
+
+    def __next__(self) -> int:
+        if self._order is None:
+            self._begin(None)
+        if self.yielded >= len(self._order):  # type: ignore[arg-type]
+            raise StopIteration
+        value = int(self._order[self.yielded])  # type: ignore[index]
+        self.yielded += 1
+        return value
+
+    def remaining_order(self) -> np.ndarray:
+        """The indices this epoch will still yield, in order: what the node cache is told ahead."""
+        if self._order is None:
+            self._begin(None)
+        return self._order[self.yielded :]  # type: ignore[index]
+
+    def state_dict(self) -> dict:
+        if self._order is None:  # the base seed was drawn before: drawing the epoch's now keeps torch's order of draws
+            self._begin(None)
+        return {"seed": self.seed, "yielded": self.yielded}
+
+    def load_state_dict(self, sd: dict) -> None:
+        if "seed" not in sd:
+            raise ValueError(
+                f"ParquetShuffleSampler: the state {sd!r} has no epoch seed: it was saved for another sampler"
+            )
+        self._begin(int(sd["seed"]))
+        n = int(sd["yielded"])
+        if n > len(self._order):  # type: ignore[arg-type]
+            raise ValueError(
+                f"ParquetShuffleSampler: the state is {n} rows into its epoch, but this dataset has "
+                f"{len(self._order)} rows: the files changed since the state was saved"  # type: ignore[arg-type]
+            )
+        self.yielded = n
+
+
+class ParquetShuffleSampler(Sampler[int]):
+    """What `shuffle=True` samples over a `ParquetDataset`: row groups permuted, rows shuffled within windows.
+
+    Args:
+        dataset (ParquetDataset): the dataset.
+        generator (torch.Generator, optional): each epoch draws its seed from it, as torch's
+            RandomSampler does. Defaults to ``None`` (torch's global RNG).
+    """
+
+    def __init__(self, dataset: ParquetDataset, generator: Optional[torch.Generator] = None) -> None:
+        self.dataset = dataset
+        self.generator = generator
+
+    def __iter__(self) -> _ShuffleIter:
+        return _ShuffleIter(self)
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+
+class ParquetDistributedSampler(DistributedSampler):
+    """torch's `DistributedSampler` over a `ParquetDataset`'s shard-aware order (NOTE [ raydl parquet shuffle ]).
+
+    Same arguments, `set_epoch` and split as torch's: the global order of epoch `e` is the
+    dataset's order for seed `seed + e`, padded (or cut, `drop_last`) to the world size, rank `r`
+    taking positions r, r + W, r + 2W, ...
+    """
+
+    def __iter__(self) -> Iterator[int]:
+        if self.shuffle:
+            indices = self.dataset.shuffled_order(self.seed + self.epoch).tolist()
+        else:
+            indices = list(range(len(self.dataset)))
+        if not self.drop_last:
+            padding = self.total_size - len(indices)
+            if padding > 0 and indices:
+                indices += (indices * (padding // len(indices) + 1))[:padding]
+        else:
+            indices = indices[: self.total_size]
+        return iter(indices[self.rank : self.total_size : self.num_replicas])
+
+
+class ParquetDataset(Dataset):
+    """A map-style dataset over Parquet files in object storage or a folder, read through a node-local cache.
+
+    Example:
+        >>> ds = raydl.ParquetDataset("s3://bucket/corpus/", cache_dir="/local/nvme/raydl", cache_limit="20GB")
+        >>> loader = raydl.DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)
+
+    `len(ds)` is the number of rows (from the footers); `ds[i]` is row `i` as a dict
+    {column: value}. With `shuffle=True` the loader uses the dataset's `ParquetShuffleSampler`
+    (NOTE [ raydl parquet shuffle ]); workers read row groups from their node's cache (NOTE [
+    raydl node cache ] in cluster/cache.py).
+
+    Args:
+        url_or_files: a URL or path of a folder (every ``.parquet`` / ``.pq`` file under it, in
+            name order) or of one file, or a list of them: ``s3://``, ``gs://``, ``hdfs://``, a
+            local or NFS path.
+        columns (list of str, optional): read only these columns. Defaults to ``None`` (all).
+        transform (callable, optional): applied to each row (a dict) in the worker. Defaults to
+            ``None``.
+        filesystem (pyarrow.fs.FileSystem, optional): the filesystem the URL's path is on (e.g.
+            ``S3FileSystem(endpoint_override=...)`` for MinIO); the scheme is then dropped from
+            the URL. Defaults to ``None`` (from the URL, pyarrow's defaults).
+        cache_dir (str, optional): the node-local folder of the cache. Defaults to
+            ``<tempdir>/raydl-cache``.
+        cache_limit (int or str): the most bytes the cache holds on each node, e.g. ``"20GB"``.
+            Defaults to ``"10GB"``.
+        shuffle_window (int, optional): row groups whose rows are shuffled together. Defaults to
+            ``None``: as many as fit in half of `cache_limit`.
+
+    Raises:
+        FileNotFoundError: a path does not exist.
+        ValueError: no Parquet file found, a file that is not Parquet (named), files whose
+            schemas disagree, an unknown column, or a `cache_limit` too small for what the
+            loader must hold at once (the message gives the number it needs).
+    """
+
+    def __init__(
+        self,
+        url_or_files: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
+        *,
+        columns: Optional[Sequence[str]] = None,
+        transform: Optional[Callable[[dict], Any]] = None,
+        filesystem: Any = None,
+        cache_dir: Optional[str] = None,
+        cache_limit: Union[int, str] = _DEFAULT_LIMIT,
+        shuffle_window: Optional[int] = None,
+    ) -> None:
+        if columns is not None:
+            if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+                raise TypeError(f"ParquetDataset: columns should be a list of column names, got {columns!r}")
+            columns = list(columns)
+        if transform is not None and not callable(transform):
+            raise TypeError(f"ParquetDataset: transform should be callable, got {transform!r}")
+        self._columns = columns
+        self._transform = transform
+        self.cache_dir = os.path.abspath(cache_dir or os.path.join(tempfile.gettempdir(), "raydl-cache"))
+        self.cache_limit = parse_size(cache_limit)
+        self.filesystem, infos = _list_files(url_or_files, filesystem)
+        self.files = [i.path for i in infos]
+        self._file_sizes = [int(i.size) for i in infos]
+        self._footers = _read_footers(self.filesystem, infos)
+        self._build_units(infos)
+        self.shuffle_window = self._check_window(shuffle_window)
+        self._decoded: OrderedDict = OrderedDict()
+        self._decoded_bytes = 0
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the index
+
+    def _build_units(self, infos: list) -> None:
+        first = self._footers[0].schema.to_arrow_schema()
+        names = first.names
+        for path, md in zip(self.files, self._footers):
+            if md.schema.to_arrow_schema().names != names:
+                raise ValueError(f"ParquetDataset: {path} has columns {md.schema.names}, {self.files[0]} has {names}")
+        if self._columns is not None:
+            unknown = [c for c in self._columns if c not in names]
+            if unknown:
+                raise ValueError(f"ParquetDataset: unknown columns {unknown}; the files have {names}")
+        wanted = set(self._columns if self._columns is not None else names)
+        rows, unit_file, unit_rg, segments, keys = [], [], [], [], []
+        for f, (info, md) in enumerate(zip(infos, self._footers)):
+            ident = f"{info.path}|{info.size}|{info.mtime_ns}"
+            for g in range(md.num_row_groups):
+                rg = md.row_group(g)
+                segs = []
+                for j in range(rg.num_columns):
+                    col = rg.column(j)
+                    if col.path_in_schema.split(".")[0] not in wanted:
+                        continue
+                    start = col.data_page_offset
+                    if col.has_dictionary_page and col.dictionary_page_offset:
+                        start = min(start, col.dictionary_page_offset)
+                    segs.append((int(start), int(col.total_compressed_size)))
+                segs = _merge(segs)
+                rows.append(rg.num_rows)
+                unit_file.append(f)
+                unit_rg.append(g)
+                segments.append(tuple(segs))
+                keys.append(hashlib.sha1(f"{ident}|{g}|{segs}".encode()).hexdigest()[:24])
+        self._rows = np.asarray(rows, dtype=np.int64)
+        self._starts = np.concatenate([[0], np.cumsum(self._rows)]).astype(np.int64)
+        self._unit_file = unit_file
+        self._unit_rg = unit_rg
+        self._segments = segments
+        self._unit_keys = keys
+        self._unit_bytes = np.asarray([sum(n for _, n in s) for s in segments], dtype=np.int64)
+        self.token = hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
+
+    def _check_window(self, window: Optional[int]) -> int:
+        """The window in row groups; refuses a cache_limit too small for what must be held at once."""
+        largest = int(self._unit_bytes.max()) if len(self._unit_bytes) else 0
+        need = 2 * largest  # one row group being read, the next one arriving
+        if self.cache_limit < need:
+            raise ValueError(
+                f"ParquetDataset: cache_limit={self.cache_limit} bytes is too small: a batch in flight needs at least "
+                f"{need} bytes (2 x the largest row group, {largest} bytes). Raise cache_limit to {need} or more."
+            )
+        if window is None:
+            return max(1, min(self.num_units, (self.cache_limit // 2) // max(largest, 1)))
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(
+                f"ParquetDataset: shuffle_window should be a positive number of row groups, got {window!r}"
+            )
+        need = (window + 1) * largest
+        if self.cache_limit < need:
+            raise ValueError(
+                f"ParquetDataset: shuffle_window={window} row groups need up to {need} bytes of cache (the window and "
+                f"one row group arriving, largest {largest} bytes); cache_limit is {self.cache_limit}. Raise "
+                f"cache_limit to {need} or lower shuffle_window to {max(1, self.cache_limit // largest - 1)}."
+            )
+        return window
+
+    @property
+    def num_units(self) -> int:
+        """Row groups (the units the cache holds)."""
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the column chunks read (the selected columns of every row group): what one epoch fetches at least."""
+        return int(self._unit_bytes.sum())
+
+    @property
+    def column_names(self) -> list:
+        return self._columns if self._columns is not None else self._footers[0].schema.to_arrow_schema().names
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def shuffled_order(self, seed: int) -> np.ndarray:
+        """The epoch's order for `seed` (NOTE [ raydl parquet shuffle ])."""
+        return shard_aware_order(self._starts, self._rows, self.shuffle_window, seed)
+
+    def units_of(self, indices: Any) -> np.ndarray:
+        """The row group of each index."""
+        return np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
+
+    # ------------------------------------------------------------------ what the loader and the cache ask
+
+    def raydl_shuffle_sampler(self, generator: Optional[torch.Generator]) -> ParquetShuffleSampler:
+        """The sampler `shuffle=True` uses over this dataset (NOTE [ raydl parquet shuffle ])."""
+        return ParquetShuffleSampler(self, generator)
+
+    def raydl_cache_units(self) -> list:
+        """Per unit: (path, file size, byte segments, key): what the node cache fetches (cluster/cache.py)."""
+        return [
+            (self.files[f], self._file_sizes[f], segs, key)
+            for f, segs, key in zip(self._unit_file, self._segments, self._unit_keys)
+        ]
+
+    @staticmethod
+    def raydl_order_ahead(sampler_iter: Any) -> Optional[np.ndarray]:
+        """The indices an epoch's sampler iterator will still yield, when it knows them (the dataset's own sampler)."""
+        for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
+            if isinstance(it, _ShuffleIter):
+                return it.remaining_order()
+        return None
+
+    # ------------------------------------------------------------------ reading
+
+    def __getitem__(self, index: int) -> Any:
+        return self.__getitems__([index])[0]
+
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        idx = np.asarray([int(i) for i in indices], dtype=np.int64)
+        n = len(self)
+        bad = idx[(idx < -n) | (idx >= n)]
+        if len(bad):
+            raise IndexError(f"ParquetDataset: index {int(bad[0])} out of range for {n} rows")
+        idx = np.where(idx < 0, idx + n, idx)
+        units = self.units_of(idx)
+        tables = self._tables(np.unique(units))
+        out: list = [None] * len(idx)
+        for u in np.unique(units):
+            where = np.nonzero(units == u)[0]
+            rows = tables[int(u)].take(idx[where] - self._starts[u]).to_pylist()
+            for k, row in zip(where, rows):
+                out[k] = row
+        if self._transform is not None:
+            out = [self._transform(r) for r in out]
+        return out
+
+    def _tables(self, units: np.ndarray) -> dict:
+        """Decoded row groups for these units: from this process's few, else from the node cache."""
+        found, missing = {}, []
+        with self._lock:
+            for u in units.tolist():
+                t = self._decoded.get(u)
+                if t is None:
+                    missing.append(u)
+                else:
+                    self._decoded.move_to_end(u)
+                    found[u] = t
+        if missing:
+            from ..cluster.cache import read_units
+
+            for u, data in read_units(self, missing).items():
+                found[u] = t = self._decode(u, data)
+                with self._lock:
+                    self._decoded[u] = t
+                    self._decoded_bytes += t.nbytes
+                    limit = min(_DECODED_CACHE_BYTES, self.cache_limit // 4)
+                    while self._decoded_bytes > limit and len(self._decoded) > 1:
+                        _, old = self._decoded.popitem(last=False)
+                        self._decoded_bytes -= old.nbytes
+        return found
+
+    def _decode(self, unit: int, data: bytes) -> Any:
+        """Row group `unit` from its cached column-chunk bytes; a corrupt one is named with its file and row group."""
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        f, g = self._unit_file[unit], self._unit_rg[unit]
+        raw = _SegmentFile(data, self._segments[unit], self._file_sizes[f])
+        try:
+            pf = pq.ParquetFile(pa.PythonFile(raw, mode="r"), metadata=self._footers[f])
+            return pf.read_row_group(g, columns=self._columns)
+        except (OSError, pa.ArrowException, ValueError) as e:
+            raise ValueError(f"ParquetDataset: row group {g} of {self.files[f]} is corrupt or truncated: {e}") from e
+
+    def describe_unit(self, unit: int) -> str:
+        return f"row group {self._unit_rg[unit]} of {self.files[self._unit_file[unit]]}"
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state["_decoded"], state["_decoded_bytes"], state["_lock"] = OrderedDict(), 0, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
+    def __repr__(self) -> str:
+        return f"ParquetDataset({len(self.files)} files, {len(self)} rows, {self.num_units} row groups, {self.nbytes} bytes)"
+
+
+class _SegmentFile(io.RawIOBase):
+    """A read-only file of the original size that serves only the cached byte segments, at their original offsets."""
+
+    def __init__(self, data: bytes, segments: tuple, size: int) -> None:
+        self._data = memoryview(data)
+        self._segs = []  # (original offset, length, offset in data)
+        at = 0
+        for off, n in segments:
+            self._segs.append((off, n, at))
+            at += n
+        self._size = size
+        self._pos = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        if n < 0:
+            n = self._size - self._pos
+        for off, length, at in self._segs:
+            if off <= self._pos and self._pos + n <= off + length:
+                start = at + self._pos - off
+                self._pos += n
+                return bytes(self._data[start : start + n])
+        raise OSError(f"read of {n} bytes at offset {self._pos} falls outside the cached column chunks")
+
+
+def _merge(segs: list) -> list:
+    """Sorted byte segments, adjacent or overlapping ones merged."""
+    out: list = []
+    for off, n in sorted(segs):
+        if out and off <= out[-1][0] + out[-1][1]:
+            end = max(out[-1][0] + out[-1][1], off + n)
+            out[-1] = (out[-1][0], end - out[-1][0])
+        else:
+            out.append((off, n))
+    return out
+
+
+def _list_files(source: Any, filesystem: Any) -> tuple:
+    """(filesystem, FileInfos of the Parquet files, in name order per source) for a URL/path or a list of them."""
+    import pyarrow.fs as pafs
+
+    sources = [source] if isinstance(source, (str, os.PathLike)) else list(source)
+    if not sources:
+        raise ValueError("ParquetDataset: no files given")
+    fs = filesystem
+    infos = []
+    for src in sources:
+        src = os.fspath(src)
+        if fs is None:
+            fs, _ = pafs.FileSystem.from_uri(src if "://" in src else os.path.abspath(src))
+        path = _path_of(src, fs)
+        info = fs.get_file_info(path)
+        if info.type == pafs.FileType.NotFound:
+            raise FileNotFoundError(f"ParquetDataset: {src} does not exist")
+        if info.type == pafs.FileType.Directory:
+            found = [
+                i
+                for i in fs.get_file_info(pafs.FileSelector(path, recursive=True))
+                if i.type == pafs.FileType.File and i.path.lower().endswith(_SUFFIXES)
+            ]
+            if not found:
+                raise ValueError(f"ParquetDataset: no .parquet or .pq file under {src}")
+            infos.extend(sorted(found, key=lambda i: i.path))
+        else:
+            infos.append(info)
+    return fs, infos
+
+
+def _path_of(src: str, fs: Any) -> str:
+    """The filesystem path of a URL: the scheme dropped (s3://bucket/key -> bucket/key), a local path made absolute."""
+    if "://" in src:
+        scheme, rest = src.split("://", 1)
+        return rest if scheme != "file" else rest
+    return os.path.abspath(src) if type(fs).__name__ == "LocalFileSystem" else src
+
+
+def _read_footers(fs: Any, infos: list) -> list:
+    """Every file's footer, read with parallel requests; a file that is not Parquet is named."""
+    import pyarrow.parquet as pq
+
+    from ..cluster.cache import with_retries
+
+    def read(info: Any) -> Any:
+        def once() -> Any:
+            with fs.open_input_file(info.path) as f:
+                return pq.read_metadata(f)
+
+        try:
+            return with_retries(once, f"the footer of {info.path}")
+        except FileNotFoundError:
+            raise
+        except Exception as e:
+            raise ValueError(f"ParquetDataset: cannot read the Parquet footer of {info.path}: {e}") from e
+
+    with ThreadPoolExecutor(min(_FOOTER_THREADS, len(infos))) as pool:
+        return list(pool.map(read, infos))

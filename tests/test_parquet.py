@@ -1,0 +1,340 @@
+"""raydl.ParquetDataset and the node cache, against a local folder and a real S3 endpoint on loopback (moto + a fault proxy)."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import raydl
+from raydl.cluster.cache import node_cache
+from raydl.data.parquet import ParquetDistributedSampler, ParquetShuffleSampler
+from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
+
+FILES, GROUPS, ROWS = 8, 4, 150  # 32 row groups of 150 rows; ~40 KB each
+N = FILES * GROUPS * ROWS
+PAYLOAD = 256  # incompressible bytes per row
+
+
+def _write(folder: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    os.makedirs(folder, exist_ok=True)
+    for f in range(FILES):
+        ids = np.arange(f * GROUPS * ROWS, (f + 1) * GROUPS * ROWS)
+        table = pa.table(
+            {
+                "id": ids,
+                "x": (ids * 0.5).astype(np.float32),
+                "payload": [rng.bytes(PAYLOAD) for _ in ids],
+                "file": [f"part-{f}"] * len(ids),
+            }
+        )
+        pq.write_table(table, os.path.join(folder, f"part-{f:02d}.parquet"), row_group_size=ROWS)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    d = str(tmp_path_factory.mktemp("corpus"))
+    _write(d)
+    return d
+
+
+@pytest.fixture(scope="module")
+def s3(folder):
+    """moto's S3 server with the corpus in s3://corpus/data, and a fault proxy in front of it."""
+    moto = MotoServer()
+    proxy = None
+    try:
+        fs = moto.filesystem()
+        fs.create_dir("corpus")
+        upload_folder(folder, fs, "corpus/data")
+        proxy = FaultProxy(moto.port)
+        yield moto, proxy
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        moto.stop()
+
+
+def _s3_ds(proxy, tmp_path, **kw):
+    kw.setdefault("cache_limit", _quarter())
+    return raydl.ParquetDataset(
+        "s3://corpus/data/", filesystem=s3fs(proxy.port), cache_dir=str(tmp_path / "cache"), **kw
+    )
+
+
+_NBYTES: list = []
+
+
+def _quarter() -> int:
+    return _NBYTES[0] // 4
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _sizes(folder):
+    _NBYTES[:] = [raydl.ParquetDataset(folder).nbytes]
+
+
+def _loader(ds, workers=2, seed=0, **kw):
+    return raydl.DataLoader(
+        ds,
+        batch_size=64,
+        shuffle=kw.pop("shuffle", True),
+        num_workers=workers,
+        generator=torch.Generator().manual_seed(seed),
+        ray_remote_args={"num_cpus": 0},
+        timeout=60,
+        **kw,
+    )
+
+
+def _live_cache(ds):
+    """The node cache actor now serving `ds`'s folder (by name: a handle cached here may be of a dead one)."""
+    import ray
+
+    from raydl.cluster.cache import _name
+
+    return ray.get_actor(_name(ray.get_runtime_context().get_node_id(), ds.cache_dir), namespace="raydl")
+
+
+def _held_on_disk(cache_dir: str) -> int:
+    total = 0
+    for name in os.listdir(cache_dir):
+        try:
+            total += os.path.getsize(os.path.join(cache_dir, name))
+        except FileNotFoundError:
+            pass
+    return total
+
+
+# ---------------------------------------------------------------------- the dataset, no Ray
+
+
+def test_rows_columns_transform(folder):
+    """len is the row count from the footers; ds[i] is row i as a dict; columns= and transform= apply."""
+    ds = raydl.ParquetDataset(folder)
+    assert len(ds) == N and ds.num_units == FILES * GROUPS
+    row = ds[N - 1]
+    assert row["id"] == N - 1 and row["file"] == f"part-{FILES - 1}" and len(row["payload"]) == PAYLOAD
+    small = raydl.ParquetDataset(folder, columns=["id"], transform=lambda r: r["id"] * 2)
+    assert small[7] == 14 and small.nbytes < ds.nbytes / 10  # only the selected column chunks are read
+    files = sorted(os.path.join(folder, f) for f in os.listdir(folder))
+    assert len(raydl.ParquetDataset(files[:2])) == 2 * GROUPS * ROWS
+
+
+def test_bad_input_is_refused_clearly(folder, tmp_path):
+    """Missing paths, no Parquet, a too small cache_limit (with the number it needs), corrupt files (named)."""
+    with pytest.raises(FileNotFoundError, match="nowhere"):
+        raydl.ParquetDataset(str(tmp_path / "nowhere"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match="no .parquet"):
+        raydl.ParquetDataset(str(tmp_path / "empty"))
+    with pytest.raises(ValueError, match=r"too small: a batch in flight needs at least \d+ bytes"):
+        raydl.ParquetDataset(folder, cache_limit="10KB")
+    with pytest.raises(ValueError, match="shuffle_window=30 row groups need up to"):
+        raydl.ParquetDataset(folder, cache_limit=_quarter(), shuffle_window=30)
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "junk.parquet").write_bytes(b"not parquet at all")
+    with pytest.raises(ValueError, match="footer of .*junk.parquet"):
+        raydl.ParquetDataset(str(bad))
+    # a row group whose bytes are damaged after the footers were read
+    import shutil
+
+    shutil.copy(os.path.join(folder, "part-03.parquet"), bad / "junk.parquet")
+    ds = raydl.ParquetDataset(str(bad), columns=["payload"])
+    raw = bytearray((bad / "junk.parquet").read_bytes())
+    (off, n) = ds._segments[2][0]
+    raw[off : off + n] = b"\xff" * n
+    (bad / "junk.parquet").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"row group 2 of .*junk.parquet is corrupt"):
+        ds[2 * ROWS]
+
+
+def test_shard_aware_shuffle_order(folder):
+    """Every row once, a new order each epoch, no trace of storage order, batches mixing files, same generator same order."""
+    ds = raydl.ParquetDataset(folder, cache_limit=_quarter())
+    assert 2 <= ds.shuffle_window < ds.num_units
+    g = torch.Generator().manual_seed(7)
+    epochs = [list(ParquetShuffleSampler(ds, generator=g)) for _ in range(3)]
+    ranks = np.arange(N)
+    rhos = []
+    for order in epochs:
+        assert sorted(order) == list(range(N))
+        rhos.append(abs(np.corrcoef(ranks, np.asarray(order))[0, 1]))  # ids are storage ranks: Spearman
+        files_per_batch = [len({i // (GROUPS * ROWS) for i in order[k : k + 64]}) for k in range(0, N - 63, 64)]
+        assert np.mean(files_per_batch) >= 3, files_per_batch
+    assert epochs[0] != epochs[1] != epochs[2]
+    assert max(rhos) < 0.45 and np.mean(rhos) < 0.3, rhos
+    g2 = torch.Generator().manual_seed(7)
+    assert list(ParquetShuffleSampler(ds, generator=g2)) == epochs[0]
+    # the epoch seed is drawn as torch's RandomSampler draws its own: one int64 from the generator
+    g3 = torch.Generator().manual_seed(7)
+    seed = int(torch.empty((), dtype=torch.int64).random_(generator=g3).item())
+    assert ds.shuffled_order(seed).tolist() == epochs[0]
+
+
+# ---------------------------------------------------------------------- through the loader, S3 on loopback
+
+
+@pytest.mark.parametrize("workers", [1, 2, 4])
+def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
+    """shuffle=True over S3: every row once per epoch, a new order each epoch; the cache stays under its limit
+    all through the epoch and fetches each byte about once per epoch with a limit of a quarter of the data."""
+    _, proxy = s3
+    ds = _s3_ds(proxy, tmp_path)
+    cache = node_cache(ds.cache_dir, ds.cache_limit)
+    loader = _loader(ds, workers=workers, persistent_workers=True)
+    orders = []
+    import ray
+
+    for epoch in range(2):
+        ray.get(cache.reset_stats.remote(), timeout=30)
+        ids = []
+        for k, batch in enumerate(loader):
+            ids.extend(batch["id"].tolist())
+            if k % 5 == 0:
+                held = ray.get(cache.stats.remote(), timeout=30)["bytes_held"]
+                assert held <= ds.cache_limit and _held_on_disk(ds.cache_dir) <= ds.cache_limit
+        assert sorted(ids) == list(range(N))
+        orders.append(ids)
+        st = ray.get(cache.stats.remote(), timeout=30)
+        assert st["peak_bytes"] <= ds.cache_limit
+        ratio = st["bytes_fetched"] / ds.nbytes
+        assert ratio <= 1.15, (epoch, ratio, st)
+        if workers == 2:
+            figures = loader.stats().cache
+            assert figures is not None and figures["hits"] + figures["misses"] > 0
+            assert figures["bytes_fetched"] == st["bytes_fetched"] and figures["limit_bytes"] == ds.cache_limit
+            assert "node cache:" in str(loader.stats())
+    assert orders[0] != orders[1]
+    loader.shutdown()
+
+
+def test_distributed_sampler_two_ranks(ray_session, s3, tmp_path):
+    """ParquetDistributedSampler over 2 ranks sharing one node cache: each row once over the ranks, equal shares."""
+    _, proxy = s3
+    ds = _s3_ds(proxy, tmp_path)
+    seen = []
+    loaders = [
+        raydl.DataLoader(
+            ds,
+            batch_size=64,
+            sampler=ParquetDistributedSampler(ds, num_replicas=2, rank=r, seed=3),
+            num_workers=1,
+            ray_remote_args={"num_cpus": 0},
+            timeout=60,
+        )
+        for r in range(2)
+    ]
+    its = [iter(lo) for lo in loaders]
+    counts = [0, 0]
+    done = [False, False]
+    while not all(done):  # the ranks step in lockstep, as DDP does
+        for r in range(2):
+            if not done[r]:
+                try:
+                    b = next(its[r])
+                except StopIteration:
+                    done[r] = True
+                    continue
+                seen.extend(b["id"].tolist())
+                counts[r] += len(b["id"])
+    assert sorted(seen) == list(range(N)) and counts[0] == counts[1] == N // 2
+
+
+def test_resume_exact_with_an_empty_cache(ray_session, s3, tmp_path):
+    """state_dict() mid-epoch, loaded into a new loader whose cache is empty, continues with the same batches."""
+    _, proxy = s3
+    whole = [b["id"].tolist() for b in _loader(_s3_ds(proxy, tmp_path / "a"), seed=5)]
+    first = _loader(_s3_ds(proxy, tmp_path / "b"), seed=5)
+    it = iter(first)
+    got = [next(it)["id"].tolist() for _ in range(7)]
+    state = first.state_dict()
+    first.shutdown()
+    resumed = _loader(_s3_ds(proxy, tmp_path / "c"), seed=99)  # another generator: the state decides
+    resumed.load_state_dict(state)
+    got += [b["id"].tolist() for b in resumed]
+    assert got == whole
+
+
+def test_local_folder_and_s3_give_the_same_batches(ray_session, s3, folder, tmp_path):
+    """The same files in a folder and in S3, the same generator: the same batches, payload bytes included."""
+    _, proxy = s3
+    a = [b for b in _loader(raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "l"), cache_limit=_quarter()))]
+    b = [b for b in _loader(_s3_ds(proxy, tmp_path))]
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x["id"], y["id"]) and x["payload"] == y["payload"] and x["file"] == y["file"]
+
+
+def test_storage_faults_are_retried_and_counted(ray_session, s3, tmp_path):
+    """503 SlowDown and reset connections are retried with backoff and counted; the epoch loses no row.
+
+    A pickled S3FileSystem keeps the AWS SDK's own retries (3): the faults on one file outlast them,
+    so raydl's retries are seen."""
+    import ray
+
+    _, proxy = s3
+    ds = _s3_ds(proxy, tmp_path)
+    cache = node_cache(ds.cache_dir, ds.cache_limit)
+    proxy.inject(*(["503", "reset"] * 6), path="part-03")
+    ids = [i for b in _loader(ds) for i in b["id"].tolist()]
+    assert sorted(ids) == list(range(N))
+    st = ray.get(cache.stats.remote(), timeout=30)
+    assert proxy.injected == 12 and st["retries"] >= 2 and st["failures"] == 0, (proxy.injected, st)
+
+
+def test_missing_object_names_file_and_row_group(ray_session, s3, tmp_path):
+    """A file gone from storage after the footers were read: the batch fails naming the file and row group; no hang."""
+    moto, proxy = s3
+    fs = moto.filesystem()
+    fs.copy_file("corpus/data/part-05.parquet", "corpus/gone/part-05.parquet")
+    ds = raydl.ParquetDataset(
+        "s3://corpus/gone/", filesystem=s3fs(proxy.port), cache_dir=str(tmp_path / "c"), cache_limit=_quarter()
+    )
+    fs.delete_file("corpus/gone/part-05.parquet")
+    with pytest.raises(FileNotFoundError, match=r"row group \d of corpus/gone/part-05.parquet"):
+        list(_loader(ds, shuffle=False))
+
+
+def test_killed_cache_mid_epoch_and_restart_reuses_files(ray_session, s3, tmp_path):
+    """The node cache killed mid-epoch: no row lost, no partial file visible; a new cache adopts the intact files."""
+    import ray
+
+    _, proxy = s3
+    ds = _s3_ds(proxy, tmp_path)
+    proxy.latency_s = 0.01
+    try:
+        ids = []
+        for k, b in enumerate(_loader(ds)):
+            ids.extend(b["id"].tolist())
+            if k == 20:
+                ray.kill(_live_cache(ds))
+        assert sorted(ids) == list(range(N))
+    finally:
+        proxy.latency_s = 0.0
+    keys = set(ds._unit_keys)
+    sizes = dict(zip(ds._unit_keys, ds._unit_bytes.tolist()))
+    for name in os.listdir(ds.cache_dir):
+        if not name.startswith(".tmp-"):
+            assert name in keys and os.path.getsize(os.path.join(ds.cache_dir, name)) == sizes[name]
+    held = [n for n in os.listdir(ds.cache_dir) if n in keys]
+    assert held
+    ray.kill(_live_cache(ds))
+    deadline = time.monotonic() + 30
+    while True:  # a restarted job: a fresh cache actor over the same folder
+        try:
+            fresh = node_cache(ds.cache_dir, ds.cache_limit, fresh=True)
+            ray.get(fresh.register.remote(ds.token, ds.filesystem, ds.raydl_cache_units()), timeout=30)
+            break
+        except ray.exceptions.RayActorError:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+    assert ray.get(fresh.stats.remote(), timeout=30)["adopted"] == len(held)
