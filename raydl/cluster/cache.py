@@ -105,6 +105,7 @@ class _Stream:
         self.cursor = 0  # next batch to hand out
         self.sent = 0  # end of the batches in flight
         self.last = -1  # last position known
+        self.scan = 0  # no missing unit before this position (reset when a unit leaves the cache)
 
     def add(self, step: int, keys: list) -> None:
         self.steps[step] = keys
@@ -241,6 +242,7 @@ class NodeCache:
                         ready[u] = os.path.join(self._dir, k)
                     elif k in self._failed:
                         errors[u] = self._failed.pop(k)
+                        self._hole()
                 for u in units:
                     k = keys[u]
                     if k not in self._ready and k not in self._fetching and k not in self._urgent:
@@ -275,6 +277,7 @@ class NodeCache:
                 k = keys[u]
                 if k in self._ready and not self._pins.get(k):
                     self._used -= self._ready.pop(k)
+                    self._hole()
             self._cv.notify_all()
 
     def stats(self) -> dict:
@@ -322,7 +325,7 @@ class NodeCache:
             return -1.0, key
         best: Optional[tuple[float, str]] = None
         for s in self._streams.values():
-            for step in range(s.cursor, s.last + 1):
+            for step in range(max(s.cursor, s.scan), s.last + 1):
                 if best is not None and step - s.cursor >= best[0]:
                     break
                 keys = s.steps.get(step, ())
@@ -333,7 +336,13 @@ class NodeCache:
                 if hit is not None:
                     best = (float(step - s.cursor), hit)
                     break
+                s.scan = step + 1
         return best
+
+    def _hole(self) -> None:
+        """A unit left the cache: the plans' scans for missing units start again at their cursors."""
+        for s in self._streams.values():
+            s.scan = 0
 
     def _make_room(self, nbytes: int, dist: float) -> bool:
         """Evict (Belady) until `nbytes` fit, only units used later than `dist`; False if they cannot fit now."""
@@ -354,6 +363,7 @@ class NodeCache:
     def _evict(self, key: str) -> None:
         self._used -= self._ready.pop(key)
         self._stats["evictions"] += 1
+        self._hole()
         try:
             os.unlink(os.path.join(self._dir, key))
         except FileNotFoundError:
@@ -427,6 +437,7 @@ class NodeCache:
                 self._used -= nbytes
                 self._failed[key] = error
                 self._stats["failures"] += 1
+                self._hole()
             self._cv.notify_all()
 
     def _intact(self, key: str, nbytes: int) -> bool:
