@@ -30,12 +30,14 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import raydl  # noqa: E402
 from tests import _arrow_helpers as H  # noqa: E402
 from tests._parity import assert_batches_equal  # noqa: E402
+from tests._session import patient_clusters  # noqa: E402
 
 N = 40
 
 
 def main() -> None:
     facts: dict = {}
+    patient_clusters()  # node start-up bounds sized for a loaded machine
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},

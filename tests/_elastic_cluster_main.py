@@ -25,6 +25,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 import raydl  # noqa: E402
 from tests import _elastic_helpers as E  # noqa: E402
 from tests._parity import assert_batches_equal  # noqa: E402
+from tests._session import patient_clusters  # noqa: E402
 
 # Cold starts on a loaded 2-core CI machine can take tens of seconds: the loaders start with a
 # generous ray_startup_timeout_s, and the disturbed iterator's bound is lowered once its workers
@@ -49,6 +50,7 @@ def _loader() -> raydl.DataLoader:
 
 def main() -> None:
     facts: dict = {}
+    patient_clusters()  # node start-up bounds sized for a loaded machine
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

@@ -45,6 +45,7 @@ from torch.utils.data.distributed import DistributedSampler  # noqa: E402
 
 import raydl  # noqa: E402
 from tests._job_rank_main import Traced, alive_actors, coordinator_id  # noqa: E402
+from tests._session import patient_clusters  # noqa: E402
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RANK_SCRIPT = os.path.join(REPO, "tests", "_job_rank_main.py")
@@ -384,6 +385,7 @@ def main() -> None:
     facts: dict = {}
     tmp = tempfile.mkdtemp(prefix="raydl_job_cluster_")
     t_start = time.monotonic()
+    patient_clusters()  # node start-up bounds sized for a loaded machine
     cluster = Cluster(
         initialize_head=True,
         head_node_args={"num_cpus": 1, "node_ip_address": "127.0.0.1", "include_dashboard": False},

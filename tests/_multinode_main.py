@@ -21,6 +21,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import raydl  # noqa: E402
 from tests import _datasets as D  # noqa: E402
+from tests._session import patient_clusters  # noqa: E402
 
 
 def _default_run(num_workers: int, name) -> dict:
@@ -60,6 +61,7 @@ def _wait_alive(n: int, timeout_s: float = 60) -> int:
 
 def main() -> None:
     facts: dict = {}
+    patient_clusters()  # node start-up bounds sized for a loaded machine
     cluster = Cluster(
         initialize_head=True,
         head_node_args={

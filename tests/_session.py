@@ -32,6 +32,28 @@ def wait_until(predicate, timeout_s: float = 30.0, interval_s: float = 0.2) -> b
     return predicate()
 
 
+# ray.cluster_utils waits 30 s for a node to register; a loaded 2-core machine can need minutes.
+CLUSTER_NODE_WAIT_S = 180.0
+
+
+def patient_clusters() -> None:
+    """Make ray.cluster_utils.Cluster wait up to CLUSTER_NODE_WAIT_S for each node (in a fresh driver, before its cluster)."""
+    from ray.cluster_utils import Cluster
+
+    if getattr(Cluster, "_raydl_patient", False):
+        return
+    wait_node, wait_nodes = Cluster._wait_for_node, Cluster.wait_for_nodes
+
+    def _wait_for_node(self, node, timeout: float = 30):
+        return wait_node(self, node, timeout=max(timeout, CLUSTER_NODE_WAIT_S))
+
+    def _wait_for_nodes(self, timeout: float = 30):
+        return wait_nodes(self, timeout=max(timeout, CLUSTER_NODE_WAIT_S))
+
+    Cluster._wait_for_node, Cluster.wait_for_nodes = _wait_for_node, _wait_for_nodes
+    Cluster._raydl_patient = True
+
+
 def gcs_address() -> str:
     import ray
 
@@ -80,7 +102,7 @@ def fresh_env(extra: dict | None = None) -> dict:
     return env
 
 
-def run_python(code: str, timeout_s: int = 180, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def run_python(code: str, timeout_s: int = 360, env_extra: dict | None = None) -> subprocess.CompletedProcess:
     """`code` in a new interpreter at the repository root, with no RAY_* variable of this process (no Ray to join)."""
     env = fresh_env(env_extra)
     return subprocess.run(
@@ -100,7 +122,7 @@ def read_facts(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1][len("FACTS ") :])
 
 
-def run_main(module: str, timeout_s: int = 240) -> dict:
+def run_main(module: str, timeout_s: int = 540) -> dict:
     """`python -m <module>` (a tests._*_main driver with its own cluster) in a fresh interpreter: its facts."""
     env = fresh_env()
     return read_facts(

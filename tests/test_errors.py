@@ -141,7 +141,7 @@ def test_worker_init_fn_error_raises_on_first_batch():
     with pytest.raises(RuntimeError, match=r"Caught RuntimeError in raydl worker \d while starting") as info:
         next(iter(loader))
     assert "init failed in worker" in str(info.value) and "failing_init_fn" in str(info.value)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120  # bounded: ray_startup_timeout_s (3 s) plus the diagnosis, never a hang
 
 
 def test_timeout_raises_torchs_error_with_details():
@@ -190,7 +190,7 @@ def test_unplaceable_workers_fail_with_the_shortfall():
     with pytest.raises(raydl.WorkerPlacementError, match="no_such_resource") as info:
         list(loader)
     assert "2 of 2 raydl workers could not be placed" in str(info.value) and "Fix:" in str(info.value)
-    assert time.monotonic() - t0 < 30
+    assert time.monotonic() - t0 < 120  # bounded: ray_startup_timeout_s (3 s) plus the diagnosis, never a hang
 
 
 def test_workers_slow_to_start_with_resources_free_point_to_the_logs():

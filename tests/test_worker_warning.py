@@ -107,6 +107,8 @@ import torch, ray
 from ray.cluster_utils import Cluster
 import raydl
 from tests import _datasets as D
+from tests._session import patient_clusters
+patient_clusters()
 n = torch._utils.cpu_count() + 1
 cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
 cluster.add_node(num_cpus=1)
@@ -135,7 +137,7 @@ finally:
 
 def test_silent_when_workers_can_go_to_another_node():
     """On a 2-node loopback cluster: no warning by default; pinned to the driver's node, torch's warning (twice)."""
-    facts = read_facts(run_python(_TWO_NODES, timeout_s=180))
+    facts = read_facts(run_python(_TWO_NODES))
     assert facts["nodes"] == 2
     assert facts["default"] == []
     assert len(facts["pinned"]) == 2 and f"create {torch._utils.cpu_count() + 1} worker" in facts["pinned"][0]
