@@ -194,7 +194,7 @@ def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
     orders = []
     import ray
 
-    for epoch in range(2):
+    for epoch in range(2 if workers == 2 else 1):  # a second epoch (a new order, a warm cache) once
         ray.get(cache.reset_stats.remote(), timeout=30)
         ids = []
         for k, batch in enumerate(loader):
@@ -213,7 +213,7 @@ def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
             assert figures is not None and figures["hits"] + figures["misses"] > 0
             assert figures["bytes_fetched"] == st["bytes_fetched"] and figures["limit_bytes"] == ds.cache_limit
             assert "node cache:" in str(loader.stats())
-    assert orders[0] != orders[1]
+    assert workers != 2 or orders[0] != orders[1]
     loader.shutdown()
 
 

@@ -481,15 +481,18 @@ def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from .connect import ray_session
+
     node_id = node_id or ray.get_runtime_context().get_node_id()
     name = _name(node_id, cache_dir)
     with _handles_lock:
-        if fresh:
+        session = ray_session()
+        if fresh or _handles.get(name, (None, None))[0] != session:  # handles die with their Ray session
             _handles.pop(name, None)
             _registered.difference_update({r for r in _registered if r[0] == name})
-        h = _handles.get(name)
+        h = _handles.get(name, (None, None))[1]
         if h is None:
-            h = _handles[name] = (
+            h = (
                 ray.remote(NodeCache)
                 .options(
                     name=name,
@@ -502,6 +505,7 @@ def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, 
                 )
                 .remote(cache_dir, limit_bytes)
             )
+            _handles[name] = (session, h)
         return h
 
 
@@ -594,6 +598,9 @@ class CacheFeed:
         self._known_until = 0  # batch positions below this are in the plan
         self._last: tuple = (-1, -1)
         self._open = False  # whether the stream is open (the actor stays known for stats after it closes)
+        self._session: Optional[str] = (
+            None  # the Ray session of the actor (NOTE [ raydl no Ray behind the user's back ])
+        )
         self._base: Any = None  # the cache's counters when the epoch began (a ref), for per-epoch figures
 
     @staticmethod
@@ -609,7 +616,10 @@ class CacheFeed:
 
         self.close()
         self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
+        from .connect import ray_session
+
         self._actor = node_cache(self._ds.cache_dir, self._ds.cache_limit)
+        self._session = ray_session()
         self._open = True
         self._base = self._actor.stats.remote()
         _ensure_registered(self._actor, self._ds, _name(ray.get_runtime_context().get_node_id(), self._ds.cache_dir))
@@ -637,9 +647,17 @@ class CacheFeed:
             self._last = (cursor, sent)
             self._actor.advance.remote(self._sid, cursor, sent)
 
+    def _live(self) -> bool:
+        """Whether the actor's Ray session is still this process's: finalizers may run after ray.shutdown()."""
+        from .connect import ray_session
+
+        return self._actor is not None and self._session is not None and ray_session() == self._session
+
     def close(self) -> None:
         if self._open:
             self._open = False
+            if not self._live():
+                return
             try:
                 self._actor.close.remote(self._sid)
             except Exception:  # Ray already shut down
@@ -653,7 +671,7 @@ class CacheFeed:
         """
         import ray
 
-        if self._actor is None:
+        if not self._live():
             return None
         try:
             now, base = ray.get([self._actor.stats.remote(), self._base], timeout=10)

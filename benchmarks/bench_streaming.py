@@ -1,0 +1,249 @@
+"""Streaming Parquet from S3: raydl.ParquetDataset + node cache vs Ray Data, a naive lazy dataset, and the storage ceiling.
+
+The store: moto's S3 server on loopback behind a proxy that adds `--latency-ms` (20) to every
+request (tests/_s3.py). The data: `--files` Parquet files of `--groups` row groups of `--rows`
+rows with a `--payload`-byte incompressible column, four times larger than raydl's cache_limit.
+Each reader runs `--epochs` (2) epochs of batches of 64 with a shuffle, 2 workers:
+  * raydl: `ParquetDataset(cache_limit=data/4)` + `raydl.DataLoader(shuffle=True, num_workers=2)`;
+  * Ray Data: `read_parquet` + `iter_torch_batches(local_shuffle_buffer_size=<raydl's window in rows>)`;
+  * naive: torch's DataLoader(num_workers=2, shuffle=True) over a map-style dataset whose
+    `__getitem__` opens the row's file in S3 and reads its row group (cut after `--naive-s`);
+  * ceiling: every file read whole by 8 threads (the store's own bandwidth, in rows/s).
+Prints one JSON line per reader (samples/s per epoch, bytes fetched per epoch / data size, cache
+peak / limit, first batch) and a Markdown table.
+
+    .venv/bin/python benchmarks/bench_streaming.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import _common  # noqa: F401  (loopback Ray, no usage stats)
+import numpy as np
+import torch
+
+sys.path.insert(0, _common.REPO)
+
+from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder  # noqa: E402
+
+
+def write_corpus(folder: str, files: int, groups: int, rows: int, payload: int) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    for f in range(files):
+        ids = np.arange(f * groups * rows, (f + 1) * groups * rows)
+        table = pa.table({"id": ids, "label": ids % 10, "payload": [rng.bytes(payload) for _ in ids]})
+        pq.write_table(table, os.path.join(folder, f"part-{f:03d}.parquet"), row_group_size=rows)
+
+
+class NaiveS3Dataset(torch.utils.data.Dataset):
+    """What a user writes without a streaming loader: each row opens its file and reads its row group."""
+
+    def __init__(self, port: int, files: list, groups: int, rows: int) -> None:
+        self.port, self.files, self.groups, self.rows = port, files, groups, rows
+
+    def __len__(self) -> int:
+        return len(self.files) * self.groups * self.rows
+
+    def __getitem__(self, i: int) -> dict:
+        import pyarrow.parquet as pq
+
+        per_file = self.groups * self.rows
+        f, g, r = i // per_file, (i % per_file) // self.rows, i % self.rows
+        with s3fs(self.port, attempts=3).open_input_file(self.files[f]) as src:
+            row = pq.ParquetFile(src).read_row_group(g).slice(r, 1).to_pylist()[0]
+        return row
+
+
+def _ray_data_collate(batch: dict) -> dict:
+    """Ray Data's batch (NumPy columns) as torch's default_collate gives raydl's: tensors, bytes as a list."""
+    return {
+        "id": torch.as_tensor(batch["id"]),
+        "label": torch.as_tensor(batch["label"]),
+        "payload": list(batch["payload"]),
+    }
+
+
+def epochs_of(make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = float("inf")) -> dict:
+    out = {"samples_per_s": [], "bytes_per_epoch": [], "first_batch_s": None, "cut": False}
+    for e in range(epochs):
+        proxy.reset_counts()
+        t0 = time.perf_counter()
+        n = 0
+        for batch in make_iter():
+            if out["first_batch_s"] is None:
+                out["first_batch_s"] = time.perf_counter() - t0
+            n += len(batch["id"])
+            if time.perf_counter() - t0 > deadline_s:
+                out["cut"] = True
+                break
+        dt = time.perf_counter() - t0
+        out["samples_per_s"].append(n / dt)
+        out["bytes_per_epoch"].append(proxy.get_bytes)
+        out.setdefault("rows_read", []).append(n)
+        if out["cut"]:
+            break
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--files", type=int, default=16)
+    p.add_argument("--groups", type=int, default=8)
+    p.add_argument("--rows", type=int, default=128)
+    p.add_argument("--payload", type=int, default=1024)
+    p.add_argument("--latency-ms", type=float, default=20.0)
+    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--naive-s", type=float, default=30.0)
+    p.add_argument("--skip", default="", help="comma-separated readers to skip: raydl,raydata,naive,ceiling")
+    args = p.parse_args()
+    skip = set(filter(None, args.skip.split(",")))
+
+    import ray
+
+    import raydl
+    from raydl.cluster.cache import node_cache
+
+    tmp = tempfile.mkdtemp(prefix="bench-streaming-")
+    corpus = os.path.join(tmp, "corpus")
+    os.makedirs(corpus)
+    write_corpus(corpus, args.files, args.groups, args.rows, args.payload)
+    n_rows = args.files * args.groups * args.rows
+    moto = MotoServer()
+    proxy = None
+    results = []
+    try:
+        fs = moto.filesystem()
+        fs.create_dir("corpus")
+        upload_folder(corpus, fs, "corpus/data")
+        proxy = FaultProxy(moto.port)
+        data_bytes = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus))
+        files = sorted(f"corpus/data/{f}" for f in os.listdir(corpus))
+        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        proxy.latency_s = args.latency_ms / 1000
+
+        probe = raydl.ParquetDataset("s3://corpus/data/", filesystem=s3fs(proxy.port))
+        limit = probe.nbytes // 4
+        window_rows = None
+
+        if "raydl" not in skip:
+            t0 = time.perf_counter()
+            ds = raydl.ParquetDataset(
+                "s3://corpus/data/",
+                filesystem=s3fs(proxy.port),
+                cache_dir=os.path.join(tmp, "cache"),
+                cache_limit=limit,
+            )
+            footers_s = time.perf_counter() - t0
+            window_rows = ds.shuffle_window * args.rows
+            loader = raydl.DataLoader(
+                ds,
+                batch_size=64,
+                shuffle=True,
+                num_workers=2,
+                persistent_workers=True,
+                generator=torch.Generator().manual_seed(0),
+            )
+            cache = node_cache(ds.cache_dir, ds.cache_limit)
+            r = epochs_of(lambda: loader, args.epochs, proxy)
+            st = ray.get(cache.stats.remote(), timeout=30)
+            figures = loader.stats().cache
+            r.update(
+                reader="raydl",
+                footers_s=footers_s,
+                cache_peak_over_limit=st["peak_bytes"] / ds.cache_limit,
+                cache_fetched_over_data=[b / ds.nbytes for b in r["bytes_per_epoch"]],
+                storage_wait_share=figures["storage_wait_share"] if figures else None,
+                hit_rate=figures["hit_rate"] if figures else None,
+            )
+            loader.shutdown()
+            results.append(r)
+        print(json.dumps(r, default=float), file=sys.stderr)
+
+        if "raydata" not in skip:
+            import ray.data
+
+            ctx = ray.data.DataContext.get_current()
+            ctx.enable_progress_bars = False
+            buf = window_rows or (n_rows // 8)
+            dsr = ray.data.read_parquet("s3://corpus/data/", filesystem=s3fs(proxy.port, attempts=3))
+            r = epochs_of(
+                lambda: dsr.iter_torch_batches(
+                    batch_size=64, local_shuffle_buffer_size=buf, prefetch_batches=4, collate_fn=_ray_data_collate
+                ),
+                args.epochs,
+                proxy,
+            )
+            r.update(reader="ray_data", local_shuffle_buffer_size=buf)
+            results.append(r)
+        print(json.dumps(r, default=float), file=sys.stderr)
+
+        if "naive" not in skip:
+            naive = NaiveS3Dataset(proxy.port, files, args.groups, args.rows)
+            dl = torch.utils.data.DataLoader(
+                naive, batch_size=64, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(0)
+            )
+            r = epochs_of(lambda: dl, 1, proxy, deadline_s=args.naive_s)
+            r["bytes_per_epoch"] = [proxy.get_bytes * n_rows / max(1, r["rows_read"][0])]  # extrapolated
+            r.update(reader="naive_torch")
+            results.append(r)
+        print(json.dumps(r, default=float), file=sys.stderr)
+
+        if "ceiling" not in skip:
+            s3 = s3fs(proxy.port, attempts=3)
+
+            def whole(path: str) -> int:
+                with s3.open_input_file(path) as f:
+                    return len(f.read())
+
+            proxy.reset_counts()
+            t0 = time.perf_counter()
+            with ThreadPoolExecutor(8) as pool:
+                got = sum(pool.map(whole, files))
+            dt = time.perf_counter() - t0
+            results.append(
+                dict(reader="ceiling", samples_per_s=[n_rows / dt], bytes_per_epoch=[got], mb_per_s=got / dt / 1e6)
+            )
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        moto.stop()
+        if ray.is_initialized():
+            ray.shutdown()
+
+    info = dict(rows=n_rows, data_bytes=data_bytes, cache_limit=limit, latency_ms=args.latency_ms, cpus=os.cpu_count())
+    print(json.dumps({"config": info}))
+    for r in results:
+        r["bytes_over_data"] = [b / data_bytes for b in r["bytes_per_epoch"]]
+        print(json.dumps(r, default=float))
+    base = {r["reader"]: r for r in results}
+    print("\n| reader | samples/s per epoch | bytes fetched per epoch / data | first batch s | cache peak / limit |")
+    print("|---|---|---|---|---|")
+    for r in results:
+        sps = " / ".join(f"{x:,.0f}" for x in r["samples_per_s"])
+        byt = " / ".join(f"{x:.2f}" for x in r["bytes_over_data"])
+        fb = f"{r['first_batch_s']:.2f}" if r.get("first_batch_s") is not None else "-"
+        peak = f"{r['cache_peak_over_limit']:.2f}" if "cache_peak_over_limit" in r else "-"
+        cut = " (cut)" if r.get("cut") else ""
+        print(f"| {r['reader']}{cut} | {sps} | {byt} | {fb} | {peak} |")
+    if "raydl" in base and "ray_data" in base:
+        a, b = base["raydl"]["samples_per_s"], base["ray_data"]["samples_per_s"]
+        print(f"\nraydl / Ray Data samples/s per epoch: {' / '.join(f'{x / y:.2f}' for x, y in zip(a, b))}")
+    if "raydl" in base and "ceiling" in base:
+        print(
+            f"raydl's last epoch reached {base['raydl']['samples_per_s'][-1] / base['ceiling']['samples_per_s'][0]:.0%} "
+            "of the storage ceiling"
+        )
+
+
+if __name__ == "__main__":
+    main()
