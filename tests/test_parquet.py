@@ -358,3 +358,46 @@ def test_worker_killed_mid_epoch_loses_no_row(ray_session, s3, tmp_path):
     for name in os.listdir(ds.cache_dir):
         assert name.startswith(".tmp-") or os.path.getsize(os.path.join(ds.cache_dir, name)) == sizes[name]
     loader.shutdown()
+
+
+def test_belady_evicts_farthest_next_use_and_never_a_pinned_unit(tmp_path):
+    """The cache (as a plain object, no Ray) evicts the unit used farthest ahead, never one being read, within its limit."""
+    import pyarrow.fs as pafs
+
+    from raydl.cluster.cache import NodeCache
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in "abcde":
+        (src / name).write_bytes(name.encode() * 100)
+    units = [(str(src / n), 100, ((0, 100),), f"key-{n}") for n in "abcde"]
+    cache = NodeCache(str(tmp_path / "cache"), 300)  # room for 3 units of 100 bytes
+    cache.register("t", pafs.LocalFileSystem(), units)
+    a, b, c, d, e = range(5)
+    # batches 0-7 use: a b c d c b a e
+    cache.plan("s", "t", 0, [[a], [b], [c], [d], [c], [b], [a], [e]])
+
+    def held(want: set, timeout_s: float = 10.0) -> set:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            keys = {k[-1] for k in cache._ready}
+            if keys == want and not cache._fetching:
+                return keys
+            time.sleep(0.02)
+        raise AssertionError(f"held {sorted(k[-1] for k in cache._ready)}, expected {sorted(want)}")
+
+    try:
+        held({"a", "b", "c"})  # prefetched in order of first use, up to the limit
+        got = cache.acquire("t", [a], 1.0)["ready"]  # a batch reads a: pinned
+        cache.advance("s", 3, 4)  # batches 0-2 handed out; batch 3 (d) in flight
+        # d is needed next; a's next use (6) is farthest, but a is pinned: b (5) goes instead of a
+        held({"a", "c", "d"})
+        cache.release("t", list(got))
+        cache.advance("s", 4, 5)
+        # batch 3 handed out: d is used no more (at infinity) and goes for b, needed at 5
+        held({"a", "b", "c"})
+    finally:
+        cache.stop()
+    st = cache.stats()
+    assert st["peak_bytes"] <= 300 and st["bytes_held"] <= 300 and st["evictions"] == 2
+    assert sum(os.path.getsize(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")) <= 300

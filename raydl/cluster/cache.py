@@ -131,8 +131,11 @@ class _Stream:
 class NodeCache:
     """The node's cache actor (NOTE [ raydl node cache ]); made by `node_cache`, never directly."""
 
-    def __init__(self, cache_dir: str, limit_bytes: int) -> None:
+    def __init__(self, cache_dir: str, limit_bytes: int, idle_exit_s: Optional[float] = None) -> None:
+        """`idle_exit_s`: as an actor, exit after this long with no stream and no call (None: never)."""
         os.makedirs(cache_dir, exist_ok=True)
+        self._idle_exit_s = idle_exit_s
+        self._stopped = False
         self._dir = cache_dir
         self._limit = int(limit_bytes)
         self._cv = threading.Condition()
@@ -294,6 +297,13 @@ class NodeCache:
                 wait_s=self._wait_s,
             )
 
+    def stop(self) -> None:
+        """End the scheduler thread and the fetch threads (a cache used as a plain object, in tests)."""
+        with self._cv:
+            self._stopped = True
+            self._cv.notify_all()
+        self._pool.shutdown(wait=True)
+
     def reset_stats(self) -> None:
         with self._cv:
             for k in self._stats:
@@ -386,9 +396,12 @@ class NodeCache:
                     self._peak()
                     self._pool.submit(self._fetch, key)
                 self._cv.wait(0.2)
-                if not self._streams and time.monotonic() - self._last_call > IDLE_EXIT_S:
-                    logger.info("raydl cache %s: idle for %.0f s, exiting", self._dir, IDLE_EXIT_S)
-                    os._exit(0)
+                if self._stopped:
+                    return
+                idle = self._idle_exit_s
+                if idle is not None and not self._streams and time.monotonic() - self._last_call > idle:
+                    logger.info("raydl cache %s: idle for %.0f s, exiting", self._dir, idle)
+                    os._exit(0)  # a detached actor nobody uses: its process goes
 
     def _fetch(self, key: str) -> None:
         token, path, size, segs, nbytes = self._specs[key]
@@ -503,7 +516,7 @@ def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, 
                     max_concurrency=64,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 )
-                .remote(cache_dir, limit_bytes)
+                .remote(cache_dir, limit_bytes, IDLE_EXIT_S)
             )
             _handles[name] = (session, h)
         return h
