@@ -59,9 +59,9 @@ __all__ = [
 
 _SUFFIXES = (".parquet", ".pq")
 _FOOTER_THREADS = 16
-_DECODED_CACHE_BYTES = (
-    64 << 20
-)  # decoded row groups a worker keeps, at most a quarter of cache_limit (NOTE [ raydl parquet ])
+# Decoded row groups a worker keeps (NOTE [ raydl parquet ]): one window's, at most this many bytes; the default
+# window is also bounded by it, so that a worker decodes each row group once per pass of its window.
+_DECODED_BYTES = int(os.environ.get("RAYDL_PARQUET_DECODED_BYTES", str(256 << 20)))
 _DEFAULT_LIMIT = "10GB"
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
 _UNITS.update({"KIB": 1 << 10, "MIB": 1 << 20, "GIB": 1 << 30, "TIB": 1 << 40, "K": 10**3, "M": 10**6, "G": 10**9})
@@ -223,7 +223,8 @@ class ParquetDataset(Dataset):
         cache_limit (int or str): the most bytes the cache holds on each node, e.g. ``"20GB"``.
             Defaults to ``"10GB"``.
         shuffle_window (int, optional): row groups whose rows are shuffled together. Defaults to
-            ``None``: as many as fit in half of `cache_limit`.
+            ``None``: as many as fit in half of `cache_limit`, and whose decoded size fits in a
+            worker's 256 MiB of decoded row groups (`RAYDL_PARQUET_DECODED_BYTES`).
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -276,7 +277,7 @@ class ParquetDataset(Dataset):
             if unknown:
                 raise ValueError(f"ParquetDataset: unknown columns {unknown}; the files have {names}")
         wanted = set(self._columns if self._columns is not None else names)
-        rows, unit_file, unit_rg, segments, keys = [], [], [], [], []
+        rows, unit_file, unit_rg, segments, keys, decoded = [], [], [], [], [], []
         for f, (info, md) in enumerate(zip(infos, self._footers)):
             ident = f"{info.path}|{info.size}|{info.mtime_ns}"
             for g in range(md.num_row_groups):
@@ -290,6 +291,7 @@ class ParquetDataset(Dataset):
                     if col.has_dictionary_page and col.dictionary_page_offset:
                         start = min(start, col.dictionary_page_offset)
                     segs.append((int(start), int(col.total_compressed_size)))
+                    decoded.append((len(rows), int(col.total_uncompressed_size)))
                 segs = _merge(segs)
                 rows.append(rg.num_rows)
                 unit_file.append(f)
@@ -303,6 +305,10 @@ class ParquetDataset(Dataset):
         self._segments = segments
         self._unit_keys = keys
         self._unit_bytes = np.asarray([sum(n for _, n in s) for s in segments], dtype=np.int64)
+        per_unit = np.zeros(len(rows), dtype=np.int64)
+        for u, n in decoded:
+            per_unit[u] += n
+        self._largest_decoded = int(per_unit.max()) if len(per_unit) else 0  # Parquet's uncompressed size
         self.token = hashlib.sha1("|".join(keys).encode()).hexdigest()[:16]
 
     def _check_window(self, window: Optional[int]) -> int:
@@ -315,7 +321,9 @@ class ParquetDataset(Dataset):
                 f"{need} bytes (2 x the largest row group, {largest} bytes). Raise cache_limit to {need} or more."
             )
         if window is None:
-            return max(1, min(self.num_units, (self.cache_limit // 2) // max(largest, 1)))
+            fits = (self.cache_limit // 2) // max(largest, 1)  # half the cache: the other half prefetches
+            decodes = max(2, _DECODED_BYTES // max(self._largest_decoded, 1))
+            return max(1, min(self.num_units, fits, decodes))
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(
                 f"ParquetDataset: shuffle_window should be a positive number of row groups, got {window!r}"
@@ -418,7 +426,7 @@ class ParquetDataset(Dataset):
                 with self._lock:
                     self._decoded[u] = t
                     self._decoded_bytes += t.nbytes
-                    limit = min(_DECODED_CACHE_BYTES, self.cache_limit // 4)
+                    limit = min(_DECODED_BYTES, self.shuffle_window * max(self._largest_decoded, 1))
                     while self._decoded_bytes > limit and len(self._decoded) > 1:
                         _, old = self._decoded.popitem(last=False)
                         self._decoded_bytes -= old.nbytes
