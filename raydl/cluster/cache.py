@@ -35,8 +35,11 @@ worker of the node and by every rank of a `ray_job` there.
     vanished (evicted by the other) asks again. A restarted cache adopts the intact files (right
     name, right size) of the units it is told about, up to its limit; temporary files older than
     an hour are removed. Each cache counts its own files against its limit.
-Known limits: the plan goes to the cache on the driver's node; a worker on another node uses its
-own node's cache on demand (no order ahead, no locality in the choice of worker).
+Across nodes: the feed sends the plan to the cache of every node its workers run on (as they
+report it; before that, to the driver's node's, dropped if no worker runs there), so each node fetches the epoch's units in order, about once
+per epoch per node (a window shuffle spreads each batch over its window, so a node's workers
+read nearly every unit anyway). Known limit: the choice of worker for a batch does not follow
+where its rows are cached. The plan is O(batches) in each cache's memory.
 """
 
 from __future__ import annotations
@@ -148,6 +151,7 @@ class NodeCache:
         self._failed: dict[str, str] = {}
         self._urgent: dict[str, int] = {}  # key -> order of the request
         self._streams: dict[str, _Stream] = {}
+        self._closed: dict[str, None] = {}  # streams closed (calls run concurrently: a late `plan` must not reopen one)
         self._used = 0
         self._n = 0
         self._stats = dict(
@@ -191,6 +195,8 @@ class NodeCache:
         with self._cv:
             self._touch()
             keys = self._keys[token]
+            if sid in self._closed:
+                return
             s = self._streams.setdefault(sid, _Stream())  # an `extend` may have come first
             s.cursor = s.sent = first
             for j, units in enumerate(steps):
@@ -199,6 +205,8 @@ class NodeCache:
 
     def extend(self, sid: str, token: str, step: int, units: list) -> None:
         with self._cv:
+            if sid in self._closed:
+                return
             s = self._streams.setdefault(sid, _Stream())
             s.add(step, [self._keys[token][u] for u in units])
             self._cv.notify_all()
@@ -216,6 +224,9 @@ class NodeCache:
     def close(self, sid: str) -> None:
         with self._cv:
             self._streams.pop(sid, None)
+            self._closed[sid] = None
+            while len(self._closed) > 10_000:
+                del self._closed[next(iter(self._closed))]
             self._cv.notify_all()
 
     def acquire(self, token: str, units: list, timeout_s: float, count: bool = True) -> dict:
@@ -601,20 +612,27 @@ def _read_direct(dataset: Any, unit: int) -> bytes:
 
 
 class CacheFeed:
-    """What the driver tells its node's cache about one iterator's order (NOTE [ raydl node cache ])."""
+    """What the driver tells the node caches about one iterator's order (NOTE [ raydl node cache ]).
+
+    The plan goes to the cache of the driver's node and of every node a worker of this iterator
+    runs on (`add_nodes`, as workers report where they run): each node then fetches, in the
+    epoch's order, the units its workers will read, about once per epoch per node.
+    """
+
+    _COUNTERS = ("hits", "misses", "bytes_fetched", "fetches", "adopted", "evictions", "retries", "failures", "wait_s")
 
     def __init__(self, dataset: Any, batch_size: int) -> None:
         self._ds = dataset
         self._batch = max(1, batch_size)
         self._sid = uuid.uuid4().hex
-        self._actor: Any = None
-        self._known_until = 0  # batch positions below this are in the plan
-        self._last: tuple = (-1, -1)
-        self._open = False  # whether the stream is open (the actor stays known for stats after it closes)
-        self._session: Optional[str] = (
-            None  # the Ray session of the actor (NOTE [ raydl no Ray behind the user's back ])
-        )
-        self._base: Any = None  # the cache's counters when the epoch began (a ref), for per-epoch figures
+        self._actors: dict[str, Any] = {}  # node id -> its cache actor
+        self._bases: dict[str, Any] = {}  # node id -> its counters when it joined this epoch (a ref)
+        self._steps: list = []  # unit ids of each batch position from `_first` on
+        self._first = 0
+        self._last: tuple = (-1, -1)  # (cursor, end of the batches in flight) last reported
+        self._open = False  # whether the stream is open (actors stay known for stats after it closes)
+        self._session: Optional[str] = None  # the actors' Ray session (NOTE [ raydl no Ray behind the user's back ])
+        self._guess: Optional[str] = None  # the node fed before the workers said where they run
 
     @staticmethod
     def for_dataset(dataset: Any, batch_size: Optional[int]) -> Optional[CacheFeed]:
@@ -623,19 +641,16 @@ class CacheFeed:
             return None
         return CacheFeed(dataset, batch_size or 1)
 
-    def begin_epoch(self, sampler_iter: Any, in_flight: dict, first: int, sent: int) -> None:
+    def begin_epoch(self, sampler_iter: Any, in_flight: dict, first: int, sent: int, node_ids: Any = ()) -> None:
         """Send the epoch's plan: the batches in flight (`in_flight`: position -> indices), then what the sampler knows ahead."""
         import ray
 
-        self.close()
-        self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
         from .connect import ray_session
 
-        self._actor = node_cache(self._ds.cache_dir, self._ds.cache_limit)
+        self.close()
+        self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
         self._session = ray_session()
-        self._open = True
-        self._base = self._actor.stats.remote()
-        _ensure_registered(self._actor, self._ds, _name(ray.get_runtime_context().get_node_id(), self._ds.cache_dir))
+        self._actors, self._bases = {}, {}
         steps = [
             np.unique(self._ds.units_of(in_flight[p])).tolist() if p in in_flight else [] for p in range(first, sent)
         ]
@@ -644,65 +659,92 @@ class CacheFeed:
             units = self._ds.units_of(ahead)
             for i in range(0, len(units), self._batch):
                 steps.append(np.unique(units[i : i + self._batch]).tolist())
-        self._known_until = first + len(steps)
-        self._actor.plan.remote(self._sid, self._ds.token, first, steps)
+        self._steps, self._first = steps, first
         self._last = (first, sent)
+        self._open = True
+        node_ids = list(node_ids)
+        # Workers not placed yet (a first epoch): the driver's node until they say where they run.
+        guess = None if node_ids else ray.get_runtime_context().get_node_id()
+        self._guess = None
+        self.add_nodes(node_ids or [guess])
+        self._guess = guess
+
+    def add_nodes(self, node_ids: Any) -> None:
+        """Workers run on these nodes: their caches get the plan from the cursor on."""
+        if not self._open:
+            return
+        node_ids = list(dict.fromkeys(node_ids))
+        guess, self._guess = self._guess, None
+        if guess is not None and node_ids and guess not in node_ids:  # no worker there: stop its prefetching
+            self._actors.pop(guess).close.remote(self._sid)
+            self._bases.pop(guess)
+        for node in node_ids:
+            if node in self._actors:
+                continue
+            actor = node_cache(self._ds.cache_dir, self._ds.cache_limit, node_id=node)
+            _ensure_registered(actor, self._ds, _name(node, self._ds.cache_dir))
+            self._bases[node] = actor.stats.remote()
+            cursor, sent = self._last
+            at = max(cursor, self._first)
+            actor.plan.remote(self._sid, self._ds.token, at, self._steps[at - self._first :])
+            actor.advance.remote(self._sid, at, max(sent, at))
+            self._actors[node] = actor
 
     def on_send(self, position: int, index: Any) -> None:
         """A batch sent to a worker: added to the plan unless the plan already had it."""
-        if self._open and position >= self._known_until:
-            units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
-            self._actor.extend.remote(self._sid, self._ds.token, position, units)
-            self._known_until = position + 1
+        end = self._first + len(self._steps)
+        if not self._open or position < end:
+            return
+        self._steps.extend([] for _ in range(position - end))  # positions skipped at resume use nothing
+        units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
+        self._steps.append(units)
+        for actor in self._actors.values():
+            actor.extend.remote(self._sid, self._ds.token, position, units)
 
     def advance(self, cursor: int, sent: int) -> None:
         if self._open and (cursor, sent) != self._last:
             self._last = (cursor, sent)
-            self._actor.advance.remote(self._sid, cursor, sent)
+            for actor in self._actors.values():
+                actor.advance.remote(self._sid, cursor, sent)
 
     def _live(self) -> bool:
-        """Whether the actor's Ray session is still this process's: finalizers may run after ray.shutdown()."""
+        """Whether the actors' Ray session is still this process's: finalizers may run after ray.shutdown()."""
         from .connect import ray_session
 
-        return self._actor is not None and self._session is not None and ray_session() == self._session
+        return bool(self._actors) and self._session is not None and ray_session() == self._session
 
     def close(self) -> None:
         if self._open:
             self._open = False
             if not self._live():
                 return
-            try:
-                self._actor.close.remote(self._sid)
-            except Exception:  # Ray already shut down
-                pass
+            for actor in self._actors.values():
+                try:
+                    actor.close.remote(self._sid)
+                except Exception:  # Ray already shut down
+                    pass
 
     def stats(self, busy_s: float) -> Optional[dict]:
-        """This epoch's cache figures (counters since its start; bytes held and peak now), or None; bounded wait.
+        """This epoch's cache figures, summed over the nodes fed (bytes held and peak: now, the largest node's).
 
         `busy_s`: the workers' time making batches, of which `storage_wait_share` is the part spent
-        waiting for units to arrive from storage.
+        waiting for units to arrive from storage. None when no cache answers within 10 s.
         """
         import ray
 
         if not self._live():
             return None
+        nodes = list(self._actors)
         try:
-            now, base = ray.get([self._actor.stats.remote(), self._base], timeout=10)
+            nows = ray.get([self._actors[n].stats.remote() for n in nodes], timeout=10)
+            bases = ray.get([self._bases[n] for n in nodes], timeout=10)
         except Exception:
             return None
-        out = dict(now)
-        for k in (
-            "hits",
-            "misses",
-            "bytes_fetched",
-            "fetches",
-            "adopted",
-            "evictions",
-            "retries",
-            "failures",
-            "wait_s",
-        ):
-            out[k] = now[k] - base[k]
+        out = dict(max(nows, key=lambda st: st["peak_bytes"]))
+        for k in self._COUNTERS:
+            out[k] = sum(now[k] - base[k] for now, base in zip(nows, bases))
+        out["prefetch_depth"] = sum(now["prefetch_depth"] for now in nows)
+        out["nodes"] = len(nodes)
         asked = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / asked if asked else 0.0
         out["storage_wait_share"] = min(1.0, out["wait_s"] / busy_s) if busy_s > 0 else 0.0

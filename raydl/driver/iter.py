@@ -340,7 +340,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._try_put_index()
         if self._feed is not None:
             in_flight = {i: t.index for i, t in self._sched.task_info.items()}
-            self._feed.begin_epoch(self._sampler_iter, in_flight, self._rcvd_idx, self._send_idx)
+            self._feed.begin_epoch(self._sampler_iter, in_flight, self._rcvd_idx, self._send_idx, self._worker_nodes())
 
     def _try_put_index(self) -> None:
         """Draw the next index from the sampler and give it to the next eligible worker (torch's rule)."""
@@ -560,9 +560,14 @@ class _RayLoaderIter(Iterator[Any]):
     def running(self) -> bool:
         return self._state == _State.RUNNING
 
+    def _worker_nodes(self) -> list:
+        return [r.node_id for r in self._pool.records if r is not None]
+
     def on_workers_ready(self) -> None:
         """Every worker has started (`RecoveryHost`): latencies count from now; remote batches start moving here."""
         self._ready_at_s = time.monotonic()
+        if self._feed is not None:  # the caches of the workers' nodes get the plan too (NOTE [ raydl node cache ])
+            self._feed.add_nodes(self._worker_nodes())
         # Tasks sent before the workers reported where they run: start their transfers now.
         self._prefetch(
             [t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)]
