@@ -401,3 +401,40 @@ def test_belady_evicts_farthest_next_use_and_never_a_pinned_unit(tmp_path):
     st = cache.stats()
     assert st["peak_bytes"] <= 300 and st["bytes_held"] <= 300 and st["evictions"] == 2
     assert sum(os.path.getsize(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")) <= 300
+
+
+def test_truncated_file_and_full_disk_are_named(ray_session, folder, tmp_path, monkeypatch):
+    """A file truncated after its footer was read fails naming the file and row group; a full cache disk names the folder."""
+    import errno
+    import shutil
+
+    import pyarrow.fs as pafs
+
+    from raydl.cluster.cache import NodeCache
+
+    src = tmp_path / "src"
+    src.mkdir()
+    shutil.copy(os.path.join(folder, "part-01.parquet"), src / "part-01.parquet")
+    ds = raydl.ParquetDataset(str(src), cache_dir=str(tmp_path / "c"), cache_limit=_quarter())
+    with open(src / "part-01.parquet", "r+b") as f:
+        f.truncate(ds._segments[1][0][0] + 10)  # row groups 1-3 cut
+    with pytest.raises(OSError, match=r"row group \d of .*part-01.parquet: .*truncated"):
+        list(_loader(ds, shuffle=False))
+
+    cache = NodeCache(str(tmp_path / "full"), 10_000)
+    (tmp_path / "x").write_bytes(b"x" * 100)
+    cache.register("t", pafs.LocalFileSystem(), [(str(tmp_path / "x"), 100, ((0, 100),), "key-x")])
+
+    def no_space(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "replace", no_space)
+    try:
+        deadline = time.monotonic() + 10
+        errors = {}
+        while not errors and time.monotonic() < deadline:
+            errors = cache.acquire("t", [0], 1.0)["errors"]
+        assert "is full" in errors[0] and str(tmp_path / "full") in errors[0]
+        assert not [n for n in os.listdir(tmp_path / "full") if n.startswith(".tmp-")]  # no partial file left
+    finally:
+        cache.stop()

@@ -605,7 +605,10 @@ def _read_direct(dataset: Any, unit: int) -> bytes:
         with dataset.filesystem.open_input_file(path) as f:
             return b"".join(f.read_at(n, off) for off, n in segs)
 
-    return with_retries(read, f"reading {path}")
+    data = with_retries(read, f"reading {path}")
+    if len(data) != sum(n for _, n in segs):
+        raise OSError(f"cannot read {dataset.describe_unit(unit)}: {path} is truncated")
+    return data
 
 
 # ---------------------------------------------------------------------- the driver's side
