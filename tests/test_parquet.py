@@ -438,3 +438,25 @@ def test_truncated_file_and_full_disk_are_named(ray_session, folder, tmp_path, m
         assert not [n for n in os.listdir(tmp_path / "full") if n.startswith(".tmp-")]  # no partial file left
     finally:
         cache.stop()
+
+
+def test_resume_at_another_world_size(ray_session, folder, tmp_path):
+    """A state of 2 ranks (ParquetDistributedSampler) loaded at world size 1 continues with exactly the rows not yet read."""
+    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "c"), cache_limit=_quarter())
+
+    def loader(world: int, rank: int):
+        sampler = ParquetDistributedSampler(ds, num_replicas=world, rank=rank, seed=11)
+        return raydl.DataLoader(
+            ds, batch_size=64, sampler=sampler, num_workers=1, ray_remote_args={"num_cpus": 0}, timeout=60
+        )
+
+    ranks = [loader(2, r) for r in range(2)]
+    its = [iter(lo) for lo in ranks]
+    read = [i for _ in range(5) for it in its for i in next(it)["id"].tolist()]  # lockstep, as DDP
+    state = ranks[0].state_dict()
+    for lo in ranks:
+        lo.shutdown()
+    resumed = loader(1, 0)
+    resumed.load_state_dict(state)
+    rest = [i for b in resumed for i in b["id"].tolist()]
+    assert len(read) == 640 and sorted(read + rest) == list(range(N))

@@ -179,14 +179,20 @@ class ParquetDistributedSampler(DistributedSampler):
 
     Same arguments, `set_epoch` and split as torch's: the global order of epoch `e` is the
     dataset's order for seed `seed + e`, padded (or cut, `drop_last`) to the world size, rank `r`
-    taking positions r, r + W, r + 2W, ...
+    taking positions r, r + W, r + 2W, ... . A state saved with it resumes at another world
+    size as torch's does (NOTE [ raydl global epoch ] in job/global_epoch.py).
     """
 
+    def global_order(self, epoch: int, seed: Optional[int] = None, shuffle: Optional[bool] = None) -> list:
+        """The job's order P of `epoch` before padding and dealing (what a resume at another world size re-deals)."""
+        seed = self.seed if seed is None else seed
+        shuffle = self.shuffle if shuffle is None else shuffle
+        if shuffle:
+            return self.dataset.shuffled_order(seed + epoch).tolist()
+        return list(range(len(self.dataset)))
+
     def __iter__(self) -> Iterator[int]:
-        if self.shuffle:
-            indices = self.dataset.shuffled_order(self.seed + self.epoch).tolist()
-        else:
-            indices = list(range(len(self.dataset)))
+        indices = self.global_order(self.epoch)
         if not self.drop_last:
             padding = self.total_size - len(indices)
             if padding > 0 and indices:

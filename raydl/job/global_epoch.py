@@ -21,7 +21,8 @@ sets. The next epochs are the sampler's own again (`set_epoch`). Worker snapshot
 are not used then: a re-dealt epoch's samples go to other ranks and workers, which is why only
 `ray_seed="sample"` (each sample's draws keyed by its index) gives the uninterrupted run's content.
 A state of another dataset length, sampler seed or shuffle, or of a sampler raydl does not know
-(anything but torch's own `DistributedSampler`), is refused with a ValueError, never re-dealt.
+(anything but torch's own `DistributedSampler`, or a subclass whose `global_order(epoch, seed, shuffle)` gives its P,
+such as `raydl.ParquetDistributedSampler`), is refused with a ValueError, never re-dealt.
 """
 
 from __future__ import annotations
@@ -41,7 +42,11 @@ GLOBAL_EPOCH = "global_epoch"  # the key in the state's `_raydl` section
 def distributed_sampler(index_sampler: Any) -> Optional[DistributedSampler]:
     """torch's own DistributedSampler behind an index sampler (itself, or under torch's BatchSampler), or None."""
     s = index_sampler.sampler if type(index_sampler) is BatchSampler else index_sampler
-    return s if type(s) is DistributedSampler else None
+    if type(s) is DistributedSampler or (
+        isinstance(s, DistributedSampler) and callable(getattr(s, "global_order", None))
+    ):
+        return s  # torch's own, or a subclass that says its epoch's order P (raydl.ParquetDistributedSampler)
+    return None
 
 
 def rank_length(sampler: DistributedSampler, start: int) -> int:
@@ -108,7 +113,10 @@ def redealt_indices(record: Mapping, sampler: DistributedSampler) -> list:
         drop_last=False,
     )
     whole.set_epoch(int(record["epoch"]))
-    order = list(iter(whole))  # torch's permutation P of the epoch
+    if callable(getattr(sampler, "global_order", None)):  # a subclass with its own P (NOTE [ raydl parquet shuffle ])
+        order = sampler.global_order(int(record["epoch"]), int(record["seed"]), bool(record["shuffle"]))
+    else:
+        order = list(iter(whole))  # torch's permutation P of the epoch
     rest = order[min(int(record["position"]), n) :]
     w = sampler.num_replicas
     size = _deal_size(len(rest), w, sampler.drop_last) * w
