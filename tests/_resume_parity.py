@@ -9,9 +9,16 @@ and checks:
     RNG included;
   * a state taken by torchdata after k batches loaded into raydl, and raydl's loaded into
     torchdata, continue with the batches torchdata continues with from its own state;
-  * `state_dict()` right after `load_state_dict()` returns the loaded state.
+  * `state_dict()` right after `load_state_dict()` returns the loaded state;
+  * each state has StatefulDataLoader's layout (`_layout`): the same keys, a snapshot for every
+    worker, and the same values where the two runs are the same (right after `iter()` included).
 States are taken during one uninterrupted pass (a state once taken never changes), so each
 configuration costs one pass per loader plus the resumed runs.
+
+`check_epoch_end` checks states taken at the end of an epoch (after its last batch, and after
+StopIteration) the way a job that builds its loader with a seeded `torch.Generator` resumes: the
+same generator object, re-seeded to its seed, goes to the new loader; the next epoch must be the
+saver's next epoch, whichever loader saved and whichever loads.
 """
 
 from __future__ import annotations
@@ -102,6 +109,29 @@ def _resume(make_loader: Callable[[], Any], state: dict, *, check_echo: bool = F
     return out
 
 
+# raydl's own keys, which StatefulDataLoader ignores: a state's section and a worker snapshot's generators
+_RAYDL_KEYS = ("_raydl", "_raydl_rng")
+
+
+def _layout(state: Any, values: bool = True) -> Any:
+    """A state as StatefulDataLoader lays it out: raydl's own keys dropped, tensors as lists; with
+    `values=False` only the keys and which entries are None, dicts or plain values."""
+    if isinstance(state, dict):
+        return {k: _layout(v, values) for k, v in state.items() if k not in _RAYDL_KEYS}
+    if isinstance(state, torch.Tensor):
+        return state.tolist() if values else "tensor"
+    if values or state is None:
+        return state
+    return "list" if isinstance(state, (list, tuple)) else "value"
+
+
+def _same_layout(td_state: dict, rd_state: dict, values: bool, where: str) -> None:
+    td, rd = _layout(td_state, values), _layout(rd_state, values)
+    assert td == rd, (
+        f"{where}: raydl's state is not laid out as StatefulDataLoader's:\n  torchdata {td}\n  raydl     {rd}"
+    )
+
+
 def _key(obj: Any) -> str:
     if isinstance(obj, torch.Tensor):
         return f"T{obj.tolist()}"
@@ -128,6 +158,7 @@ def check_resume(
     td_resume_exact: bool = True,
     cross: bool = True,
     same_uninterrupted: bool = True,
+    next_from_state: bool = True,
 ) -> None:
     """Run the checks of this module's docstring for one configuration.
 
@@ -139,7 +170,10 @@ def check_resume(
     torchdata cannot resume, such as an epoch > 0 with torch's RandomSampler).
     `same_uninterrupted=False`: the two uninterrupted runs differ by design (torchdata's own
     RandomSampler under StatefulDataLoader draws a permutation it discards when its iterator is
-    made, torch's loader and raydl's do not); each state then continues its saver's run.
+    made, torch's loader and raydl's do not); each state then continues its saver's run, and the
+    states' layouts are compared without their values. `next_from_state=False`: the epoch after an
+    end-of-epoch state is drawn from the global RNG (a random sampler without a generator), which
+    the harness restores (END_SEED): raydl gives its own next epoch whichever state it loaded.
     """
     extra = {"timeout": BATCH_TIMEOUT_S} if num_workers > 0 else {}
     td_extra = {"timeout": BATCH_TIMEOUT_S, "multiprocessing_context": _mp_context()} if num_workers > 0 else {}
@@ -160,6 +194,10 @@ def check_resume(
         rd_state = rd_states[k]
         if cross and _json_ok(td_states[k]):
             assert _json_ok(rd_state), f"raydl's state after {k} batches is not JSON though torchdata's is"
+        if cross:
+            # torchdata's end-of-epoch state is its snapshot at the last batch: streams that ended after it are not in it
+            values = same_uninterrupted and k != END
+            _same_layout(td_states[k], rd_state, values, f"the state after {k} batches")
         rd_state = _roundtrip(rd_state)
         if k == END:
             _check_end(
@@ -169,7 +207,7 @@ def check_resume(
                 _roundtrip(td_states[k]) if cross else None,
                 rd_next,
                 td_next if cross else [],
-                same_uninterrupted,
+                next_from_state,
             )
             continue
         _same(rd_batches[k:], _resume(make_rd, rd_state, check_echo=True), f"raydl resumed from raydl's state at {k}")
@@ -182,20 +220,72 @@ def check_resume(
         _same(rd_expected, _resume(make_td, rd_state), f"torchdata resumed from raydl's state at {k}")
 
 
-def _check_end(make_rd, make_td, rd_state: dict, td_state: Any, rd_next: list, td_next: list, same: bool) -> None:
+def _check_end(
+    make_rd, make_td, rd_state: dict, td_state: Any, rd_next: list, td_next: list, next_from_state: bool
+) -> None:
     """A state taken after StopIteration resumes into the next epoch: raydl's own exactly (the global RNG
-    restored); across loaders, each goes on with a whole new epoch of its own order (their orders differ by
-    design unless the uninterrupted runs are the same)."""
+    restored, the generators made anew). Across loaders each state goes on into its saver's next epoch when
+    the state and the generators decide it (`next_from_state`); when it is drawn from the global RNG, raydl's
+    is its own whichever state it loaded, and torchdata's a whole epoch."""
     assert rd_state["_iterator_finished"], "a state taken after StopIteration must say the iterator finished"
     _same(rd_next, _resume(make_rd, rd_state, finished=True), "raydl resumed from raydl's end-of-epoch state")
     if td_state is None:
         return
     from_td = _resume(make_rd, td_state, finished=True)
     from_rd = _resume(make_td, rd_state, finished=True)
-    if same:
-        _same(rd_next, from_td, "raydl resumed from torchdata's end-of-epoch state")
-        _same(td_next, from_rd, "torchdata resumed from raydl's end-of-epoch state")
+    if next_from_state:
+        _same(td_next, from_td, "raydl resumed from torchdata's end-of-epoch state")
+        _same(rd_next, from_rd, "torchdata resumed from raydl's end-of-epoch state")
+    else:
+        _same(rd_next, from_td, "raydl resumed from torchdata's end-of-epoch state (its next epoch is its own)")
     assert len(from_td) == len(rd_next) and len(from_rd) == len(td_next), (
         f"after an end-of-epoch state a whole epoch comes next: {len(from_td)}/{len(rd_next)} (raydl), "
         f"{len(from_rd)}/{len(td_next)} (torchdata)"
     )
+
+
+def check_epoch_end(
+    make_dataset: Callable[[], Any], make_kwargs: Callable[[], dict], *, num_workers: int = 2, seed: int = 7
+) -> None:
+    """States at the end of an epoch, with the job's generator made again: the next epoch is the saver's.
+
+    One `torch.Generator` object is the loaders' `generator`, re-seeded to `seed` before each loader
+    is built (what a restarted job does: the generator is not in torch's RNG state). Each loader runs
+    epoch 0 and takes a state after its last batch and one after StopIteration, then runs epoch 1;
+    every state, loaded into a new StatefulDataLoader and a new raydl DataLoader, must give the
+    saver's epoch 1 (after the rest of epoch 0, which is empty). The two loaders' uninterrupted runs
+    are the same here unless `shuffle=True` (torchdata's own sampler draws other permutations).
+    """
+    g = torch.Generator()
+    extra = {"timeout": BATCH_TIMEOUT_S} if num_workers > 0 else {}
+    td_extra = {"timeout": BATCH_TIMEOUT_S, "multiprocessing_context": _mp_context()} if num_workers > 0 else {}
+
+    def make(cls: type) -> Any:
+        g.manual_seed(seed)  # the same generator object, re-seeded for each new loader
+        kwargs = {**(td_extra if cls is StatefulDataLoader else extra), **make_kwargs()}
+        return cls(make_dataset(), num_workers=num_workers, generator=g, **kwargs)
+
+    def done(loader: Any) -> None:
+        if isinstance(loader, raydl.DataLoader):
+            loader.shutdown()
+
+    saved = {}
+    for cls in (StatefulDataLoader, raydl.DataLoader):
+        loader = make(cls)
+        last = None
+        for _ in loader:
+            last = loader.state_dict()
+        end = loader.state_dict()
+        saved[cls.__name__] = (_roundtrip(last), _roundtrip(end), list(loader))
+        done(loader)
+    for saver, (last, end, expected) in saved.items():
+        assert not last["_iterator_finished"] and end["_iterator_finished"], saver
+        for cls in (StatefulDataLoader, raydl.DataLoader):
+            for when, state in (("after its last batch", last), ("after StopIteration", end)):
+                where = f"{cls.__name__} resumed from {saver}'s state {when}"
+                loader = make(cls)
+                loader.load_state_dict(state)
+                if not state["_iterator_finished"]:
+                    assert list(loader) == [], f"{where}: the epoch had no batch left"
+                _same(expected, list(loader), f"{where}, next epoch")
+                done(loader)

@@ -107,6 +107,8 @@ class WorkerPool:
         self._info_num_workers = [num_workers] * num_workers
         self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
+        # each worker's snapshot as it started (its configure() reply): worker id -> snapshot (NOTE [ raydl checkpoint ])
+        self.started_states: dict[int, Optional[dict]] = {}
         # replacements made for each worker id (NOTE [ raydl recovery ] in driver/recovery.py)
         self.restarts = [0] * num_workers
         # refs of tasks the driver gave up on, per worker: a worker goes back to the warm pool
@@ -292,7 +294,7 @@ class WorkerPool:
                 failed.append((wid, f"died while starting: {e}"))
                 continue
             self._unconfirmed_warm.discard(wid)
-            self.records[wid] = WorkerRecord(worker_id=wid, **info)
+            self.records[wid] = self._started(wid, info)
             self._ready_refs[wid] = None
             del self.joining[wid]
             joined.append(wid)
@@ -390,7 +392,7 @@ class WorkerPool:
                     self._failed.add(wid)
                     raise WorkerStartDied(wid, f"raydl worker {wid} could not be placed: {e}") from None
                 self._unconfirmed_warm.discard(wid)
-                self.records[wid] = WorkerRecord(worker_id=wid, **info)
+                self.records[wid] = self._started(wid, info)
                 self._ready_refs[wid] = None
             if self.is_ready:
                 break
@@ -409,6 +411,11 @@ class WorkerPool:
                         self.release(w)
                     raise WorkerPlacementError(f"{msg} (waited {waited_s:.0f} s)", tuple(unplaced))
         logger.debug("raydl: %d workers ready: %s", self.num_workers, self.records)
+
+    def _started(self, worker_id: int, info: dict) -> WorkerRecord:
+        """A worker's configure() reply: where it runs; its starting snapshot is kept in `started_states`."""
+        self.started_states[worker_id] = info.pop("state", None)
+        return WorkerRecord(worker_id=worker_id, **info)
 
     def take_swapped(self) -> list[int]:
         """Workers whose dead warm actor was swapped since the last call: their queued tasks must be sent again."""

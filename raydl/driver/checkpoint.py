@@ -23,15 +23,18 @@ loader loads the other's state for the same dataset, sampler and num_workers:
 `_raydl` (ignored by torchdata) holds what validates a state against a loader (dataset kind and
 length, batch size, sampler types, num_workers), a random sampler's epoch record when it is not
 under torchdata's keys (below), and the batches handed out ahead of the first missing one
-(in_order=False). A worker snapshot is None when the worker starts fresh from its seed.
+(in_order=False). A worker snapshot is None when the worker starts fresh from its seed (a state
+that torchdata's layout allows too: a worker that never started).
 
-Where each part comes from, with no call to any worker:
+Where each part comes from, with no call to any worker beyond those the loader makes anyway:
   * sampler: the driver draws every index. The sampler position is the first batch not yet
-    handed out (`_sampler_iter_yielded`); a sampler or its iterator with `state_dict()` (torchdata's
-    samplers; raydl iterates torch's `BatchSampler` with `BatchIter`, which has torchdata's
-    batch-iterator state) has its state recorded at each draw, and the state at that position is
-    saved. Otherwise resume fast-forwards: it draws and discards the indices of the batches
-    already handed out, fetching nothing.
+    handed out (`_sampler_iter_yielded`; for an IterableDataset, whose sampler only counts, the
+    batches handed out, with its batch iterator's count of samples as torchdata records it); a
+    sampler or its iterator with `state_dict()` (torchdata's samplers; raydl iterates torch's
+    `BatchSampler` with `BatchIter`, which has torchdata's batch-iterator state) has its state
+    recorded at each draw, and the state at that position is saved. Otherwise resume
+    fast-forwards: it draws and discards the indices of the batches already handed out,
+    fetching nothing.
   * random samplers: torch's RandomSampler, SubsetRandomSampler and WeightedRandomSampler draw
     from their generator or, without one (what shuffle=True makes), from the global RNG when
     their epoch starts. `RngSamplerIter` (driver/samplers.py) runs the sampler's own `__iter__` with that generator
@@ -44,11 +47,23 @@ Where each part comes from, with no call to any worker:
     fast-forwards it as it does its own states. `validate` refuses a state without the record
     when the loader's sampler would draw from the global RNG; `inexact_sampler` names, at
     `state_dict()`, the samplers drawing from the global RNG that raydl cannot record.
-  * draws: a resumed iterator draws nothing from the caller's generators (no base seed, no
-    epoch seed: they belong to the saved run), so a job that restores torch's RNG with its
-    checkpoint continues the uninterrupted run's later epochs too. A state taken after the
-    epoch ended drains the restored sampler, so its last draws are made before the next epoch's.
-  * workers: each `fetch` returns the worker's state after the task in its `BatchMeta` (the
+  * draws: the base seed and the epoch's order come from the state, never from a new draw. A
+    resumed iterator still draws a base seed from the loader's own `generator` and discards it,
+    as torch's and torchdata's iterators do at creation: a generator rebuilt from its seed for the
+    new loader (the usual way: it is not in torch's RNG state) then stands where the saved run's
+    stood once its iterator started, so a state taken in epoch 0 (after its last batch included)
+    goes on into the saved run's next epoch, as StatefulDataLoader's does (a random sampler
+    drawing from that generator sets it from its record anyway, in any epoch). From torch's
+    global RNG (no generator) a resumed iterator draws nothing: a job restores that one with its
+    checkpoint (`torch.get_rng_state()`), and the uninterrupted run's later epochs follow. A state
+    taken after the epoch ended drains the restored sampler, so its last draws (torch's
+    RandomSampler draws one more permutation at its end) are made before the next epoch's.
+  * workers: a worker's `configure` reply holds its snapshot as it starts (torchdata's startup
+    state: the dataset's state after worker_init_fn, its stream's after `iter(dataset)`), which a
+    state taken before the worker's first batch reports; such a state, right after `iter()`, waits
+    for the workers' start as torchdata's `iter()` does, and only when the driver cannot know the
+    snapshot itself (a map-style dataset without state starts from none).
+    Each `fetch` returns the worker's state after the task in its `BatchMeta` (the
     dataset's and the iterable iterator's `state_dict()`, and the random/torch/NumPy states,
     sent only when they changed: see worker/state.py). The driver keeps, per worker, the state as
     of the last batch *handed to the caller* (`committed`, what `state_dict()` reports; batches
@@ -65,12 +80,15 @@ there); which worker makes which batch is left to timing there, so worker-side r
 only guaranteed identical with in_order=True. An IterableDataset whose iterator and dataset have
 no `state_dict()` is replayed: the resumed loader makes and drops the batches already handed out,
 as torchdata does.
-Known limits: with persistent workers, an epoch left early (`break`) leaves batches a worker made
-and nobody read; a state taken in the next epoch before that worker hands out a batch records its
-generators as of the last batch read, not the unread ones. After `set_num_workers` (NOTE [ raydl
-elastic pool ]) the state keeps the iterator's original `_num_workers` and a snapshot per worker id
-ever used; it resumes exactly with `ray_seed="batch"` (batch content independent of the worker;
-tests/test_resume.py), not for worker-seeded random draws.
+Known limits: with persistent workers, a stream restarted for a later epoch is reported without
+its iterator's state until the worker's first batch of that epoch (`dataset_iter_state` None: it
+restarts from its beginning, which is where it is); an epoch left early (`break`) leaves batches
+a worker made and nobody read, and a state taken in the next epoch before that worker hands out a
+batch records its generators as of the last batch read, not the unread ones. After
+`set_num_workers` (NOTE [ raydl elastic pool ]) the state keeps the iterator's original
+`_num_workers` and a snapshot per worker id ever used; it resumes exactly with `ray_seed="batch"`
+(batch content independent of the worker; tests/test_resume.py), not for worker-seeded random
+draws.
 """
 
 from __future__ import annotations
@@ -78,7 +96,7 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Mapping
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
@@ -105,6 +123,7 @@ from .samplers import (
     RngSamplerIter,
     export_sampler_state,
     import_sampler_state,
+    iterable_sampler_state,
     new_sampler_iter,
     rng_record_for_torchdata,
     rng_sampler,
@@ -183,6 +202,14 @@ def _position_sampler(index_sampler: Any, it: Iterator, main: Mapping, record: A
 def draw_base_seed(generator: Optional[torch.Generator]) -> int:
     """torch's per-iterator base seed, drawn from the loader's generator (the global RNG without one)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
+
+
+def iterator_base_seed(generator: Optional[torch.Generator], resumed: bool) -> Optional[int]:
+    """What a new iterator draws as its base seed: torch's draw; for a resumed one (which takes the
+    state's) the same draw from the loader's own generator, None from the global RNG (NOTE [ raydl checkpoint ], draws)."""
+    if resumed and generator is None:
+        return None
+    return draw_base_seed(generator)
 
 
 def track_rng_enabled() -> bool:
@@ -402,6 +429,10 @@ class Tracker:
         ]
         self.committed = list(self.latest)
         self.worker_states: Optional[list] = list(self.latest) if resumed else None  # what the pool starts from
+        # workers whose snapshot only they know until they start: taken from their configure() reply
+        self._unreported = {w for w in range(self.num_workers) if self.latest[w] is None}
+        # the iterator's bounded wait for its workers' start (a weak method: None once it is gone)
+        self.await_start: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         self.base_seed = 0
         # the iterator's epoch (persistent workers count them; ray_seed="batch" seeds from it)
         self.epoch = int((loaded.get(RAYDL) or {}).get("epoch", 0)) if loaded is not None and not self.replay else 0
@@ -411,6 +442,15 @@ class Tracker:
         self._sampler_at: dict[int, tuple] = {}  # task idx -> sampler state after its draw
         self._record_sampler = False
         self._reset_position()
+
+    def on_workers_started(self, started: Mapping[int, Optional[dict]]) -> None:
+        """The workers started: each one with no snapshot yet gets the one it started with (torchdata's startup state)."""
+        for w in sorted(self._unreported):
+            if w in started and w < len(self.latest) and self.latest[w] is None:
+                self.latest[w] = started[w]
+                if self.committed[w] is None:
+                    self.committed[w] = started[w]
+        self._unreported.clear()
 
     def _needs_replay(self) -> bool:
         for snap in self._loaded_workers:
@@ -440,8 +480,8 @@ class Tracker:
         return new_sampler_iter(self._index_sampler)
 
     def resume_main(self, it: Iterator, base_seed: Optional[int], len_called: Optional[int]) -> tuple[Iterator, int]:
-        """First epoch: position the sampler and take the base seed from a loaded state (`base_seed` None then:
-        a resumed iterator draws nothing from the caller's generators, NOTE [ raydl checkpoint ])."""
+        """First epoch: position the sampler and take the base seed from a loaded state (which replaces `base_seed`,
+        what the iterator drew as a new one does: NOTE [ raydl checkpoint ], draws)."""
         self.len_called = len_called
         if self.deal.redeal:
             self.base_seed = saved_base_seed(self.deal.loaded)
@@ -582,8 +622,14 @@ class Tracker:
     # ---------------------------------------------------------------- the state
 
     def state_dict(self) -> dict:
+        if self._unreported and self.await_start is not None:
+            wait = self.await_start()  # before any batch: the workers' start replies hold their snapshots
+            if wait is not None:
+                wait()
         it_state, idx_state = self._sampler_at.get(self._frontier - 1, (None, None))
         it_state, record = export_sampler_state(self._index_sampler, it_state, self._rng_for_td)
+        if self.is_iterable:
+            it_state = iterable_sampler_state(self._index_sampler, self.num_yielded)
         main = {
             NUM_WORKERS: self.num_workers,
             SAMPLER_ITER_STATE: it_state,

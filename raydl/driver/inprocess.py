@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import Any, Iterator, Optional
 
+import torch
 from torch.utils.data import IterableDataset
 
 from ..job.global_epoch import GLOBAL_EPOCH
@@ -31,6 +32,7 @@ from .checkpoint import (
     SHARED_SEED,
     Deal,
     draw_base_seed,
+    iterator_base_seed,
     loader_facts,
     restore_sampler,
     saved_base_seed,
@@ -60,8 +62,16 @@ class _InProcessIter(Iterator[Any]):
         # ray_seed="batch" uses it, NOTE [ raydl batch seeding ]).
         self._sampler_iter = new_sampler_iter(self._index_sampler)
         saved_seed = (state.get(RAYDL) or {}).get("base_seed") if state is not None else None
-        # a resumed iterator draws nothing from the caller's generators (NOTE [ raydl checkpoint ])
-        self._base_seed = int(saved_seed) if saved_seed is not None else draw_base_seed(loader.generator)
+        # a resumed iterator draws from the loader's generator as a new one does, never from the global RNG,
+        # and takes the saved base seed (NOTE [ raydl checkpoint ], draws)
+        drawn = iterator_base_seed(loader.generator, state is not None)
+        if saved_seed is not None:
+            drawn = int(saved_seed)
+        if drawn is None:  # torchdata's state has none, and the global RNG is left alone: a seed of its own
+            own = torch.Generator()
+            own.seed()  # non-deterministic, as an unseeded job's base seed is
+            drawn = draw_base_seed(own)
+        self._base_seed = drawn
         self._seed_per_batch = getattr(loader, "ray_seed", "worker") == "batch"
         self._deal = Deal(loader, self._index_sampler, state)  # NOTE [ raydl global epoch ]
         if self._deal.redeal:  # the saved job's position, re-dealt: nothing else of its layout applies

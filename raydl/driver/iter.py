@@ -74,7 +74,7 @@ from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from ..worker.actor import BatchMeta, WorkerPayload
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
-from .checkpoint import Tracker, draw_base_seed, track_rng_enabled
+from .checkpoint import Tracker, iterator_base_seed, track_rng_enabled
 from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
 from .recovery import Recovery
 from .schedule import Schedule, Task
@@ -144,10 +144,10 @@ class _RayLoaderIter(Iterator[Any]):
 
         # torch draws the base seed after creating the sampler iterator and before the first
         # index: the generator is consumed in the same order here. A resumed iterator then takes
-        # its sampler position, base seed and epoch from the state.
+        # its sampler position, base seed and epoch from the state (NOTE [ raydl checkpoint ], draws).
         self._ckpt = Tracker(loader, self._index_sampler, state)
         self._sampler_iter = self._ckpt.sampler_iter()
-        base_seed = None if state is not None else draw_base_seed(loader.generator)
+        base_seed = iterator_base_seed(loader.generator, state is not None)
         self._sampler_iter, self._base_seed = self._ckpt.resume_main(
             self._sampler_iter, base_seed, self._IterableDataset_len_called
         )
@@ -246,6 +246,7 @@ class _RayLoaderIter(Iterator[Any]):
             max_worker_restarts=options.max_worker_restarts,
             startup_timeout_s=options.startup_timeout_s,
         )
+        self._ckpt.await_start = weakref.WeakMethod(self._await_start)  # a state before any batch
         self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
         self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
         # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
@@ -563,9 +564,15 @@ class _RayLoaderIter(Iterator[Any]):
     def _worker_nodes(self) -> list:
         return [r.node_id for r in self._pool.records if r is not None]
 
+    def _await_start(self) -> None:
+        """A state taken before the workers started waits for them: their start replies hold their snapshots."""
+        if self._state == _State.RUNNING and not self._pool.is_ready:
+            self._wait_workers_ready()
+
     def on_workers_ready(self) -> None:
         """Every worker has started (`RecoveryHost`): latencies count from now; remote batches start moving here."""
         self._ready_at_s = time.monotonic()
+        self._ckpt.on_workers_started(getattr(self._pool, "started_states", {}))
         if self._feed is not None:  # the caches of the workers' nodes get the plan too (NOTE [ raydl node cache ])
             self._feed.add_nodes(self._worker_nodes())
         # Tasks sent before the workers reported where they run: start their transfers now.

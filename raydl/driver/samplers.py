@@ -27,6 +27,7 @@ __all__ = [
     "export_sampler_state",
     "import_sampler_state",
     "inexact_sampler",
+    "iterable_sampler_state",
     "new_sampler_iter",
     "rng_record_for_torchdata",
     "rng_sampler",
@@ -47,7 +48,8 @@ class RngSamplerIter(Iterator[int]):
     Here the first seeds the generator with that same draw, the others draw from a copy of the
     global generator which then moves on as the draw moved it: the global RNG ends where torch's
     would, and the permutation is torch's. A loaded state (`load_state_dict`) draws nothing from
-    the global RNG: the epoch's draws belong to the saved run (NOTE [ raydl checkpoint ]).
+    the global RNG: the epoch's draws belong to the saved run; it sets the sampler's own
+    generator to the record, and the epoch's draws move it on (NOTE [ raydl checkpoint ], draws).
     """
 
     YIELDED, GENERATOR = "yielded", "generator"  # torchdata's keys (_StatefulRandomSamplerIterator)
@@ -190,6 +192,14 @@ def sampler_state(index_sampler: Any, it: Any) -> tuple:
         it.state_dict() if is_stateful(it) else None,
         index_sampler.state_dict() if is_stateful(index_sampler) else None,
     )
+
+
+def iterable_sampler_state(index_sampler: Any, batches: int) -> Optional[dict]:
+    """An IterableDataset's batch-iterator state after `batches` draws, as torchdata records it (its
+    sampler only counts: torch's BatchSampler over the infinite sampler draws `batch_size` a batch)."""
+    if type(index_sampler) is BatchSampler:
+        return {"samples_yielded": batches * index_sampler.batch_size}
+    return None
 
 
 def rng_record_for_torchdata(loader: Any, index_sampler: Any) -> bool:

@@ -182,7 +182,10 @@ class Worker:
         track_rng: bool = True,
         epoch: int = 0,
     ) -> dict:
-        """Become worker `worker_id` of a loader, as torch's worker process starts; returns where it runs.
+        """Become worker `worker_id` of a loader, as torch's worker process starts; returns where it runs
+        (`pid`, `node_id`, `node_ip`) and its snapshot as it starts (`state`, None for a map-style dataset
+        without state): torchdata's startup state, which a loader state taken before the worker's first
+        batch reports (NOTE [ raydl checkpoint ]).
 
         `worker_state`: a snapshot from a loader state (NOTE [ raydl checkpoint ]): after seeding
         and worker_init_fn, the dataset's state, then its iterator's, then the generators' are
@@ -215,11 +218,12 @@ class Worker:
                 self._fetcher = self._make_fetcher()
             else:
                 self._restore(worker_state)
+            state = make_worker_snapshot(worker_id, self._fetcher, payload.dataset, payload.is_iterable)
         except Exception as e:
             annotate_traceback(e)
             self._init_error = e
             raise
-        return _describe_process()
+        return {**_describe_process(), "state": state}
 
     def _restore(self, state: dict) -> None:
         """Take back a worker snapshot (torchdata's order: dataset, then its iterator; then the generators)."""
