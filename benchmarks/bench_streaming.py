@@ -95,6 +95,36 @@ def epochs_of(make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = flo
     return out
 
 
+def plot(results: list, path: str) -> None:
+    """Samples/s per epoch (log scale) and bytes fetched per epoch / data, one bar per reader and epoch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    labels, sps, byt = [], [], []
+    for r in results:
+        for e, (x, y) in enumerate(zip(r["samples_per_s"], r["bytes_over_data"])):
+            labels.append(f"{r['reader']}\nepoch {e + 1}" if len(r["samples_per_s"]) > 1 else r["reader"])
+            sps.append(x)
+            byt.append(y)
+    a.bar(range(len(labels)), sps, color="tab:blue")
+    a.set_yscale("log")
+    a.set_title("samples/s (2 workers, batch 64, shuffle)")
+    b.bar(range(len(labels)), byt, color="tab:orange")
+    b.set_yscale("log")
+    b.axhline(1.15, color="gray", linestyle="--", linewidth=1)
+    b.set_title("bytes fetched per epoch / data size")
+    for ax in (a, b):
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fig.savefig(path, dpi=110)
+    print(f"wrote {path}")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--files", type=int, default=16)
@@ -105,6 +135,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--naive-s", type=float, default=30.0)
     p.add_argument("--skip", default="", help="comma-separated readers to skip: raydl,raydata,naive,ceiling")
+    p.add_argument("--png", default=os.path.join(_common.HERE, "figures", "bench_streaming.png"), help="'' for none")
     args = p.parse_args()
     skip = set(filter(None, args.skip.split(",")))
 
@@ -235,6 +266,8 @@ def main() -> None:
         peak = f"{r['cache_peak_over_limit']:.2f}" if "cache_peak_over_limit" in r else "-"
         cut = " (cut)" if r.get("cut") else ""
         print(f"| {r['reader']}{cut} | {sps} | {byt} | {fb} | {peak} |")
+    if args.png:
+        plot(results, args.png)
     if "raydl" in base and "ray_data" in base:
         a, b = base["raydl"]["samples_per_s"], base["ray_data"]["samples_per_s"]
         print(f"\nraydl / Ray Data samples/s per epoch: {' / '.join(f'{x / y:.2f}' for x, y in zip(a, b))}")
