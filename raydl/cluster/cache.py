@@ -39,7 +39,8 @@ Across nodes: the feed sends the plan to the cache of every node its workers run
 report it; before that, to the driver's node's, dropped if no worker runs there), so each node fetches the epoch's units in order, about once
 per epoch per node (a window shuffle spreads each batch over its window, so a node's workers
 read nearly every unit anyway). Known limit: the choice of worker for a batch does not follow
-where its rows are cached. The plan is O(batches) in each cache's memory.
+where its rows are cached. The plan is O(batches) in each cache's memory; a plan whose driver went silent for STREAM_IDLE_S
+(a driver gone without closing its stream) is dropped.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ BACKOFF_MAX_S = 2.0
 ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
 READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
 IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
+STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
 _TMP = ".tmp-"
 _NOT_TRANSIENT = ("NO_SUCH_KEY", "NoSuchKey", "ACCESS_DENIED", "AccessDenied", "does not exist", "NoSuchBucket")
 INF = float("inf")
@@ -109,6 +111,7 @@ class _Stream:
         self.sent = 0  # end of the batches in flight
         self.last = -1  # last position known
         self.scan = 0  # no missing unit before this position (reset when a unit leaves the cache)
+        self.touched = time.monotonic()  # the driver's last word
 
     def add(self, step: int, keys: list) -> None:
         self.steps[step] = keys
@@ -215,6 +218,8 @@ class NodeCache:
         with self._cv:
             self._touch()
             s = self._streams.get(sid)
+            if s is not None:
+                s.touched = time.monotonic()
             if s is not None and cursor >= s.cursor:  # calls may run out of order: cursors only move on
                 for step in [k for k in s.steps if k < cursor]:
                     del s.steps[step]
@@ -409,6 +414,15 @@ class NodeCache:
                 self._cv.wait(0.2)
                 if self._stopped:
                     return
+                now = time.monotonic()
+                for sid in [k for k, st in self._streams.items() if now - st.touched > STREAM_IDLE_S]:
+                    logger.warning(
+                        "raydl cache %s: dropping the plan of a loader silent for %.0f s",
+                        self._dir,
+                        now - self._streams[sid].touched,
+                    )
+                    self._streams.pop(sid)
+                    self._hole()
                 idle = self._idle_exit_s
                 if idle is not None and not self._streams and time.monotonic() - self._last_call > idle:
                     logger.info("raydl cache %s: idle for %.0f s, exiting", self._dir, idle)
