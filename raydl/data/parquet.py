@@ -205,9 +205,10 @@ class ParquetDistributedSampler(DistributedSampler):
 class ParquetDataset(Dataset):
     """A map-style dataset over Parquet files in object storage or a folder, read through a node-local cache.
 
-    Example:
-        >>> ds = raydl.ParquetDataset("s3://bucket/corpus/", cache_dir="/local/nvme/raydl", cache_limit="20GB")
-        >>> loader = raydl.DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)
+    Example (docs/streaming.md has one that runs on a local folder)::
+
+        ds = raydl.ParquetDataset("s3://bucket/corpus/", cache_dir="/local/nvme/raydl", cache_limit="20GB")
+        loader = raydl.DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)
 
     `len(ds)` is the number of rows (from the footers); `ds[i]` is row `i` as a dict
     {column: value}. With `shuffle=True` the loader uses the dataset's `ParquetShuffleSampler`
@@ -550,8 +551,7 @@ def _list_files(source: Any, filesystem: Any) -> tuple:
 def _path_of(src: str, fs: Any) -> str:
     """The filesystem path of a URL: the scheme dropped (s3://bucket/key -> bucket/key), a local path made absolute."""
     if "://" in src:
-        scheme, rest = src.split("://", 1)
-        return rest if scheme != "file" else rest
+        return src.split("://", 1)[1]
     return os.path.abspath(src) if type(fs).__name__ == "LocalFileSystem" else src
 
 
