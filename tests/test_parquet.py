@@ -460,3 +460,46 @@ def test_resume_at_another_world_size(ray_session, folder, tmp_path):
     resumed.load_state_dict(state)
     rest = [i for b in resumed for i in b["id"].tolist()]
     assert len(read) == 640 and sorted(read + rest) == list(range(N))
+
+
+def test_two_caches_share_one_folder_safely(tmp_path):
+    """Two caches (two loaders, or two Ray clusters) over one folder: one adopts the other's whole files instead of
+    fetching them, and a file the other evicted is fetched again, never read partial."""
+    import pyarrow.fs as pafs
+
+    from raydl.cluster.cache import NodeCache
+
+    src = tmp_path / "src"
+    src.mkdir()
+    for name in "abc":
+        (src / name).write_bytes(name.encode() * 100)
+    units = [(str(src / n), 100, ((0, 100),), f"key-{n}") for n in "abc"]
+    one, two = NodeCache(str(tmp_path / "shared"), 200), NodeCache(str(tmp_path / "shared"), 200)
+    try:
+        for cache in (one, two):
+            cache.register("t", pafs.LocalFileSystem(), units)
+
+        def read(cache, unit: int) -> bytes:
+            deadline = time.monotonic() + 10
+            while time.monotonic() < deadline:
+                ready = cache.acquire("t", [unit], 1.0)["ready"]
+                if ready:
+                    try:
+                        with open(ready[unit], "rb") as f:
+                            data = f.read()
+                        cache.release("t", [unit])
+                        return data
+                    except FileNotFoundError:  # evicted by the other cache: say so, ask again
+                        cache.release("t", [unit], lost=(unit,))
+            raise AssertionError("no unit in 10 s")
+
+        assert read(one, 0) == b"a" * 100
+        assert read(two, 0) == b"a" * 100 and two.stats()["adopted"] == 1 and two.stats()["bytes_fetched"] == 0
+        assert read(one, 1) == b"b" * 100 and read(one, 2) == b"c" * 100  # one evicts a file two holds
+        assert read(two, 0) == b"a" * 100
+        for cache in (one, two):
+            assert cache.stats()["bytes_held"] <= 200
+        assert not [n for n in os.listdir(tmp_path / "shared") if n.startswith(".tmp-")]
+    finally:
+        one.stop()
+        two.stop()
