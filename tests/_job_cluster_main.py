@@ -303,11 +303,15 @@ def _phase_restart(address: str, tmp: str, facts: dict) -> tuple:
     facts["restart_lease_s"] = RESTART_LEASE_S
     # the restarted ranks left; the crashed one never did, and its lease still holds the pool
     facts["restart_pool_after_ranks_left"] = coordinator_id(job) is not None
+    left_t = time.time()
     if run["codes"] != [0]:
         return job, None
     ranks = _records(out, 2)
     crashed = [r for r in ranks[1] if r["kind"] == "crash"]
     crash_t = crashed[0]["time"] if crashed else None
+    # how long after the crash the restarted ranks had left: the crashed rank's hold must still be on if that is
+    # well within its lease (on a loaded machine the restarted run can outlast it)
+    facts["restart_ranks_left_after_crash_s"] = round(left_t - crash_t, 1) if crash_t else None
     facts["restart_crashed"] = len(crashed)
     facts["restart_attempts"] = [sorted({r["attempt"] for r in recs if r["kind"] == "start"}) for recs in ranks]
     facts["restart_job_env"] = sorted({r["job_env"] for recs in ranks for r in recs if r["kind"] == "start"})

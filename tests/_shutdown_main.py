@@ -7,9 +7,9 @@ Modes (argv[1]):
          give raydl's background threads 3 s, drop the loaders (their finalizers run), and report:
          raydl's threads still alive, whether Ray is initialized, and any gcs_server / raylet this
          process started (a Ray started behind the user's back). Then `END` and exit.
-  again  a local Ray of the script's own, a persistent loader's epoch, `ray.shutdown()`, the
-         same loader's next epoch: raydl starts Ray again (and says so) and new workers, and the
-         batches are those of an uninterrupted loader that starts new workers every epoch.
+  again  a persistent loader's epoch (raydl starts Ray), `ray.shutdown()`, the same loader's
+         next epoch: raydl starts Ray again (and says so) and new workers, and the batches are
+         torch's for a loader that starts new workers every epoch.
 Prints `FACTS {json}`.
 """
 
@@ -93,13 +93,13 @@ def again_mode() -> dict:
 
     logging.getLogger("raydl").addHandler(Keep())
     # Workers started anew draw a new base seed from the generator, as torch's do whenever it starts workers: the
-    # reference is a loader without persistent workers (new workers every epoch), uninterrupted.
-    reference_loader = _loader()  # raydl starts Ray: first use
+    # reference is torch's loader without persistent workers (new workers every epoch).
+    g = torch.Generator().manual_seed(3)
+    reference_loader = torch.utils.data.DataLoader(Squares(), batch_size=4, shuffle=True, generator=g, num_workers=2)
     reference = [b.tolist() for epoch in range(2) for b in reference_loader]
-    first_session = ray.get_runtime_context().gcs_address
-    ray.shutdown()
     loader = _loader(persistent_workers=True)
-    got = [b.tolist() for b in loader]
+    got = [b.tolist() for b in loader]  # raydl starts Ray: first use, nothing to say
+    first_session = ray.get_runtime_context().gcs_address
     ray.shutdown()  # the user shuts Ray down between two epochs of a persistent loader
     got += [b.tolist() for b in loader]
     loader.shutdown()

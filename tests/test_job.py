@@ -429,14 +429,16 @@ def test_a_worker_killed_while_the_job_retires_it_costs_no_batch(monkeypatch):
             for loader in loaders:
                 loader.set_num_workers(1)
             os.kill(pid, signal.SIGKILL)
-            killed.append((victim, pid))
+            killed.append((victim, pid, {rec.pid for rec in its[0]._pool.records if rec is not None}))
 
     out = _lockstep(its, shrink_and_kill)
     for r in range(2):
         assert _drawn(out[r]) == expected[r], f"rank {r}"
-    victim, pid = killed[0]
+    victim, pid, pool_pids = killed[0]
     assert all(victim not in it._sched.active and it._pool.restarts[victim] == 0 for it in its)
-    assert pid not in {row[1] for o in out for row in torch.cat(o[4:]).tolist()}
+    # no replacement process made a batch (batches the victim finished before its kill may still be handed out:
+    # how many depends on the machine's pace)
+    assert {row[1] for o in out for row in torch.cat(o).tolist()} <= pool_pids
     assert wait_until(
         lambda: len(_job_view("job-retire-kill")["active"]) == 2 and not _job_view("job-retire-kill")["retiring"],
         timeout_s=90,

@@ -119,10 +119,13 @@ def test_a_rank_restarted_by_torchrun_rejoins_the_pool(facts):
 
 
 def test_the_restarted_job_pool_ends_once_the_crashed_rank_lease_runs_out(facts):
-    """The crashed rank never left: its lease held the pool after the restarted ranks left, and once it ran out
-    (the lease after the crash, RAYDL_JOB_LEASE_S=45 here, give or take a renewal) the pool ended. No actor is left in the cluster."""
+    """The crashed rank never left: its lease held the pool after the restarted ranks left (checked when they left
+    well within it: on a loaded machine their run can outlast it), and once it ran out (the lease after the crash,
+    RAYDL_JOB_LEASE_S=45 here, give or take a renewal) the pool ended. No actor is left in the cluster."""
     _ran(facts, "restart", 1)
-    assert facts["restart_pool_after_ranks_left"]
+    renew_s = min(2.0, facts["restart_lease_s"] / 4)
+    if facts["restart_ranks_left_after_crash_s"] < facts["restart_lease_s"] - renew_s:
+        assert facts["restart_pool_after_ranks_left"], "the pool ended while the crashed rank's lease still held it"
     assert facts["restart_pool_ended_after_crash_s"] >= facts["restart_lease_s"] / 2
     assert facts["restart_pool_ended"] == {"coordinator": None, "workers": 0}
     assert facts["alive_actors_at_end"] == {}
