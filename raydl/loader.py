@@ -137,7 +137,7 @@ class DataLoader(_TorchDataLoader[T_co]):
 
     Mid-epoch resume: `state_dict()` / `load_state_dict()` behave as torchdata's
     `StatefulDataLoader`'s, with its state layout (either loader loads the other's state), and
-    continue bit-exactly, worker-side random draws included (see README, "Resume mid-epoch").
+    continue bit-exactly, worker-side random draws included (docs/resume.md).
     """
 
     def __init__(
@@ -380,7 +380,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         Under `ray_job` it resizes the job's pool to `num_workers x world size` for every rank
         (NOTE [ raydl job elastic ]).
         Persistent workers keep the new size for the next epochs; with `ray_max_workers` the new
-        size is the autoscaler's floor. See README "Resizing and autoscaling".
+        size is the autoscaler's floor. See docs/faults.md.
 
         Args:
             num_workers (int): the new size, at least 1 and at most `ray_max_workers` when set.

@@ -126,7 +126,7 @@ class MemoryProbe(Dataset):
 
 
 class PathsDataset(Dataset):
-    """The README's example: file paths held as a Python list, or (one line changed) as a pyarrow array."""
+    """docs/data-sources.md's example: file paths held as a Python list, or (one line changed) as a pyarrow array."""
 
     def __init__(self, paths, as_arrow: bool) -> None:
         self.paths = pa.array(paths) if as_arrow else list(paths)

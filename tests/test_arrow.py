@@ -328,7 +328,7 @@ def test_pyarrow_inside_any_dataset_is_shared_only_when_asked(ray_session, idle,
 
 
 def test_list_of_paths_to_pyarrow_array(ray_session):
-    """README: a Python list of paths -> pa.array(paths) with ray_shared_dataset_memory=True, same batches, shared."""
+    """docs/data-sources.md: a Python list of paths -> pa.array(paths) with ray_shared_dataset_memory=True, same batches, shared."""
     paths = [f"/data/images/{i:07d}.jpg" for i in range(1000)]
     expected = list(torch.utils.data.DataLoader(H.PathsDataset(paths, as_arrow=False), batch_size=100))
     got = list(

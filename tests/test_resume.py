@@ -210,7 +210,7 @@ def test_state_is_plain_data_and_never_changes():
 
 
 def test_generator_tracking_can_be_turned_off(monkeypatch):
-    """RAYDL_TRACK_WORKER_RNG=0 (README, "Resume"): worker snapshots carry no generator states, and a
+    """RAYDL_TRACK_WORKER_RNG=0 (docs/resume.md): worker snapshots carry no generator states, and a
     dataset that draws no randomness in its workers still resumes exactly (torchdata parity)."""
 
     def rng_keys(track: str) -> bool:

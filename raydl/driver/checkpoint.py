@@ -215,7 +215,7 @@ def iterator_base_seed(generator: Optional[torch.Generator], resumed: bool) -> O
 def track_rng_enabled() -> bool:
     """Workers report their generators' state with each batch unless RAYDL_TRACK_WORKER_RNG=0.
 
-    Off saves a worker 18-26 us per batch (README, "Resume"); randomness drawn in workers then
+    Off saves a worker 18-26 us per batch (docs/resume.md); randomness drawn in workers then
     restarts from the workers' seeds at a resume, as with torchdata.
     """
     return os.environ.get("RAYDL_TRACK_WORKER_RNG", "1") != "0"
