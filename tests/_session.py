@@ -54,6 +54,26 @@ def patient_clusters() -> None:
     Cluster._raydl_patient = True
 
 
+def end_node_caches() -> int:
+    """Kill the node cache actors (NOTE [ raydl node cache ]) of this session; returns how many.
+
+    They are detached and exit after RAYDL_CACHE_IDLE_S (15 min) unused: a test that made one per
+    temporary folder would otherwise leave a Ray process each for the rest of the suite."""
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    ended = 0
+    for actor in ray.util.list_named_actors(all_namespaces=True):
+        if actor["namespace"] == "raydl" and actor["name"].startswith("raydl-cache-"):
+            try:
+                ray.kill(ray.get_actor(actor["name"], namespace="raydl"), no_restart=True)
+                ended += 1
+            except ValueError:  # gone meanwhile
+                pass
+    return ended
+
+
 def gcs_address() -> str:
     import ray
 

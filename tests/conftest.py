@@ -49,8 +49,10 @@ def unpatched():
 
 @pytest.fixture(scope="module")
 def release_warm_workers_after_module():
-    """Idle warm workers are released when the module ends, so later trainers find the cluster as it was."""
+    """Idle warm workers (and node caches) are released when the module ends, so later tests find the cluster as it was."""
     yield
     import raydl
+    from tests._session import end_node_caches
 
     raydl.release_idle_workers()
+    end_node_caches()

@@ -76,6 +76,15 @@ def _quarter() -> int:
     return _NBYTES[0] // 4
 
 
+@pytest.fixture(autouse=True)
+def _end_node_caches():
+    """Each test's node caches end with it (they are detached: NOTE [ raydl node cache ])."""
+    yield
+    from tests._session import end_node_caches
+
+    end_node_caches()
+
+
 @pytest.fixture(scope="module", autouse=True)
 def _sizes(folder):
     _NBYTES[:] = [raydl.ParquetDataset(folder).nbytes]
