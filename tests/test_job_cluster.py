@@ -123,8 +123,9 @@ def test_the_restarted_job_pool_ends_once_the_crashed_rank_lease_runs_out(facts)
     well within it: on a loaded machine their run can outlast it), and once it ran out (the lease after the crash,
     RAYDL_JOB_LEASE_S=45 here, give or take a renewal) the pool ended. No actor is left in the cluster."""
     _ran(facts, "restart", 1)
-    renew_s = min(2.0, facts["restart_lease_s"] / 4)
-    if facts["restart_ranks_left_after_crash_s"] < facts["restart_lease_s"] - renew_s:
+    # The hold lasts one lease from the crashed rank's last renewal, which a loaded machine can delay by many
+    # seconds (two spinners: the pool was gone 43 s after the crash once): checked when the ranks left within half.
+    if facts["restart_ranks_left_after_crash_s"] < facts["restart_lease_s"] / 2:
         assert facts["restart_pool_after_ranks_left"], "the pool ended while the crashed rank's lease still held it"
     assert facts["restart_pool_ended_after_crash_s"] >= facts["restart_lease_s"] / 2
     assert facts["restart_pool_ended"] == {"coordinator": None, "workers": 0}
