@@ -5,7 +5,7 @@ What a streamed dataset (data/parquet.py) reads is split into units: a row group
 chunks, a few byte ranges of one file. Every node has one `NodeCache` actor per cache folder
 (named after the node and the folder, detached, found with `get_if_exists`), shared by every
 worker of the node and by every rank of a `ray_job` there.
-  * the order ahead: the driver (`CacheFeed`, called by driver/iter.py) tells the cache, per
+  * the order ahead: the driver (`CacheFeed` in cluster/cache_feed.py, called by driver/iter.py) tells the cache, per
     stream (one per loader iterator, so per rank), which units each batch of the epoch uses, by
     batch position: the whole epoch when the sampler knows it (the dataset's shuffle sampler),
     else each batch as it is sent to a worker. It also reports its cursor: the next batch to
@@ -57,9 +57,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
-import numpy as np
-
-__all__ = ["NodeCache", "CacheFeed", "node_cache", "read_units", "with_retries", "is_transient"]
+__all__ = ["NodeCache", "node_cache", "read_units", "with_retries", "is_transient"]
 
 logger = logging.getLogger(__name__)
 
@@ -623,146 +621,3 @@ def _read_direct(dataset: Any, unit: int) -> bytes:
     if len(data) != sum(n for _, n in segs):
         raise OSError(f"cannot read {dataset.describe_unit(unit)}: {path} is truncated")
     return data
-
-
-# ---------------------------------------------------------------------- the driver's side
-
-
-class CacheFeed:
-    """What the driver tells the node caches about one iterator's order (NOTE [ raydl node cache ]).
-
-    The plan goes to the cache of the driver's node and of every node a worker of this iterator
-    runs on (`add_nodes`, as workers report where they run): each node then fetches, in the
-    epoch's order, the units its workers will read, about once per epoch per node.
-    """
-
-    _COUNTERS = ("hits", "misses", "bytes_fetched", "fetches", "adopted", "evictions", "retries", "failures", "wait_s")
-
-    def __init__(self, dataset: Any, batch_size: int) -> None:
-        self._ds = dataset
-        self._batch = max(1, batch_size)
-        self._sid = uuid.uuid4().hex
-        self._actors: dict[str, Any] = {}  # node id -> its cache actor
-        self._bases: dict[str, Any] = {}  # node id -> its counters when it joined this epoch (a ref)
-        self._steps: list = []  # unit ids of each batch position from `_first` on
-        self._first = 0
-        self._last: tuple = (-1, -1)  # (cursor, end of the batches in flight) last reported
-        self._open = False  # whether the stream is open (actors stay known for stats after it closes)
-        self._session: Optional[str] = None  # the actors' Ray session (NOTE [ raydl no Ray behind the user's back ])
-        self._guess: Optional[str] = None  # the node fed before the workers said where they run
-
-    @staticmethod
-    def for_dataset(dataset: Any, batch_size: Optional[int]) -> Optional[CacheFeed]:
-        """A feed for a dataset that streams through the node cache, else None."""
-        if not callable(getattr(dataset, "raydl_cache_units", None)):
-            return None
-        return CacheFeed(dataset, batch_size or 1)
-
-    def begin_epoch(self, sampler_iter: Any, in_flight: dict, first: int, sent: int, node_ids: Any = ()) -> None:
-        """Send the epoch's plan: the batches in flight (`in_flight`: position -> indices), then what the sampler knows ahead."""
-        import ray
-
-        from .connect import ray_session
-
-        self.close()
-        self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
-        self._session = ray_session()
-        self._actors, self._bases = {}, {}
-        steps = [
-            np.unique(self._ds.units_of(in_flight[p])).tolist() if p in in_flight else [] for p in range(first, sent)
-        ]
-        ahead = self._ds.raydl_order_ahead(sampler_iter)
-        if ahead is not None and len(ahead):
-            units = self._ds.units_of(ahead)
-            for i in range(0, len(units), self._batch):
-                steps.append(np.unique(units[i : i + self._batch]).tolist())
-        self._steps, self._first = steps, first
-        self._last = (first, sent)
-        self._open = True
-        node_ids = list(node_ids)
-        # Workers not placed yet (a first epoch): the driver's node until they say where they run.
-        guess = None if node_ids else ray.get_runtime_context().get_node_id()
-        self._guess = None
-        self.add_nodes(node_ids or [guess])
-        self._guess = guess
-
-    def add_nodes(self, node_ids: Any) -> None:
-        """Workers run on these nodes: their caches get the plan from the cursor on."""
-        if not self._open:
-            return
-        node_ids = list(dict.fromkeys(node_ids))
-        guess, self._guess = self._guess, None
-        if guess is not None and node_ids and guess not in node_ids:  # no worker there: stop its prefetching
-            self._actors.pop(guess).close.remote(self._sid)
-            self._bases.pop(guess)
-        for node in node_ids:
-            if node in self._actors:
-                continue
-            actor = node_cache(self._ds.cache_dir, self._ds.cache_limit, node_id=node)
-            _ensure_registered(actor, self._ds, _name(node, self._ds.cache_dir))
-            self._bases[node] = actor.stats.remote()
-            cursor, sent = self._last
-            at = max(cursor, self._first)
-            actor.plan.remote(self._sid, self._ds.token, at, self._steps[at - self._first :])
-            actor.advance.remote(self._sid, at, max(sent, at))
-            self._actors[node] = actor
-
-    def on_send(self, position: int, index: Any) -> None:
-        """A batch sent to a worker: added to the plan unless the plan already had it."""
-        end = self._first + len(self._steps)
-        if not self._open or position < end:
-            return
-        self._steps.extend([] for _ in range(position - end))  # positions skipped at resume use nothing
-        units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
-        self._steps.append(units)
-        for actor in self._actors.values():
-            actor.extend.remote(self._sid, self._ds.token, position, units)
-
-    def advance(self, cursor: int, sent: int) -> None:
-        if self._open and (cursor, sent) != self._last:
-            self._last = (cursor, sent)
-            for actor in self._actors.values():
-                actor.advance.remote(self._sid, cursor, sent)
-
-    def _live(self) -> bool:
-        """Whether the actors' Ray session is still this process's: finalizers may run after ray.shutdown()."""
-        from .connect import ray_session
-
-        return bool(self._actors) and self._session is not None and ray_session() == self._session
-
-    def close(self) -> None:
-        if self._open:
-            self._open = False
-            if not self._live():
-                return
-            for actor in self._actors.values():
-                try:
-                    actor.close.remote(self._sid)
-                except Exception:  # Ray already shut down
-                    pass
-
-    def stats(self, busy_s: float) -> Optional[dict]:
-        """This epoch's cache figures, summed over the nodes fed (bytes held and peak: now, the largest node's).
-
-        `busy_s`: the workers' time making batches, of which `storage_wait_share` is the part spent
-        waiting for units to arrive from storage. None when no cache answers within 10 s.
-        """
-        import ray
-
-        if not self._live():
-            return None
-        nodes = list(self._actors)
-        try:
-            nows = ray.get([self._actors[n].stats.remote() for n in nodes], timeout=10)
-            bases = ray.get([self._bases[n] for n in nodes], timeout=10)
-        except Exception:
-            return None
-        out = dict(max(nows, key=lambda st: st["peak_bytes"]))
-        for k in self._COUNTERS:
-            out[k] = sum(now[k] - base[k] for now, base in zip(nows, bases))
-        out["prefetch_depth"] = sum(now["prefetch_depth"] for now in nows)
-        out["nodes"] = len(nodes)
-        asked = out["hits"] + out["misses"]
-        out["hit_rate"] = out["hits"] / asked if asked else 0.0
-        out["storage_wait_share"] = min(1.0, out["wait_s"] / busy_s) if busy_s > 0 else 0.0
-        return out

@@ -61,7 +61,7 @@ from .. import _constants
 from .._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
 from .._options import RayOptions
-from ..cluster.cache import CacheFeed
+from ..cluster.cache_feed import CacheFeed
 from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
