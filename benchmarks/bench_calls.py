@@ -90,13 +90,17 @@ def main() -> None:
             got[name]["ratio_to_torch"] = got[name]["samples_per_s"] / got["torch"]["samples_per_s"]
             got[name]["rep"] = rep
             rows[name].append(got[name])
-        print(f"rep {rep}: " + ", ".join(f"{k} {v['driver_cpu_us_per_batch']:.0f} us" for k, v in got.items()), flush=True)
+        print(
+            f"rep {rep}: " + ", ".join(f"{k} {v['driver_cpu_us_per_batch']:.0f} us" for k, v in got.items()), flush=True
+        )
     ray.shutdown()
 
     def fmt(values: list[float], spec: str) -> str:
         return f"{statistics.median(values):{spec}} ({min(values):{spec}}–{max(values):{spec}})"
 
-    print(f"\n{WORKLOAD.description}, 2 workers, prefetch_factor 2; {reps} repetitions x {epochs} epochs of {n} samples\n")
+    print(
+        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor 2; {reps} repetitions x {epochs} epochs of {n} samples\n"
+    )
     print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call |")
     print("|---|---|---|---|---|")
     for name in names:
