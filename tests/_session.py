@@ -115,9 +115,18 @@ def settled_alive_worker_actors(timeout_s: float = 20.0) -> int:
 SUITE_RAY_ENV = ("RAY_worker_niceness",)
 
 
-def fresh_env(extra: dict | None = None) -> dict:
-    """This process's environment without the RAY_* variables that would join its Ray, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in SUITE_RAY_ENV}
+# This process's environment when the suite was collected: what a background run starts from, whatever a test
+# running meanwhile sets in os.environ (monkeypatch.setenv) (NOTE [ tests background commands ]).
+ENV_AT_START = dict(os.environ)
+
+
+def fresh_env(extra: dict | None = None, base: dict | None = None) -> dict:
+    """This process's environment (or `base`) without the RAY_* variables that would join its Ray, plus `extra`."""
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if not k.startswith("RAY_") or k in SUITE_RAY_ENV
+    }
     env.update(extra or {})
     return env
 
@@ -194,7 +203,8 @@ class _Background:
         import threading
 
         self.lock = threading.Lock()
-        self.declared: dict[str, tuple] = {}  # key -> (node id prefix, argv, env, timeout in seconds)
+        # key -> (node id prefix, argv (or a callable), env, timeout in seconds)
+        self.declared: dict[str, tuple] = {}
         self.queue: list[str] = []
         self.jobs: dict[str, dict] = {}  # key -> {"done": Event, "result": CompletedProcess or an exception}
         self.procs: set = set()
@@ -222,8 +232,8 @@ class _Background:
                 job = self.jobs[key] = {"done": threading.Event()}
                 _, argv, env, timeout_s = self.declared[key]
             try:
-                job["result"] = _run_command(argv, env, timeout_s)
-            except BaseException as e:  # handed to the test that reads the output
+                job["result"] = argv() if callable(argv) else _run_command(argv, env, timeout_s)
+            except BaseException as e:  # handed to the test that reads the output (pytest's skips too)
                 job["result"] = e
             job["done"].set()
 
@@ -249,6 +259,12 @@ def background(nodeid_prefix: str, key: str, argv: list[str], env: dict, timeout
     _BACKGROUND.declared.setdefault(key, (nodeid_prefix, list(argv), dict(env), timeout_s))
 
 
+def background_call(nodeid_prefix: str, key: str, fn, timeout_s: int) -> None:
+    """Declare `fn()` (a test's whole run of fresh processes, bounded within `timeout_s`; it may assert or skip) as
+    what the tests under `nodeid_prefix` read through `run_command(key)`: its value, or its exception raised again."""
+    _BACKGROUND.declared.setdefault(key, (nodeid_prefix, fn, None, timeout_s))
+
+
 def start_background(nodeids: list[str]) -> None:
     """Queue the declared commands the tests `nodeids` need, in their order (NOTE [ tests background commands ])."""
     if os.environ.get("RAYDL_TEST_NO_BACKGROUND") == "1":
@@ -262,11 +278,12 @@ def start_background(nodeids: list[str]) -> None:
 
 
 def run_command(key: str) -> subprocess.CompletedProcess:
-    """The declared command `key`'s completed process: from the background run if one started, else run now."""
+    """The declared command `key`'s completed process (or callable's value): from the background run if one
+    started, else run now."""
     job = _BACKGROUND.claim(key)
     _, argv, env, timeout_s = _BACKGROUND.declared[key]
     if job is None:
-        return _run_command(argv, env, timeout_s)
+        return argv() if callable(argv) else _run_command(argv, env, timeout_s)
     assert job["done"].wait(timeout_s + 60), f"the background run of {key} did not end in {timeout_s + 60} s"
     if isinstance(job["result"], BaseException):
         raise job["result"]

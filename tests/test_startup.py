@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import raydl
-from tests._session import REPO, read_facts, run_python
+from tests._session import REPO, background, fresh_env, read_facts, run_command
 
 
 @pytest.mark.parametrize(
@@ -91,13 +91,22 @@ raydl.release_idle_workers()
 """
 
 
+# its fresh process (a local Ray of its own) runs in the background while the in-process tests run (NOTE [ tests
+# background commands ] in tests/_session.py)
+background(
+    "tests/test_startup.py::test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader",
+    "startup_script",
+    [sys.executable, "-c", _SCRIPT],
+    fresh_env({"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}),
+    240,
+)
+
+
 def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     """In a fresh process with no Ray and no address: start() returns before Ray is up, the local Ray it starts
     listens on 127.0.0.1 only (every Ray process's sockets), the loader uses the
     started workers (no extra ones), repeated calls only top the idle workers up, workers keep the driver's niceness."""
-    proc = run_python(
-        _SCRIPT, timeout_s=240, env_extra={"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    )
+    proc = run_command("startup_script")
     facts = read_facts(proc)
     assert "SIGTERM handler is not set" not in proc.stderr
     assert facts["ray_before"] is False and facts["returned_before_ray_up"]
