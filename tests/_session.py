@@ -115,9 +115,18 @@ def settled_alive_worker_actors(timeout_s: float = 20.0) -> int:
 SUITE_RAY_ENV = ("RAY_worker_niceness",)
 
 
-def fresh_env(extra: dict | None = None) -> dict:
-    """This process's environment without the RAY_* variables that would join its Ray, plus `extra`."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_") or k in SUITE_RAY_ENV}
+# This process's environment when the suite was collected: what a background run starts from, whatever a test
+# running meanwhile sets in os.environ (monkeypatch.setenv) (NOTE [ tests background commands ]).
+ENV_AT_START = dict(os.environ)
+
+
+def fresh_env(extra: dict | None = None, base: dict | None = None) -> dict:
+    """This process's environment (or `base`) without the RAY_* variables that would join its Ray, plus `extra`."""
+    env = {
+        k: v
+        for k, v in (os.environ if base is None else base).items()
+        if not k.startswith("RAY_") or k in SUITE_RAY_ENV
+    }
     env.update(extra or {})
     return env
 
@@ -142,11 +151,153 @@ def read_facts(proc: subprocess.CompletedProcess) -> dict:
     return json.loads(lines[-1][len("FACTS ") :])
 
 
-def run_main(module: str, timeout_s: int = 540) -> dict:
-    """`python -m <module>` (a tests._*_main driver with its own cluster) in a fresh interpreter: its facts."""
-    env = fresh_env()
-    return read_facts(
-        subprocess.run(
-            [sys.executable, "-m", module], cwd=REPO, env=env, capture_output=True, text=True, timeout=timeout_s
-        )
+def _run_command(argv: list[str], env: dict, timeout_s: int) -> subprocess.CompletedProcess:
+    """`argv` at the repository root in a new process group, killed (with what it started) past `timeout_s`."""
+    proc = subprocess.Popen(
+        argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True
     )
+    _BACKGROUND.procs.add(proc)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _end_group(proc)
+        out, err = proc.communicate()
+        err += f"\n[tests/_session.py: killed after {timeout_s} s]"
+    finally:
+        _BACKGROUND.procs.discard(proc)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def _end_group(proc: subprocess.Popen) -> None:
+    """SIGTERM to the process group (what the command started too), SIGKILL if it lingers."""
+    import signal
+
+    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait_s)
+            return
+        except subprocess.TimeoutExpired:
+            pass
+
+
+# NOTE [ tests background commands ]: the fresh drivers that start a Ray or a multi-node cluster of
+# their own (ray.cluster_utils, the examples run with no Ray) share nothing with the suite's Ray,
+# and use well under this machine's 2 cores (most of their time is Ray's processes starting and
+# Ray's own waits). Each is declared, with the node id of a test that reads its output, by
+# `background()` when its test module is imported; tests/conftest.py's collection hook then queues
+# those the selected tests need, in suite order, and ONE background thread runs them one at a time
+# while the in-process tests run. `run_command` (and `run_main`) only read the output, waiting,
+# bounded, if the command is still running; a command not started yet when its test comes is taken
+# back and run by the test itself, so each is run once and a failure is the test's.
+# RAYDL_TEST_NO_BACKGROUND=1 runs every one in its test.
+
+
+class _Background:
+    """The declared commands, the queue, the thread that runs them, their results."""
+
+    def __init__(self) -> None:
+        import threading
+
+        self.lock = threading.Lock()
+        # key -> (node id prefix, argv (or a callable), env, timeout in seconds)
+        self.declared: dict[str, tuple] = {}
+        self.queue: list[str] = []
+        self.jobs: dict[str, dict] = {}  # key -> {"done": Event, "result": CompletedProcess or an exception}
+        self.procs: set = set()
+        self.thread = None
+
+    def start(self, keys: list[str]) -> None:
+        import atexit
+        import threading
+
+        with self.lock:
+            self.queue = [k for k in keys if k not in self.jobs]
+        if self.queue and self.thread is None:
+            self.thread = threading.Thread(target=self._run, name="tests_background", daemon=True)
+            self.thread.start()
+            atexit.register(self.end)
+
+    def _run(self) -> None:
+        import threading
+
+        while True:
+            with self.lock:
+                if not self.queue:
+                    return
+                key = self.queue.pop(0)
+                job = self.jobs[key] = {"done": threading.Event()}
+                _, argv, env, timeout_s = self.declared[key]
+            try:
+                job["result"] = argv() if callable(argv) else _run_command(argv, env, timeout_s)
+            except BaseException as e:  # handed to the test that reads the output (pytest's skips too)
+                job["result"] = e
+            job["done"].set()
+
+    def claim(self, key: str):
+        """The background job of `key` if it started; None (and it leaves the queue) if not."""
+        with self.lock:
+            self.queue = [k for k in self.queue if k != key]
+            return self.jobs.get(key)
+
+    def end(self) -> None:
+        """At exit: no background command outlives the suite."""
+        with self.lock:
+            self.queue = []
+        for proc in list(self.procs):
+            _end_group(proc)
+
+
+_BACKGROUND = _Background()
+
+
+def background(nodeid_prefix: str, key: str, argv: list[str], env: dict, timeout_s: int) -> None:
+    """Declare `argv` as the command whose output the tests under `nodeid_prefix` read through `run_command(key)`."""
+    _BACKGROUND.declared.setdefault(key, (nodeid_prefix, list(argv), dict(env), timeout_s))
+
+
+def background_call(nodeid_prefix: str, key: str, fn, timeout_s: int) -> None:
+    """Declare `fn()` (a test's whole run of fresh processes, bounded within `timeout_s`; it may assert or skip) as
+    what the tests under `nodeid_prefix` read through `run_command(key)`: its value, or its exception raised again."""
+    _BACKGROUND.declared.setdefault(key, (nodeid_prefix, fn, None, timeout_s))
+
+
+def start_background(nodeids: list[str]) -> None:
+    """Queue the declared commands the tests `nodeids` need, in their order (NOTE [ tests background commands ])."""
+    if os.environ.get("RAYDL_TEST_NO_BACKGROUND") == "1":
+        return
+    keys = []
+    for nodeid in nodeids:
+        for key, (prefix, *_) in _BACKGROUND.declared.items():
+            if nodeid.startswith(prefix) and key not in keys:
+                keys.append(key)
+    _BACKGROUND.start(keys)
+
+
+def run_command(key: str) -> subprocess.CompletedProcess:
+    """The declared command `key`'s completed process (or callable's value): from the background run if one
+    started, else run now."""
+    job = _BACKGROUND.claim(key)
+    _, argv, env, timeout_s = _BACKGROUND.declared[key]
+    if job is None:
+        return argv() if callable(argv) else _run_command(argv, env, timeout_s)
+    assert job["done"].wait(timeout_s + 60), f"the background run of {key} did not end in {timeout_s + 60} s"
+    if isinstance(job["result"], BaseException):
+        raise job["result"]
+    return job["result"]
+
+
+def background_main(nodeid_prefix: str, module: str, timeout_s: int = 540) -> None:
+    """Declare `python -m <module>` (a tests._*_main driver with a cluster of its own) for `run_main`."""
+    background(nodeid_prefix, module, [sys.executable, "-m", module], fresh_env(), timeout_s)
+
+
+def run_main(module: str, timeout_s: int = 540) -> dict:
+    """`python -m <module>` (a tests._*_main driver with its own cluster) in a fresh interpreter: its facts (from
+    its background run if its test module declared it: NOTE [ tests background commands ])."""
+    if module not in _BACKGROUND.declared:
+        background_main("-", module, timeout_s)
+    return read_facts(run_command(module))

@@ -74,3 +74,11 @@ def release_warm_workers_after_module():
 
     raydl.release_idle_workers()
     end_node_caches()
+
+
+def pytest_collection_finish(session):
+    """Fresh drivers the selected tests read start in the background (NOTE [ tests background commands ])."""
+    if not session.config.option.collectonly:
+        from tests._session import start_background
+
+        start_background([item.nodeid for item in session.items])

@@ -29,8 +29,10 @@ from raydl.data.share import Shipped, pack  # noqa: E402
 from raydl.worker.actor import WorkerPayload  # noqa: E402
 from tests import _arrow_helpers as H  # noqa: E402
 from tests._parity import assert_same_batches  # noqa: E402
+from tests._session import background_main, run_main  # noqa: E402
 
 datasets = pytest.importorskip("datasets")
+background_main("tests/test_arrow.py::test_files_missing_on_another_node", "tests._arrow_multinode_main")
 
 N = 50
 TIMEOUT_S = 60
@@ -403,9 +405,8 @@ def test_missing_cache_file_without_a_copy_is_named(ray_session, tmp_path):
 
 @pytest.fixture(scope="module")
 def multinode_facts():
-    """Runs tests/_arrow_multinode_main.py once (its own two-node cluster, in a subprocess)."""
-    from tests._session import run_main
-
+    """Runs tests/_arrow_multinode_main.py once (its own two-node cluster, in a subprocess, in the background while
+    the suite's in-process tests run: NOTE [ tests background commands ])."""
     return run_main("tests._arrow_multinode_main")
 
 

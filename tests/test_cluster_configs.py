@@ -15,12 +15,15 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
 import pytest
 import ray
 import yaml
+
+from tests._session import ENV_AT_START, background_call, run_command
 
 CLUSTER_DIR = Path(__file__).resolve().parent.parent / "cluster"
 AWS_YAML = CLUSTER_DIR / "aws-gpu-head-cpu-data.yaml"
@@ -263,10 +266,10 @@ _DRIVER = textwrap.dedent(
 )
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)  # sized for a loaded 2-core machine: 3 `ray start`s, a driver, the example, `stop`
-def test_local_cluster_starts_three_loopback_nodes_and_stops_them(tmp_path):
-    """`start 2`: 3 alive loopback nodes (8 "data", 1 "trainer"), raydl "data" workers only on data nodes; `stop` cleans up."""
+def _local_cluster_run() -> None:
+    """The whole check of test_local_cluster_starts_three_loopback_nodes_and_stops_them (fresh processes only: it runs
+    in the background while the in-process tests run, NOTE [ tests background commands ] in tests/_session.py)."""
+    tmp_path = tempfile.mkdtemp(prefix="raydl_local_cluster_")
     if shutil.which("ss") is None or shutil.which("setsid") is None:
         pytest.skip("needs ss and setsid (iproute2, util-linux)")
     # Own temp dir and ports: never touches a cluster someone started with the defaults.
@@ -276,7 +279,7 @@ def test_local_cluster_starts_three_loopback_nodes_and_stops_them(tmp_path):
     busy = [p for p in needed if not _port_free(p)]
     if busy:
         pytest.skip(f"ports {busy} on 127.0.0.1 are in use")
-    env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    env = {k: v for k, v in ENV_AT_START.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
     env.update(
         RAYDL_CLUSTER_DIR=cluster_dir,
         RAYDL_CLUSTER_PORT=str(port),
@@ -341,3 +344,15 @@ def test_local_cluster_starts_three_loopback_nodes_and_stops_them(tmp_path):
     assert after.returncode == 3, after.stdout + after.stderr  # "not running": no process of ours left
     assert _port_free(port) and _port_free(dashboard_port)
     shutil.rmtree(cluster_dir, ignore_errors=True)  # logs are kept only when something failed
+    shutil.rmtree(tmp_path, ignore_errors=True)
+
+
+_LOCAL_CLUSTER_TEST = "test_local_cluster_starts_three_loopback_nodes_and_stops_them"
+background_call(f"tests/test_cluster_configs.py::{_LOCAL_CLUSTER_TEST}", "local_cluster", _local_cluster_run, 840)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)  # sized for a loaded 2-core machine: 3 `ray start`s, a driver, the example, `stop`
+def test_local_cluster_starts_three_loopback_nodes_and_stops_them():
+    """`start 2`: 3 alive loopback nodes (8 "data", 1 "trainer"), raydl "data" workers only on data nodes; `stop` cleans up."""
+    run_command("local_cluster")

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from tests._session import run_main
+from tests._session import background_main, run_main
+
+# its driver runs in the background while the suite's in-process tests run (NOTE [ tests background commands ])
+background_main("tests/test_elastic_cluster.py::", "tests._elastic_cluster_main")
 
 
 def test_node_removed_with_no_room_the_survivors_finish_the_epoch_bit_identical():

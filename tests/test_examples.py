@@ -12,6 +12,7 @@ longer, not different.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -20,6 +21,7 @@ import sys
 import pytest
 
 import raydl
+from tests._session import background, run_command
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -37,23 +39,66 @@ def _session_ray_env(ray_session) -> dict:
     return env
 
 
-def _run(args: list[str], extra_env: dict | None = None) -> str:
+def _env(extra_env: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
     env.update(extra_env or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
     env["PYTHONUNBUFFERED"] = "1"
-    proc = subprocess.run([sys.executable, *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=TIMEOUT_S)
+    return env
+
+
+def _checked(proc: subprocess.CompletedProcess) -> str:
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, f"exit code {proc.returncode}:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     return output
 
 
+def _run(args: list[str], extra_env: dict | None = None) -> str:
+    proc = subprocess.run(
+        [sys.executable, *args], cwd=REPO, env=_env(extra_env), capture_output=True, text=True, timeout=TIMEOUT_S
+    )
+    return _checked(proc)
+
+
+# The examples that run with no Ray (each starts a local Ray of its own) share nothing with the suite's Ray: they run
+# in the background while the in-process tests run (NOTE [ tests background commands ] in tests/_session.py).
+_OWN_RAY = {  # name: (the test that reads its output, the module it needs, its arguments, its environment)
+    "lightning_example": (
+        "test_lightning_example_ddp_two_ranks_share_one_ray",
+        "lightning",
+        [os.path.join(EXAMPLES, "lightning_example.py"), "--devices", "2", "--samples", "256", "--max-epochs", "1"],
+        {},
+    ),
+    "ddp_torchrun_example": (
+        "test_ddp_torchrun_example_ranks_see_disjoint_shards",
+        None,
+        ["-m", "torch.distributed.run", "--nproc_per_node=2", os.path.join(EXAMPLES, "ddp_torchrun_example.py")]
+        + ["--samples", "256", "--epochs", "2"],
+        {},
+    ),
+    "quickstart": (
+        "test_quickstart_as_shipped_learns_and_says_only_what_helps",
+        None,
+        ["examples/quickstart.py"],
+        {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"},
+    ),
+}
+for _name, (_test, _needs, _args, _extra) in _OWN_RAY.items():
+    if _needs is None or importlib.util.find_spec(_needs) is not None:
+        background(
+            f"tests/test_examples.py::{_test}", f"example:{_name}", [sys.executable, *_args], _env(_extra), TIMEOUT_S
+        )
+
+
+def _run_own_ray(name: str) -> str:
+    """An example that starts its own Ray: its output (run in the background if the suite started it there)."""
+    return _checked(run_command(f"example:{name}"))
+
+
 def test_lightning_example_ddp_two_ranks_share_one_ray():
     """lightning_example.py --devices 2: both DDP ranks train on re-instantiated raydl loaders fed by Ray workers."""
     pytest.importorskip("lightning")
-    out = _run(
-        [os.path.join(EXAMPLES, "lightning_example.py"), "--devices", "2", "--samples", "256", "--max-epochs", "1"]
-    )
+    out = _run_own_ray("lightning_example")
     assert "lightning_example: done, 4 steps per rank on 2 process(es)" in out
     assert re.search(r"started a local Ray at 127\.0\.0\.1:\d+", out)
     pools = []
@@ -96,18 +141,7 @@ def test_ray_train_example_two_training_workers(ray_session):
 def test_ddp_torchrun_example_ranks_see_disjoint_shards():
     """torchrun, 2 gloo ranks, no Ray running: the ranks share one local Ray and one pool (ray_job=True), each rank's
     raydl loader reads a disjoint half."""
-    out = _run(
-        [
-            "-m",
-            "torch.distributed.run",
-            "--nproc_per_node=2",
-            os.path.join(EXAMPLES, "ddp_torchrun_example.py"),
-            "--samples",
-            "256",
-            "--epochs",
-            "2",
-        ]
-    )
+    out = _run_own_ray("ddp_torchrun_example")
     assert re.search(
         r"Ray of each rank: \['127\.0\.0\.1:\d+', '127\.0\.0\.1:\d+'\]; one Ray for the node's ranks: True", out
     ), out[-3000:]
@@ -181,7 +215,7 @@ def test_quickstart_as_shipped_learns_and_says_only_what_helps():
     (seeded data, weights and shuffle, so the figures do not depend on the machine's load): the loss falls by more than
     half and the last epoch is at least 90 % accurate over 3 classes (chance is 33 %). Its output holds no stall hint
     (its epochs are short: the hint needs 100 batches and 5 s) and each worker's log lines carry that worker's id."""
-    out = _run(["examples/quickstart.py"], {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    out = _run_own_ray("quickstart")
     # not anchored to line ends: the workers' log lines, printed by another thread, may land inside a line
     epochs = re.findall(
         r"epoch (\d+): loss ([\d.]+), accuracy ([\d.]+)%, 2048 samples in [\d.]+ s from 2 Ray workers", out

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 import pytest
 
-from tests._session import run_main
+from tests._session import background_main, run_main
 
 # The driver runs 4 phases of real rank processes on a 3-node cluster: ~2 min here when quiet; sized for a loaded machine.
 pytestmark = pytest.mark.timeout(1200)
+# its driver runs in the background while the suite's in-process tests run (NOTE [ tests background commands ])
+background_main("tests/test_job_cluster.py::", "tests._job_cluster_main", timeout_s=1100)
 
 N = 96  # the driver's dataset: 2 ranks x 8 batches of 6, or 3 ranks x 8 batches of 4
 K = 2  # steps taken when the state was saved

@@ -12,7 +12,6 @@ import torch
 import raydl
 from tests import _datasets as D
 from tests._session import alive_worker_actors as _alive_worker_actors
-from tests._session import gcs_address as _state_address
 from tests._session import run_python as _run_python
 from tests._session import wait_until as _wait_until
 
@@ -72,31 +71,8 @@ def test_construction_has_no_side_effects_and_num_workers_zero_never_starts_ray(
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
 
 
-def test_local_ray_started_by_raydl_listens_on_loopback_only():
-    """With no Ray running and no address, raydl starts a local Ray that binds 127.0.0.1 only."""
-    proc = _run_python(
-        """
-        import psutil, ray, raydl
-        from tests import _datasets as D
-        batches = [b.tolist() for b in raydl.DataLoader(D.RangeDataset(4), batch_size=2, num_workers=2)]
-        assert batches == [[[0], [1]], [[2], [3]]], batches
-        assert ray.is_initialized()
-        me = psutil.Process()
-        ray_pids = {p.pid for p in psutil.process_iter(["cmdline"])
-                    if any(("ray" in part and "raylet" in part) or "gcs_server" in part or "ray::" in part
-                           for part in (p.info["cmdline"] or []))}
-        ray_pids |= {c.pid for c in me.children(recursive=True)}
-        bad = []
-        for conn in psutil.net_connections(kind="inet"):
-            if conn.status == psutil.CONN_LISTEN and conn.pid in ray_pids:
-                if conn.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1"):
-                    bad.append((conn.pid, conn.laddr))
-        assert ray_pids, "found no Ray processes to check"
-        assert not bad, f"Ray listens beyond loopback: {bad}"
-        print("OK", len(ray_pids))
-        """
-    )
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+# raydl's own local Ray binds 127.0.0.1 only: checked in tests/test_startup.py's fresh process (the same
+# ensure_ray_initialized start a first loader makes), which saves a second local Ray start here.
 
 
 def test_worker_info_in_workers_and_none_in_driver(ray_session):
@@ -174,31 +150,8 @@ class TestCleanup:
         loader.shutdown()
         loader.shutdown()  # idempotent
 
-    def test_hundred_loaders_leave_nothing_behind(self):
-        """100 loaders created, partly iterated and dropped: no actors, objects or raydl threads remain."""
-        from ray.util.state import list_objects
-
-        base_actors = _alive_worker_actors()
-        base_objects = len(list_objects(address=_state_address(), limit=10000, raise_on_missing_output=False))
-        base_threads = threading.active_count()
-        for i in range(100):
-            loader = raydl.DataLoader(
-                D.RangeDataset(40), batch_size=4, num_workers=1 + i % 2, shuffle=True, timeout=TIMEOUT_S
-            )
-            it = iter(loader)
-            for _ in range(i % 3):
-                next(it)
-            del it, loader
-        gc.collect()
-        assert _wait_until(lambda: _alive_worker_actors() == base_actors, timeout_s=60)
-        assert _wait_until(
-            lambda: (
-                len(list_objects(address=_state_address(), limit=10000, raise_on_missing_output=False)) <= base_objects
-            ),
-            timeout_s=60,
-        )
-        assert threading.active_count() <= base_threads
-        assert not [t for t in threading.enumerate() if t.name == "raydl_pin"]
+    # 100 loaders created, partly iterated and dropped leave no actors, objects or raydl threads: checked with 200
+    # such cycles by tests/test_robustness.py::test_two_hundred_cycles_leave_resources_and_memory_where_they_began.
 
 
 @pytest.mark.parametrize("shared, writable", [(False, 1), (True, 0)])

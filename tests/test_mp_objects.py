@@ -116,47 +116,26 @@ class CountingDataset(HoldsState):
         return torch.tensor(i)
 
 
-_COUNTER_SCRIPT = """
-import os
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-import ray, raydl
-from tests.test_mp_objects import CountingDataset
-
-ray.init(address="local", num_cpus=2, include_dashboard=False)
-
-@ray.remote(num_cpus=0)
-class Counter:
-    def __init__(self):
-        self.n = 0
-
-    def add(self):
-        self.n += 1
-        return self.n
-
-counter = Counter.remote()
-loader = raydl.DataLoader(CountingDataset(counter), batch_size=2, num_workers=2, timeout=60)
-assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
-assert ray.get(counter.add.remote()) == 5
-print("OK")
-ray.shutdown()
-"""
-
-
-def test_a_ray_actor_is_the_shared_counter():
+def test_a_ray_actor_is_the_shared_counter(ray_session):
     """The suggested fix works: every worker increments one Ray actor, which sees every sample once.
 
-    Runs in its own process and Ray, so the counter actor and the dataset's handle to it never
-    outlive the test in the suite's shared session.
+    On the suite's Ray: the counter actor is killed at the end, so it never outlives the test.
     """
-    import os
-    import subprocess
-    import sys
+    ray = ray_session
 
-    from tests._session import fresh_env
+    @ray.remote(num_cpus=0)
+    class Counter:
+        def __init__(self):
+            self.n = 0
 
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = fresh_env()
-    proc = subprocess.run(
-        [sys.executable, "-c", _COUNTER_SCRIPT], cwd=repo, env=env, capture_output=True, text=True, timeout=240
-    )
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
+        def add(self):
+            self.n += 1
+            return self.n
+
+    counter = Counter.remote()
+    try:
+        loader = raydl.DataLoader(CountingDataset(counter), batch_size=2, num_workers=2, timeout=TIMEOUT_S)
+        assert [b.tolist() for b in loader] == [[0, 1], [2, 3]]
+        assert ray.get(counter.add.remote(), timeout=TIMEOUT_S) == 5
+    finally:
+        ray.kill(counter, no_restart=True)

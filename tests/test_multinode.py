@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests._session import run_main
+from tests._session import background_main, run_main
+
+# its driver runs in the background while the suite's in-process tests run (NOTE [ tests background commands ])
+background_main("tests/test_multinode.py::", "tests._multinode_main")
 
 
 @pytest.fixture(scope="module")

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import gc
+import subprocess
+import sys
+import textwrap
 
 import pytest
 
 import raydl
 from tests import _datasets as D
+from tests._session import REPO, fresh_env, run_python
 from tests._session import alive_worker_actors as _alive_workers
-from tests._session import run_python
 from tests._session import settled_alive_worker_actors as _settled_alive_workers
 from tests._session import wait_until as _wait_until
 
@@ -60,46 +63,69 @@ def test_address_pointing_nowhere_fails_fast(source):
     assert "127.0.0.1:9" in line and source in line and "Fix:" in line
 
 
-@pytest.mark.parametrize("how", ["sigint", "exit"])
-def test_interrupted_driver_leaves_no_actor(ray_session, how):
-    """A driver process interrupted (SIGINT) or exiting mid-epoch on a shared cluster leaves no worker behind."""
+def test_interrupted_driver_leaves_no_actor(ray_session):
+    """A driver process interrupted (SIGINT) or exiting mid-epoch on a shared cluster leaves no worker behind (the two
+    drivers run side by side, each with its own persistent workers)."""
     import ray
 
     base = _settled_alive_workers()
-    stop = "os.kill(os.getpid(), signal.SIGINT)" if how == "sigint" else "sys.exit(3)"
-    proc = run_python(
-        f"""
-        import os, signal, sys, raydl
-        from tests import _datasets as D
-        loader = raydl.DataLoader(D.SlowDataset(64, {{i: 0.2 for i in range(64)}}), batch_size=2, num_workers=3,
-                                  persistent_workers=True)
-        for i, batch in enumerate(loader):
-            print("batch", i, flush=True)
-            if i == 2:
-                {stop}
-        """,
-        env_extra={
+    env = fresh_env(
+        {
             "RAY_ADDRESS": ray.get_runtime_context().gcs_address,
             "RAY_AUTH_MODE": "token",
             # a driver joining a loopback cluster must not rewrite 127.0.0.1 to the routable IP
             "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
-        },
+        }
     )
-    assert "batch 2" in proc.stdout, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert proc.returncode != 0
-    if how == "sigint":
-        assert "KeyboardInterrupt" in proc.stderr
+    procs = {}
+    for how, stop in (("sigint", "os.kill(os.getpid(), signal.SIGINT)"), ("exit", "sys.exit(3)")):
+        code = f"""
+            import os, signal, sys, raydl
+            from tests import _datasets as D
+            loader = raydl.DataLoader(D.SlowDataset(64, {{i: 0.2 for i in range(64)}}), batch_size=2, num_workers=3,
+                                      persistent_workers=True)
+            for i, batch in enumerate(loader):
+                print("batch", i, flush=True)
+                if i == 2:
+                    {stop}
+            """
+        procs[how] = subprocess.Popen(
+            [sys.executable, "-c", textwrap.dedent(code)],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    outs = {}
+    try:
+        for how, proc in procs.items():
+            outs[how] = proc.communicate(timeout=360)
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+    for how, proc in procs.items():
+        stdout, stderr = outs[how]
+        assert "batch 2" in stdout, (how, stdout[-2000:] + stderr[-3000:])
+        assert proc.returncode != 0, how
+    assert "KeyboardInterrupt" in outs["sigint"][1]
     assert _wait_until(lambda: _alive_workers() <= base, timeout_s=45)
 
 
 def test_two_hundred_cycles_leave_resources_and_memory_where_they_began(ray_session):
-    """200 cycles of create / iterate partly / drop: no actor, object or Ray resource leaked; driver RSS flat."""
+    """200 cycles of create / iterate partly / drop (1 or 2 workers, shuffled): no actor, object, Ray resource or
+    raydl thread leaked; driver RSS flat."""
+    import threading
+
     import psutil
     import ray
     from ray.util.state import list_objects
 
     def cycle(i):
-        loader = raydl.DataLoader(D.RangeDataset(64), batch_size=4, num_workers=2, shuffle=True, timeout=TIMEOUT_S)
+        loader = raydl.DataLoader(
+            D.RangeDataset(64), batch_size=4, num_workers=1 + i % 2, shuffle=True, timeout=TIMEOUT_S
+        )
         it = iter(loader)
         for _ in range(i % 4):
             next(it)
@@ -112,6 +138,7 @@ def test_two_hundred_cycles_leave_resources_and_memory_where_they_began(ray_sess
     base_resources = ray.available_resources()
     address = ray.get_runtime_context().gcs_address
     base_objects = len(list_objects(address=address, raise_on_missing_output=False))
+    base_threads = threading.active_count()
     rss0 = psutil.Process().memory_info().rss
     for i in range(200):
         cycle(i)
@@ -123,6 +150,8 @@ def test_two_hundred_cycles_leave_resources_and_memory_where_they_began(ray_sess
     assert {k: v for k, v in after.items() if k != "object_store_memory"} == {
         k: v for k, v in base_resources.items() if k != "object_store_memory"
     }
+    assert threading.active_count() <= base_threads
+    assert not [t for t in threading.enumerate() if t.name == "raydl_pin"]
     assert rss1 - rss0 < 0.05 * rss0 + 30 * 1024**2, f"driver RSS grew {(rss1 - rss0) / 1024**2:.1f} MiB"
 
 

@@ -12,11 +12,12 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import pytest
 
-from tests._session import REPO, fresh_env, read_facts
+from tests._session import ENV_AT_START, REPO, background, background_call, fresh_env, read_facts, run_command
 
 LOCAL_SCRIPT = os.path.join(REPO, "cluster", "local_cluster.sh")
 
@@ -32,11 +33,9 @@ def _port_free(port: int) -> bool:
     return True
 
 
-@pytest.mark.cluster
-@pytest.mark.timeout(900)
-def test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptly(tmp_path):
-    """Against a `ray start` head stopped after the script's ray.shutdown(): no gcs_server or raylet started by the
-    script, no raydl thread left, Ray not initialized, and the process gone within 2 s of its last line."""
+def _exit_run() -> None:
+    """The whole check of test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptly (fresh processes
+    only: it runs in the background while the in-process tests run, NOTE [ tests background commands ])."""
     if shutil.which("ss") is None or shutil.which("setsid") is None:
         pytest.skip("needs ss and setsid (iproute2, util-linux)")
     port, dashboard_port = 6590, 8490
@@ -44,7 +43,9 @@ def test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptl
     busy = [p for p in needed if not _port_free(p)]
     if busy:
         pytest.skip(f"ports {busy} on 127.0.0.1 are in use")
-    cluster_env = {k: v for k, v in os.environ.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")}
+    cluster_env = {
+        k: v for k, v in ENV_AT_START.items() if k not in ("RAY_ADDRESS", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    }
     cluster_env.update(
         RAYDL_CLUSTER_DIR=f"/tmp/raydl-cluster/s{os.getpid()}",
         RAYDL_CLUSTER_PORT=str(port),
@@ -59,12 +60,13 @@ def test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptl
             ["bash", LOCAL_SCRIPT, *args], env=cluster_env, capture_output=True, text=True, timeout=360
         )
 
-    signal_file = str(tmp_path / "head-stopped")
+    tmp_path = tempfile.mkdtemp(prefix="raydl_shutdown_")
+    signal_file = os.path.join(tmp_path, "head-stopped")
     started = script("start", "0")
     proc = None
     try:
         assert started.returncode == 0, started.stdout + started.stderr
-        env = fresh_env({"RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"})
+        env = fresh_env({"RAY_AUTH_MODE": "token", "PYTHONUNBUFFERED": "1"}, base=ENV_AT_START)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests._shutdown_main", "exit", f"127.0.0.1:{port}", signal_file],
@@ -97,6 +99,7 @@ def test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptl
         if proc is not None and proc.poll() is None:
             proc.kill()
         script("stop")
+        shutil.rmtree(tmp_path, ignore_errors=True)
     facts = read_facts(subprocess.CompletedProcess(proc.args, rc, "".join(lines), err))
     assert facts["samples"] == [24, 24] and facts["head_stopped"]
     assert facts["ray_daemons"] == [], "the script started a Ray of its own after ray.shutdown()"
@@ -109,20 +112,31 @@ def test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptl
     assert "Started a local Ray instance" not in err, err[-3000:]
 
 
+_EXIT_TEST = "test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptly"
+background_call(f"tests/test_shutdown.py::{_EXIT_TEST}", "shutdown_exit", _exit_run, 840)
+_AGAIN_TEST = "test_a_loader_iterated_after_ray_shutdown_starts_ray_again_and_says_so"
+background(
+    f"tests/test_shutdown.py::{_AGAIN_TEST}",
+    "shutdown_again",
+    [sys.executable, "-m", "tests._shutdown_main", "again"],
+    fresh_env({"PYTHONPATH": REPO}),
+    540,
+)
+
+
+@pytest.mark.cluster
+@pytest.mark.timeout(900)
+def test_no_ray_is_started_after_the_users_shutdown_and_the_process_ends_promptly():
+    """Against a `ray start` head stopped after the script's ray.shutdown(): no gcs_server or raylet started by the
+    script, no raydl thread left, Ray not initialized, and the process gone within 2 s of its last line."""
+    run_command("shutdown_exit")
+
+
 @pytest.mark.timeout(600)
 def test_a_loader_iterated_after_ray_shutdown_starts_ray_again_and_says_so():
     """After the user's ray.shutdown() between two epochs of a persistent loader, the next epoch starts Ray as on first
     use, says so in a warning, and hands out torch's batches for a loader that starts new workers."""
-    env = fresh_env({"PYTHONPATH": REPO})
-    proc = subprocess.run(
-        [sys.executable, "-m", "tests._shutdown_main", "again"],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=540,
-    )
-    facts = read_facts(proc)
+    facts = read_facts(run_command("shutdown_again"))
     assert facts["equal"] and facts["batches"] == 12
     assert len(facts["said"]) == 1 and "starting Ray again as on first use" in facts["said"][0]
     assert facts["new_session"]

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 import raydl
-from tests._session import REPO, read_facts, run_python
+from tests._session import REPO, background, fresh_env, read_facts, run_command
 
 
 @pytest.mark.parametrize(
@@ -74,17 +74,39 @@ for entry in list(WARM_POOL._idle[key]):
     pids.add(ray.get(entry.actor.__ray_call__.remote(lambda self: os.getpid()), timeout=60))
     facts["worker_nice"] = ray.get(entry.actor.__ray_call__.remote(lambda self: os.getpriority(os.PRIO_PROCESS, 0)))
 facts["loader_pids_still_idle"] = sorted(set(facts["loader_pids"]) & pids)
+# The local Ray raydl started binds 127.0.0.1 only: every Ray process's listening socket is on loopback.
+import psutil
+ray_pids = {p.pid for p in psutil.process_iter(["cmdline"])
+            if any(("ray" in part and "raylet" in part) or "gcs_server" in part or "ray::" in part
+                   for part in (p.info["cmdline"] or []))}
+ray_pids |= {c.pid for c in psutil.Process().children(recursive=True)}
+facts["ray_processes_checked"] = len(ray_pids)
+facts["listening_beyond_loopback"] = [
+    (conn.pid, str(conn.laddr)) for conn in psutil.net_connections(kind="inet")
+    if conn.status == psutil.CONN_LISTEN and conn.pid in ray_pids
+    and conn.laddr.ip not in ("127.0.0.1", "::ffff:127.0.0.1", "::1")
+]
 print("FACTS " + json.dumps(facts), flush=True)
 raydl.release_idle_workers()
 """
 
 
+# its fresh process (a local Ray of its own) runs in the background while the in-process tests run (NOTE [ tests
+# background commands ] in tests/_session.py)
+background(
+    "tests/test_startup.py::test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader",
+    "startup_script",
+    [sys.executable, "-c", _SCRIPT],
+    fresh_env({"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}),
+    240,
+)
+
+
 def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
-    """In a fresh process: start() returns before Ray is up, Ray listens on loopback, the loader uses the
+    """In a fresh process with no Ray and no address: start() returns before Ray is up, the local Ray it starts
+    listens on 127.0.0.1 only (every Ray process's sockets), the loader uses the
     started workers (no extra ones), repeated calls only top the idle workers up, workers keep the driver's niceness."""
-    proc = run_python(
-        _SCRIPT, timeout_s=240, env_extra={"PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    )
+    proc = run_command("startup_script")
     facts = read_facts(proc)
     assert "SIGTERM handler is not set" not in proc.stderr
     assert facts["ray_before"] is False and facts["returned_before_ray_up"]
@@ -92,6 +114,8 @@ def test_start_brings_up_loopback_ray_and_hands_workers_to_the_next_loader():
     assert facts["batches"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert len(facts["loader_pids"]) == 2
     assert facts["gcs_host"] == "127.0.0.1" and facts["node_ip"] == "127.0.0.1"
+    assert facts["ray_processes_checked"] > 0, "found no Ray processes to check"
+    assert facts["listening_beyond_loopback"] == [], "Ray listens beyond loopback"
     assert facts["idle_after_loader"] == 2  # the loader's two workers went back: they were start()'s
     assert facts["idle_after_second_start"] == 2
     assert facts["started_by_third"] == 1 and facts["idle_after_third_start"] == 3

@@ -7,6 +7,7 @@ which `test_suite_filter_does_not_hide_the_warning_from_recwarn` checks.
 
 from __future__ import annotations
 
+import sys
 import warnings
 
 import torch
@@ -14,7 +15,7 @@ import torch
 import raydl
 from raydl.cluster.locality import confined_nodes
 from tests import _datasets as D
-from tests._session import read_facts, run_python
+from tests._session import background, fresh_env, read_facts, run_command
 
 TOO_MANY = torch._utils.cpu_count() + 1  # torch's own count, so the test follows this machine
 PREFIX = "This DataLoader will create"
@@ -135,9 +136,20 @@ finally:
 """
 
 
+# its driver (a cluster of its own) runs in the background while the in-process tests run (NOTE [ tests background
+# commands ] in tests/_session.py)
+background(
+    "tests/test_worker_warning.py::test_silent_when_workers_can_go_to_another_node",
+    "worker_warning_two_nodes",
+    [sys.executable, "-c", _TWO_NODES],
+    fresh_env(),
+    360,
+)
+
+
 def test_silent_when_workers_can_go_to_another_node():
     """On a 2-node loopback cluster: no warning by default; pinned to the driver's node, torch's warning (twice)."""
-    facts = read_facts(run_python(_TWO_NODES))
+    facts = read_facts(run_command("worker_warning_two_nodes"))
     assert facts["nodes"] == 2
     assert facts["default"] == []
     assert len(facts["pinned"]) == 2 and f"create {torch._utils.cpu_count() + 1} worker" in facts["pinned"][0]
