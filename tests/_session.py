@@ -193,7 +193,18 @@ def _end_group(proc: subprocess.Popen) -> None:
 # while the in-process tests run. `run_command` (and `run_main`) only read the output, waiting,
 # bounded, if the command is still running; a command not started yet when its test comes is taken
 # back and run by the test itself, so each is run once and a failure is the test's.
+# While the machine is busier than the suite alone makes it (`_machine_busy`), the thread starts
+# nothing: the tests run their commands themselves, one at a time, as without it.
 # RAYDL_TEST_NO_BACKGROUND=1 runs every one in its test.
+
+
+def _machine_busy() -> bool:
+    """Whether the machine is busier than this suite makes it alone: the 1-minute load average above twice its
+    cores (a quiet run with the background lane stays near 3 on 2 cores; two spinners beside it make 5 or more).
+    A busy machine runs no command beside the tests: a Ray's node start gives up after 30 s (Ray's own bound),
+    which such a machine can exceed when Rays start side by side. RAYDL_TEST_BACKGROUND_MAX_LOAD overrides."""
+    limit = float(os.environ.get("RAYDL_TEST_BACKGROUND_MAX_LOAD", 2 * (os.cpu_count() or 1)))
+    return os.getloadavg()[0] > limit
 
 
 class _Background:
@@ -223,8 +234,15 @@ class _Background:
 
     def _run(self) -> None:
         import threading
+        import time
 
         while True:
+            with self.lock:
+                if not self.queue:
+                    return
+            if _machine_busy():  # each test runs its own command meanwhile (claim takes it off the queue)
+                time.sleep(5)
+                continue
             with self.lock:
                 if not self.queue:
                     return
