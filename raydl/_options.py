@@ -31,6 +31,7 @@ class RayOptions:
     stats: bool = True
     name: Optional[str] = None
     job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
+    cold_start: bool = True  # NOTE [ raydl cold start ] in driver/coldstart.py
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -77,6 +78,8 @@ class RayOptions:
                 "job made it, and the ranks share the job's workers: use ray_seed='batch' (the default with ray_job) "
                 "or 'sample'"
             )
+        if not isinstance(self.cold_start, bool):
+            raise TypeError(f"ray_cold_start should be True or False, got {self.cold_start!r}")
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
@@ -102,4 +105,5 @@ class RayOptions:
             stats=getattr(loader, "ray_stats", defaults.stats),
             name=getattr(loader, "ray_name", defaults.name),
             job=getattr(loader, "ray_job", defaults.job),
+            cold_start=getattr(loader, "ray_cold_start", defaults.cold_start),
         )

@@ -23,19 +23,27 @@ The work runs in one daemon thread per process that never exits, even when idle:
 processes of a local Ray to the driver with Linux's parent-death signal, which fires when the
 *thread* that spawned them ends, so a short-lived thread that started Ray would take Ray's GCS
 and raylet down with it (measured: they die when such a thread returns).
+Ray's start draws from Python's global `random` (a free port, ids), which every thread shares:
+from this thread, at moments no one controls, it would take draws from the script's stream, or
+from a worker's stream that a cold start makes live in the driver (NOTE [ raydl cold start ] in
+driver/coldstart.py; measured: batches differed from torch's). While a start runs, the `random`
+module's functions therefore send this thread's calls to a generator of its own (`_own_random`);
+every other thread's calls go to the global generator as before.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import queue
+import random
 import threading
 import time
 from typing import Any, Mapping, Optional
 
 from .._constants import DEFAULT_STARTUP_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
 
-__all__ = ["start", "Startup", "wait_for_early_start"]
+__all__ = ["start", "Startup", "wait_for_early_start", "starts_in_progress"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +69,15 @@ class Startup:
         self._options = options
         self._handed_over = threading.Event()  # Ray is up and the actors are in the warm pool
         self._ready_refs: list[Any] = []
+        self._running = False  # every started worker was seen running (`running_now`)
         self._error: Optional[BaseException] = None
         self.started = 0  # actors this call created (the rest existed from earlier calls)
 
     def _run(self) -> None:
+        with _own_random():
+            self._start()
+
+    def _start(self) -> None:
         try:
             from .connect import ensure_ray_initialized
             from .pool import _worker_actor_class
@@ -111,6 +124,19 @@ class Startup:
     def done(self) -> bool:
         """Whether Ray is up and the workers have been requested (they may still be starting)."""
         return self._handed_over.is_set()
+
+    def running_now(self) -> bool:
+        """Without blocking: whether Ray is up and every started worker runs (or the start failed: `wait()` raises)."""
+        if not self._handed_over.is_set():
+            return False
+        if self._error is None and self._ready_refs and not self._running:
+            import ray
+
+            refs = self._ready_refs
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            self._running = len(ready) == len(refs)
+            return self._running
+        return True
 
     def wait(self, timeout_s: Optional[float] = DEFAULT_STARTUP_TIMEOUT_S) -> None:
         """Block until Ray is up and every started worker runs (its process imported torch).
@@ -206,6 +232,27 @@ def start(
     return startup
 
 
+@contextlib.contextmanager
+def _own_random():
+    """The `random` module's functions, called from this thread, draw from a generator of its own (see the NOTE)."""
+    own, me = random.Random(), threading.get_ident()
+    shared = {
+        name: fn for name in random.__all__ if getattr(fn := getattr(random, name), "__self__", None) is random._inst
+    }
+
+    def routed(name: str, fn: Any) -> Any:
+        mine = getattr(own, name)
+        return lambda *args, **kwargs: (mine if threading.get_ident() == me else fn)(*args, **kwargs)
+
+    for name, fn in shared.items():
+        setattr(random, name, routed(name, fn))
+    try:
+        yield
+    finally:
+        for name, fn in shared.items():
+            setattr(random, name, fn)
+
+
 class _NotMainThreadNotice(logging.Filter):
     """Drops Ray's notice that a driver started off the main thread sets no SIGTERM handler (expected here)."""
 
@@ -218,6 +265,12 @@ def _run_forever() -> None:
     logging.getLogger("ray._private.worker").addFilter(_NotMainThreadNotice())
     while True:
         _jobs.get()._run()
+
+
+def starts_in_progress() -> list[Startup]:
+    """The `start()` calls whose Ray or workers are not handed over yet."""
+    with _lock:
+        return list(_in_progress)
 
 
 def wait_for_early_start(timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:
