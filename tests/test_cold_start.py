@@ -92,7 +92,9 @@ def test_epoch_equals_torch_with_some_batches_made_in_the_driver(generator):
     """Batches made in the driver, then by the actors from the handed-over streams: torch's, batch for batch."""
     facts = _cold_epochs(max_in_driver=3, generator=generator)
     assert facts["kinds"] == ["ColdStartIter", "_RayLoaderIter"], facts
-    assert 1 <= facts["made"][0] <= 3, facts  # the workers took over mid-epoch (Ray is up only seconds later)
+    # the workers took over mid-epoch: Ray is up seconds after the first batch (more than 3 batches only when the
+    # workers were not running within ray_startup_timeout_s: a very busy machine)
+    assert 1 <= facts["made"][0] < 14, facts
 
 
 @pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "generator"])

@@ -6,8 +6,10 @@ A process that has never used Ray pays, before its first batch from a worker, fo
 importing torch each: 1.3-2 s), where torch's DataLoader forks its workers in milliseconds
 (benchmarks/README.md, start-up). So on a cold start the loader's first `iter()`:
   1. begins Ray's start and its workers' in the background, through `raydl.start()`'s thread
-     (NOTE [ raydl early start ] in cluster/startup.py): Ray by the usual precedence, and blank
-     workers put in the warm pool, which the loader takes when they run. Only the loader's own
+     (NOTE [ raydl early start ] in cluster/startup.py), right after the first batch (importing
+     Ray holds the GIL for most of a second, which would slow that batch): Ray by the usual
+     precedence, and blank workers put in the warm pool, which the loader takes when they run.
+     Only the loader's own
      iteration starts Ray, as before (construction still starts nothing), and only in a
      process that never used Ray: after the user's `ray.shutdown()` the loader starts Ray at
      `iter()` in the foreground, with its warning (NOTE [ raydl no Ray behind the user's back ]);
@@ -130,18 +132,24 @@ class ColdStartIter(Iterator[Any]):
         self.batches_in_driver = 0  # over all epochs, handed out or raised
         self._max_in_driver = _MAX_DRIVER_BATCHES
         self._startup_timeout_s = loader.ray_startup_timeout_s
-        self._startups = self._start_ray(loader)
+        self._startups: Optional[list[Startup]] = None  # started once the first batch is out (see `__next__`)
         self._begin_epoch(first_iter=True)
-        logger.debug("raydl: cold start: Ray and %d workers start in the background", self._num_workers)
 
-    @staticmethod
-    def _start_ray(loader: DataLoader) -> list[Startup]:
+    def _start_ray(self) -> list[Startup]:
         """Ray, and blank workers where the warm pool may hold them, started by `raydl.start()`'s thread."""
-        options = RayOptions.from_loader(loader)
-        actor_options = worker_actor_options(options.remote_args)
-        keep_warm = options.reuse_workers and not resource_request(actor_options)
-        n = loader.num_workers if keep_warm and loader.num_workers <= WARM_MAX_IDLE_PER_KEY else 0
-        return [*starts_in_progress(), start(n, ray_address=options.address, ray_remote_args=options.remote_args)]
+        if self._startups is None:
+            loader = self._loader
+            assert loader is not None
+            options = RayOptions.from_loader(loader)
+            actor_options = worker_actor_options(options.remote_args)
+            keep_warm = options.reuse_workers and not resource_request(actor_options)
+            n = loader.num_workers if keep_warm and loader.num_workers <= WARM_MAX_IDLE_PER_KEY else 0
+            self._startups = [
+                *starts_in_progress(),
+                start(n, ray_address=options.address, ray_remote_args=options.remote_args),
+            ]
+            logger.debug("raydl: cold start: Ray and %d workers start in the background", n)
+        return self._startups
 
     def _begin_epoch(self, first_iter: bool) -> None:
         self._state = _State.RUNNING
@@ -194,6 +202,8 @@ class ColdStartIter(Iterator[Any]):
     def _set_num_workers(self, num_workers: int) -> None:
         """A resize goes to the workers: the epoch is handed over now (waiting for Ray), then resized."""
         if self._inner is None and self._state == _State.RUNNING:
+            for startup in self._start_ray():
+                startup.wait(self._startup_timeout_s)
             self._handover()
         if self._inner is not None:
             self._inner._set_num_workers(num_workers)
@@ -210,13 +220,18 @@ class ColdStartIter(Iterator[Any]):
             return next(self._inner)
         if self._state != _State.RUNNING:
             raise StopIteration
+        if self.batches_in_driver == 0 and self._max_in_driver != 0:
+            # The first batch before Ray's start: importing Ray holds the GIL for most of a second, and a
+            # batch whose ops release the GIL would wait for it at each op (up to 5 ms each, sys.getswitchinterval).
+            return self._next_in_driver()
+        startups = self._start_ray()
         if self._max_in_driver is not None and self.batches_in_driver >= self._max_in_driver:
-            for startup in self._startups:
+            for startup in startups:
                 try:
                     startup.wait(self._startup_timeout_s)
                 except Exception:  # the Ray iterator reports a failed start as a loader without a cold start does
                     break
-        if all(s.running_now() for s in self._startups):
+        if all(s.running_now() for s in startups):
             self._handover()
             return next(self._inner)  # type: ignore[arg-type]
         return self._next_in_driver()
