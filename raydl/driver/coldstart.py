@@ -28,6 +28,11 @@ importing torch each: 1.3-2 s), where torch's DataLoader forks its workers in mi
      again, nothing replayed), so each actor starts as a resumed worker: seeded, worker_init_fn
      run on its own copy, then its generators set to where its shadow left them. The epoch
      goes on at the next batch, on the worker that would have made it.
+An epoch that runs out in the driver hands over at its end (waiting, bounded, for the workers), so
+an epoch still ends with Ray up and the workers holding its streams, as without a cold start: a
+failed start (a bad `ray_address`) raises there at the latest, a persistent loader's next epoch
+goes on in the workers, and the script finds Ray initialized after its first epoch. Only the
+first batches come sooner; the first epoch lasts at least Ray's and the workers' start.
 The batches are those of a loader whose workers made them all, batch for batch: torch's.
 Which batches the driver made depends only on timing; their content does not.
 Applies to: num_workers > 0, a map-style dataset, `ray_seed="worker"` without `ray_job`, no
@@ -226,15 +231,21 @@ class ColdStartIter(Iterator[Any]):
             return self._next_in_driver()
         startups = self._start_ray()
         if self._max_in_driver is not None and self.batches_in_driver >= self._max_in_driver:
-            for startup in startups:
-                try:
-                    startup.wait(self._startup_timeout_s)
-                except Exception:  # the Ray iterator reports a failed start as a loader without a cold start does
-                    break
+            return self._hand_over_when_running()
         if all(s.running_now() for s in startups):
             self._handover()
             return next(self._inner)  # type: ignore[arg-type]
         return self._next_in_driver()
+
+    def _hand_over_when_running(self) -> Any:
+        """Wait (bounded) for Ray and the workers, hand the epoch over, and go on with the workers."""
+        for startup in self._start_ray():
+            try:
+                startup.wait(self._startup_timeout_s)
+            except Exception:  # the Ray iterator reports a failed start as a loader without a cold start does
+                break
+        self._handover()
+        return next(self._inner)  # type: ignore[arg-type]
 
     # ------------------------------------------------------------------ the driver's part
 
@@ -242,9 +253,10 @@ class ColdStartIter(Iterator[Any]):
         try:
             index = next(self._sampler_iter)
         except StopIteration:
-            self._state = _State.EXHAUSTED
-            self._tracker.on_end()
-            raise
+            # An epoch made wholly here still ends with Ray up and the workers holding its streams, as
+            # without a cold start: a failed start raises here, a persistent loader's next epoch goes on
+            # in the workers, and Ray is initialized for what the script does next.
+            return self._hand_over_when_running()
         idx = self._send_idx
         self._send_idx += 1
         self.batches_in_driver += 1
