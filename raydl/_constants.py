@@ -75,3 +75,9 @@ AUTOSCALE_RETIRE_BUSY_FRACTION = 0.6
 # An addition is undone when this many windows in a row after it show less than a quarter of
 # its possible gain.
 AUTOSCALE_UNDO_WINDOWS = 2
+
+# NOTE [ raydl calls ] in driver/schedule.py: a worker's call carries as many batches as fit in this much of
+# its measured batch time (a batch this long or longer goes alone: Ray's ~0.4 ms per call no longer matters) ...
+CALL_TARGET_S = 0.005
+# ... and never more than this many, nor more than the worker's share of the prefetch bound.
+MAX_BATCHES_PER_CALL = 8

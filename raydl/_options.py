@@ -31,6 +31,7 @@ class RayOptions:
     stats: bool = True
     name: Optional[str] = None
     job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
+    batches_per_call: Optional[int] = None  # None ("auto"): adaptive (NOTE [ raydl calls ] in driver/schedule.py)
     cold_start: bool = True  # NOTE [ raydl cold start ] in driver/coldstart.py
 
     def __post_init__(self) -> None:
@@ -78,6 +79,12 @@ class RayOptions:
                 "job made it, and the ranks share the job's workers: use ray_seed='batch' (the default with ray_job) "
                 "or 'sample'"
             )
+        k = self.batches_per_call
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 1):
+            raise ValueError(
+                f"ray_batches_per_call should be 'auto' (adaptive) or a positive int (the most batches one actor "
+                f"call carries; 1: one call per batch), got {k!r}"
+            )
         if not isinstance(self.cold_start, bool):
             raise TypeError(f"ray_cold_start should be True or False, got {self.cold_start!r}")
         if not isinstance(self.stats, bool):
@@ -105,5 +112,11 @@ class RayOptions:
             stats=getattr(loader, "ray_stats", defaults.stats),
             name=getattr(loader, "ray_name", defaults.name),
             job=getattr(loader, "ray_job", defaults.job),
+            batches_per_call=_batches_per_call(getattr(loader, "ray_batches_per_call", "auto")),
             cold_start=getattr(loader, "ray_cold_start", defaults.cold_start),
         )
+
+
+def _batches_per_call(value: Any) -> Optional[int]:
+    """A loader's `ray_batches_per_call` as RayOptions keeps it: None for "auto"."""
+    return None if value == "auto" else value

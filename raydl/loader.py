@@ -135,6 +135,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             on data more than 20% of its time (NOTE [ raydl stats ]). Defaults to ``True``.
         ray_name (str, optional): the loader's name in stats, hints and the `loader` tag of
             Ray metrics. Defaults to ``None``: the dataset's class name.
+        ray_batches_per_call (int or "auto"): how many of a worker's batches one actor call
+            carries (NOTE [ raydl calls ]). ``"auto"``: as many as the worker makes in 5 ms, at
+            most 8 and at most its share of the prefetch bound (``prefetch_factor``), and 1 for
+            batches of 5 ms or more; an int fixes the most (1: one call per batch). The batches
+            are the same either way. Defaults to ``"auto"``.
         ray_cold_start (bool): in a process that has not used Ray yet, the first `iter()` starts
             Ray and the workers in the background and makes the first batches in this process,
             each exactly as the worker that would have made it (its copy of the dataset,
@@ -186,6 +191,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_stats: bool = True,
         ray_name: Optional[str] = None,
         ray_job: Any = None,
+        ray_batches_per_call: int | str = "auto",
         ray_cold_start: bool = True,
     ) -> None:
         if ray_job is False:
@@ -206,6 +212,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             stats=ray_stats,
             name=ray_name,
             job=ray_job,
+            batches_per_call=None if ray_batches_per_call == "auto" else ray_batches_per_call,
             cold_start=ray_cold_start,
         )
         if multiprocessing_context is not None and num_workers > 0:
@@ -222,6 +229,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_seed = options.seed
         self.ray_job = options.job
         self.ray_max_workers = options.max_workers
+        self.ray_batches_per_call = "auto" if options.batches_per_call is None else options.batches_per_call
         self.ray_cold_start = options.cold_start
         self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
         self.ray_stats = options.stats

@@ -18,6 +18,24 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 import pytest  # noqa: E402
 
 
+def pytest_addoption(parser):
+    parser.addoption(
+        "--ray-batches-per-call",
+        default=None,
+        help="run every raydl.DataLoader built in this process with this ray_batches_per_call by default "
+        "(an int forces several batches per actor call; NOTE [ raydl calls ]): the parity and property tests "
+        "must pass unchanged with it",
+    )
+
+
+def pytest_configure(config):
+    k = config.getoption("--ray-batches-per-call")
+    if k is not None:
+        from raydl.loader import DataLoader
+
+        DataLoader.__init__.__kwdefaults__["ray_batches_per_call"] = k if k == "auto" else int(k)
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     """A local Ray with 2 CPUs, a 200 MB object store and the dashboard (for the state API leak checks)."""

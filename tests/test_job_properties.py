@@ -133,13 +133,13 @@ class _Driver:
         for _ in range(self.sched.max_tasks):
             self.put_index()
 
-    def _submit(self, wid: int, idx: int, work):
+    def _submit(self, wid: int, tasks: list):
         coord = self.pool.coord
-        assert wid not in coord._pool.released, f"task {idx} sent to worker {wid}, which the job released"
-        assert wid not in coord._retiring or self.pool.version < coord._version, (
-            f"task {idx} sent to worker {wid}, which the job retires, by a rank that knows it"
-        )
-        self.sent[wid] = self.sent.get(wid, 0) + 1
+        for idx, _work in tasks:
+            assert wid not in coord._pool.released, f"task {idx} sent to worker {wid}, which the job released"
+            assert wid not in coord._retiring or self.pool.version < coord._version, (
+                f"task {idx} sent to worker {wid}, which the job retires, by a rank that knows it"
+            )
         return object(), object()
 
     def put_index(self) -> None:
@@ -147,11 +147,14 @@ class _Driver:
             return
         wid = self.sched.next_worker()
         self.sched.add(self.next_idx, wid, None, None)
+        # counted when assigned: a task waiting for its worker's call (NOTE [ raydl calls ]) goes there too
+        self.sent[wid] = self.sent.get(wid, 0) + 1
         self.next_idx += 1
 
     def step(self) -> None:
         """One `next()`: follow the job, hand out the oldest task, draw the next."""
         self.elastic.step()
+        self.sched.flush_for(self.handed)  # as the driver does before it waits on a task
         task = self.sched.pop(self.handed)
         self.sent[task.worker_id] -= 1
         self.handed += 1
@@ -163,8 +166,11 @@ class _Driver:
         on_it = self.sched.workers_num_tasks[wid] if wid < len(self.sched.workers_num_tasks) else 0
         if on_it == 0:
             return  # this rank has nothing there: it does not notice
-        if self.elastic.take_over_lost(wid):
-            self.sent[wid] -= on_it
+        before = list(self.sched.workers_num_tasks)
+        if self.elastic.take_over_lost(wid):  # its tasks moved to the others: move their counts
+            after = self.sched.workers_num_tasks
+            for w, n in enumerate(after):
+                self.sent[w] = self.sent.get(w, 0) + n - (before[w] if w < len(before) else 0)
         else:
             self.pool.replace(wid)
 

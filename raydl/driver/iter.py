@@ -3,16 +3,18 @@
 NOTE [ raydl ordering ]
 The driver follows torch's multiprocessing iterator step for step, with ObjectRefs in place of
 index and result queues:
-  * the (batch) sampler is drawn in the driver; each draw becomes task `send_idx`, sent to the
+  * the (batch) sampler is drawn in the driver; each draw becomes task `send_idx`, given to the
     next worker of a round-robin cycle (skipping exhausted iterable workers; with
-    in_order=False also skipping workers that already hold their share of tasks);
+    in_order=False also skipping workers that already hold their share of tasks); a worker's
+    tasks travel several to an actor call when its batches are cheap (NOTE [ raydl calls ] in
+    driver/schedule.py), which changes no batch;
   * the prefetch is primed with `prefetch_factor * num_workers` tasks and refilled by one task
     each time a batch is handed out (or an iterable worker reports its end);
   * with in_order=True, batches are handed out in send order: the driver waits on the ref of
     task `rcvd_idx`. With in_order=False, it hands out whichever outstanding batch is ready
     first;
-  * results stay in Ray's object store until handed out: `ray.get` is only called on the ref
-    about to be returned.
+  * results stay in Ray's object store until handed out: `ray.get` is only called on the call
+    whose batch is about to be returned (its other batches wait there for their turn).
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
 A batch made on another node starts moving to the driver's node as soon as it exists, so the
 transfer overlaps the training step: `ref.future()` registers Ray's asynchronous get, which asks
@@ -71,7 +73,7 @@ from ..cluster.startup import wait_for_early_start
 from ..data.payload import put_payload
 from ..job.elastic import JobElastic
 from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
-from ..worker.actor import BatchMeta, WorkerPayload
+from ..worker.actor import BatchFailed, BatchMeta, WorkerPayload
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .checkpoint import Tracker, iterator_base_seed, track_rng_enabled
@@ -94,6 +96,15 @@ class _State(IntEnum):
     RUNNING = 0
     EXHAUSTED = 1
     SHUT_DOWN = 2
+
+
+class _Failed(Exception):
+    """Internal: user code raised while the worker made this batch (`BatchFailed`); raised again in the driver."""
+
+    def __init__(self, error: BaseException, traceback_text: str) -> None:
+        super().__init__(error)
+        self.error = error
+        self.traceback = traceback_text
 
 
 class _Held(Exception):
@@ -181,7 +192,7 @@ class _RayLoaderIter(Iterator[Any]):
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
         self._job_rank: Optional[int] = None
-        self._fetch_methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, its fetch with num_returns=2)
+        self._fetch_methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
         self._pool: Any
         if options.job is not None:  # the job's pool, shared by its ranks (NOTE [ raydl job pool ])
             rank, world = rank_and_world()
@@ -219,6 +230,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._in_order,
             self._submit,
             balanced_from=None if self._job_rank is None else self._job_rank * self._num_workers,
+            batches_per_call=options.batches_per_call,
         )
         self._elastic: ElasticPool
         if self._job_rank is not None:  # the job's resizes and autoscaler: NOTE [ raydl job elastic ]
@@ -355,6 +367,7 @@ class _RayLoaderIter(Iterator[Any]):
             try:
                 index = next(self._sampler_iter)
             except StopIteration:
+                self._sched.flush_all()  # no draw will fill a call: pending tasks go now (NOTE [ raydl calls ])
                 return
             self._ckpt.on_draw(self._send_idx, self._sampler_iter)
             if not self._ckpt.skip(self._send_idx):
@@ -374,13 +387,14 @@ class _RayLoaderIter(Iterator[Any]):
             self._feed.on_send(self._send_idx, index)
         self._send_idx += 1
 
-    def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
-        """Send task `idx` to a worker: (batch ref, meta ref); a batch made on another node starts moving here at once."""
+    def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any]:
+        """One call to a worker for `tasks` [(idx, work), ...]: (batches ref, metas ref); batches made on another node
+        start moving here at once (NOTE [ raydl calls ])."""
         actor = self._pool.actors[worker_id]
         cached = self._fetch_methods.get(worker_id)
-        if cached is None or cached[0] is not actor:  # `.options()` once per actor: ~25 us a batch (Ray 2.60)
-            cached = self._fetch_methods[worker_id] = (actor, actor.fetch.options(num_returns=2))
-        ref, meta_ref = cached[1].remote(self._epoch, idx, work)
+        if cached is None or cached[0] is not actor:  # `.options()` once per actor: ~25 us a call (Ray 2.60)
+            cached = self._fetch_methods[worker_id] = (actor, actor.fetch_many.options(num_returns=2))
+        ref, meta_ref = cached[1].remote(self._epoch, tasks)
         if self._on_other_node(worker_id):
             self._prefetch([ref])
         return ref, meta_ref
@@ -396,10 +410,13 @@ class _RayLoaderIter(Iterator[Any]):
         return record is not None and record.node_id != self._driver_node_id
 
     def _abandon(self, tasks: list[Task]) -> None:
-        """Forget these tasks' results (their worker must finish them before being reused)."""
+        """Forget these tasks' results (their worker must finish their calls before being reused)."""
+        seen: set[int] = set()
         for task in tasks:
-            if not task.held:
-                self._pool.abandon(task.worker_id, task.ref)
+            call = task.call
+            if call is not None and id(call) not in seen:
+                seen.add(id(call))
+                self._pool.abandon(task.worker_id, call.ref)
 
     def _abandon_task(self, idx: int) -> None:
         self._abandon([self._sched.pop(idx)])
@@ -429,22 +446,27 @@ class _RayLoaderIter(Iterator[Any]):
                 self._end_epoch()
                 raise StopIteration
 
-            idx = self._rcvd_idx if self._in_order else self._first_ready_idx()
+            if self._in_order:
+                idx = self._rcvd_idx
+                self._sched.flush_for(idx)  # a pending task's call goes before it is waited on
+            else:
+                idx = self._first_ready_idx()
             task = self._sched.task_info[idx]
             try:
                 # A timeout leaves the task in place: the next call waits for the same batch.
                 data = self._get_result(idx, task)
             except _Held:
                 continue
-            except RayTaskError as e:
+            except (RayTaskError, _Failed) as e:
                 self._ckpt.on_batch_failed(idx)
                 self._consume(idx)
                 # As torch does: refill before raising, so a caller that catches the error can go on.
                 self._try_put_index()
+                cause, tb = (e.error, e.traceback) if isinstance(e, _Failed) else (e.cause, remote_traceback(e))
                 raise rebuild_worker_exception(
-                    e.cause,
+                    cause,
                     f"in {self._pool.describe(task.worker_id)} while making batch {idx} (indices {short_indices(task.index)})",
-                    remote_traceback(e),
+                    tb,
                 ) from None
             self._consume(idx)
             if isinstance(data, StartFailed):  # unreachable: workers are waited for before any batch is read
@@ -534,7 +556,13 @@ class _RayLoaderIter(Iterator[Any]):
         deadline = self._deadline()
         while True:
             try:
-                data, meta = ray.get([task.ref, task.meta_ref], timeout=STATUS_CHECK_INTERVAL_S)
+                call = task.call
+                assert call is not None, "raydl bug: waiting on a task no call carries"
+                if not call.received:  # one get for the whole call (NOTE [ raydl calls ])
+                    call.batches, call.metas = ray.get([call.ref, call.meta_ref], timeout=STATUS_CHECK_INTERVAL_S)
+                data, meta = call.take(idx)
+                if isinstance(data, BatchFailed):
+                    raise _Failed(data.error, data.traceback)
                 self._on_batch_made(idx, task, meta)
                 latency_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
                 self._typical_latency_s = (
@@ -580,9 +608,8 @@ class _RayLoaderIter(Iterator[Any]):
         if self._feed is not None:  # the caches of the workers' nodes get the plan too (NOTE [ raydl node cache ])
             self._feed.add_nodes(self._worker_nodes())
         # Tasks sent before the workers reported where they run: start their transfers now.
-        self._prefetch(
-            [t.ref for t in self._sched.task_info.values() if not t.held and self._on_other_node(t.worker_id)]
-        )
+        calls = {id(t.call): (t.call, t.worker_id) for t in self._sched.task_info.values() if t.call is not None}
+        self._prefetch([c.ref for c, w in calls.values() if not c.received and self._on_other_node(w)])
 
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""

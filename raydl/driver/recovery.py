@@ -9,8 +9,9 @@ or its node left the cluster) or that the task's result was lost with its node:
   2. the driver waits (bounded by ray_startup_timeout_s) for the replacement to report that it
      has started, with nothing queued behind its start: a replacement that dies there died
      starting, not making a batch, and is one more death of that worker;
-  3. every task that was outstanding on the dead worker is sent again, in send order, to the
-     replacement, under the same task idx: ordering and the reorder buffer are untouched.
+  3. every task that was outstanding on the dead worker and not yet received (a call's batches
+     arrive together: NOTE [ raydl calls ] in driver/schedule.py) is sent again, in send order, to
+     the replacement, under the same task idx: ordering and the reorder buffer are untouched.
 A worker that dies during a pool's first start, when tasks were already queued behind its start
 (to save a round trip), is recovered the same way. One exception: an actor taken from the warm
 pool that turns out dead at its `configure()` died idle, before this iterator gave it anything
@@ -134,11 +135,11 @@ class Recovery:
         )
         self._pool.replace(worker_id, self._ckpt.restart_state(worker_id))
         # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
-        self._sched.hold_for_replacement(worker_id)
+        lost = self._sched.hold_for_replacement(worker_id)  # its batches not yet received (NOTE [ raydl calls ])
         self.wait_ready(host)  # a replacement dying while starting recurses here, one restart more
-        first = self._sched.task_info[on_worker[0]] if on_worker else None
+        first = self._sched.task_info.get(lost[0]) if lost else None
         if first is not None and first.held and first.worker_id == worker_id:  # not moved to a survivor
-            self._sched.send_held(on_worker[0])
+            self._sched.send_held(lost[0])
 
     def wait_ready(self, host: RecoveryHost) -> None:
         """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""

@@ -16,18 +16,43 @@ its batch is handed out or dropped. It decides, and records:
     once when the batches lost with its last process have been re-made;
   * which finished tasks may be handed out first with in_order=False: only each worker's oldest
     task in flight, so one worker's batches come out in the order it made them (torch's result
-    queue keeps that order; for an IterableDataset it is the replica's stream order).
+    queue keeps that order; for an IterableDataset it is the replica's stream order);
+  * how a worker's tasks are grouped into actor calls (NOTE [ raydl calls ]).
+
+NOTE [ raydl calls ]
+One actor call carries the tasks of one worker, oldest first, and returns their batches together
+(`Worker.fetch_many`: one object with the batches, one small object with their `BatchMeta`s), so
+Ray's per-call cost on the driver's core (the call, the `get`: ~400 us at the overhead floor) is
+paid once for k batches. Which task goes to which worker is still torch's rule, task by task;
+a task assigned to a worker is *pending* (`Task.call is None`, the worker not on probation)
+until its worker's call goes out:
+  * when the worker has `k` pending tasks, k its `batches_per_call` (adaptive: as many batches
+    as fit in CALL_TARGET_S of the worker's measured batch time, at most MAX_BATCHES_PER_CALL and
+    at most the worker's share of the prefetch bound; 1 until a batch was timed and whenever a
+    batch takes CALL_TARGET_S or more, where the call's cost no longer matters; `ray_batches_per_call`
+    fixes it);
+  * or when the driver is about to wait on one of them (`flush_oldest`: a worker whose oldest
+    task is pending), when the sampler has no more draws (`flush_all`) and when the worker leaves
+    the round robin: a pending task never waits for a draw that cannot come.
+Pending tasks count towards the prefetch bound as torch's sent ones do: at most
+`prefetch_factor * num_workers` batches are assigned and not handed out, so a call never carries
+more than a worker's share of them. A call's two objects are read with one `ray.get` when its
+first batch is needed; the others of the call wait in `Call.batches` until their turn (their
+memory is the object store's, as before). A batch in hand is *received*: a worker that dies
+afterwards costs only the tasks of its calls not yet received, re-made (probation, one task a
+call) exactly once.
 Invariants, between calls (tests/test_recovery.py checks them after every `next()`):
   * `tasks_outstanding == len(task_info) <= max_tasks`;
   * `workers_num_tasks[w] ==` the number of tasks in `task_info` on worker w;
   * `workers_status[w]` is False once iterable worker w reported the end of its stream;
   * `probation[w]`: idxs of the batches lost with worker w's last process and not yet handed
     out; while w is on probation exactly one of its tasks is sent, its oldest; off probation
-    every task has a ref;
+    a task without a call is pending (NOTE [ raydl calls ]), and a worker's pending tasks are
+    younger than its sent ones;
   * `active` lists distinct worker ids; the per-worker lists are indexed by worker id and
     cover every id ever used (a retired id keeps its slot, with no task).
-A Schedule talks to no actor: sending is the `submit(worker_id, idx, work)` callable it is given,
-which returns the task's (batch ref, meta ref). It holds that callable weakly when it is a bound
+A Schedule talks to no actor: sending is the `submit(worker_id, [(idx, work), ...])` callable it
+is given, which makes one call and returns its (batches ref, metas ref). It holds that callable weakly when it is a bound
 method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, so
 every dropped iterator would wait for the cyclic garbage collector to free it and its buffered
 batches (what a collection of such garbage did to the warm pool: NOTE [ raydl shutdown ] in driver/iter.py).
@@ -37,40 +62,75 @@ from __future__ import annotations
 
 import time
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
-__all__ = ["Task", "Schedule"]
+from .._constants import CALL_TARGET_S, MAX_BATCHES_PER_CALL
+
+__all__ = ["Call", "Task", "Schedule"]
 
 
-@dataclass(frozen=True)
+class Call:
+    """One actor call: the tasks of one worker it carries, its two result refs, the results once read."""
+
+    __slots__ = ("ref", "meta_ref", "idxs", "batches", "metas")
+
+    def __init__(self, ref: Any, meta_ref: Any, idxs: list[int]) -> None:
+        self.ref = ref  # the batches, one object
+        self.meta_ref = meta_ref  # their BatchMetas, a small object Ray inlines in the reply
+        self.idxs = idxs
+        self.batches: Optional[list] = None  # read with one get when the first is needed
+        self.metas: Optional[list] = None
+
+    @property
+    def received(self) -> bool:
+        return self.batches is not None
+
+    def take(self, idx: int) -> tuple[Any, Any]:
+        """Task `idx`'s (batch, meta), read already; the call keeps no reference to the batch after this."""
+        assert self.batches is not None and self.metas is not None
+        pos = self.idxs.index(idx)
+        batch, self.batches[pos] = self.batches[pos], None
+        return batch, self.metas[pos]
+
+
 class Task:
-    """One batch in flight: the worker making it, the refs of its results, the indices it covers, what was sent.
+    """One batch assigned to a worker: its worker, the call carrying it (None while it is pending or held for a
+    worker on probation), the indices it covers, what is sent for it and when it was sent."""
 
-    `ref` (the batch) and `meta_ref` (the worker's `BatchMeta` for it) are None while the task is
-    held for a worker on probation.
-    """
+    __slots__ = ("worker_id", "call", "index", "work", "sent_s")
 
-    worker_id: int
-    ref: Any
-    meta_ref: Any
-    index: Any
-    work: Any
-    sent_s: float = field(default_factory=time.monotonic)
+    def __init__(self, worker_id: int, index: Any, work: Any) -> None:
+        self.worker_id = worker_id
+        self.call: Optional[Call] = None
+        self.index = index
+        self.work = work
+        self.sent_s = time.monotonic()
 
     @property
     def held(self) -> bool:
-        return self.ref is None
+        """Not sent (pending, or held for probation): no call carries it."""
+        return self.call is None
+
+    @property
+    def ref(self) -> Any:
+        """The ref of its call's batches (None while not sent)."""
+        return None if self.call is None else self.call.ref
 
 
-Submit = Callable[[int, int, Any], "tuple[Any, Any]"]
+Submit = Callable[[int, "list[tuple[int, Any]]"], "tuple[Any, Any]"]
 
 
 class Schedule:
     """The tasks in flight of one epoch and the rule that places new ones (NOTE [ raydl scheduling ])."""
 
     def __init__(
-        self, num_workers: int, max_tasks: int, in_order: bool, submit: Submit, balanced_from: Optional[int] = None
+        self,
+        num_workers: int,
+        max_tasks: int,
+        in_order: bool,
+        submit: Submit,
+        balanced_from: Optional[int] = None,
+        batches_per_call: Optional[int] = None,
     ) -> None:
         self.active = list(range(num_workers))  # the round robin's worker ids, in cycle order
         self._num_ids = num_workers  # worker ids ever used: the per-worker lists cover them all
@@ -79,8 +139,10 @@ class Schedule:
         # a job's rank (NOTE [ raydl job pool ]): the worker that would finish a new task first, ties in
         # cycle order from this worker; None: torch's round robin
         self._balanced_from = balanced_from
-        self._fetch_s: dict[int, float] = {}  # worker id -> moving average of its batch time (balanced only)
+        self._fixed_k = batches_per_call  # None: adaptive (NOTE [ raydl calls ])
+        self._fetch_s: dict[int, float] = {}  # worker id -> moving average of its batch time
         self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
+        self.calls_sent = 0  # actor calls made (for stats and tests: batches / calls is the grouping achieved)
         self.reset()
 
     @property
@@ -95,6 +157,7 @@ class Schedule:
         self.tasks_outstanding = 0
         self.workers_status = [True] * self._num_ids
         self.workers_num_tasks = [0] * self._num_ids
+        self._pending: dict[int, list[int]] = {}  # worker id -> its pending idxs, oldest first (NOTE [ raydl calls ])
         self.probation: dict[int, set[int]] = {}
         if self._balanced_from is not None:
             first_worker = self._balanced_from % max(1, self._num_ids)
@@ -102,11 +165,47 @@ class Schedule:
             self.active.index(first_worker) if first_worker in self.active else 0
         )  # position in `active` of the next worker of the cycle
 
-    def _submit(self, worker_id: int, idx: int, work: Any) -> tuple[Any, Any]:
+    def _submit(self, worker_id: int, idxs: list[int]) -> None:
+        """One call to `worker_id` carrying tasks `idxs` (oldest first)."""
         submit = self._submit_ref()
         if submit is None:
             raise RuntimeError("raydl bug: a Schedule outlived the iterator that sends its tasks")
-        return submit(worker_id, idx, work)
+        ref, meta_ref = submit(worker_id, [(i, self.task_info[i].work) for i in idxs])
+        call = Call(ref, meta_ref, idxs)
+        now = time.monotonic()
+        for i in idxs:
+            task = self.task_info[i]
+            task.call, task.sent_s = call, now
+        self.calls_sent += 1
+
+    # ------------------------------------------------------------------ calls (NOTE [ raydl calls ])
+
+    def batches_per_call(self, worker_id: int) -> int:
+        """How many tasks worker `worker_id`'s next call carries."""
+        share = max(1, self.max_tasks // max(1, len(self.active)))
+        if self._fixed_k is not None:
+            return max(1, min(self._fixed_k, share))
+        fetch_s = self._fetch_s.get(worker_id)
+        if fetch_s is None or fetch_s >= CALL_TARGET_S:
+            return 1
+        return max(1, min(MAX_BATCHES_PER_CALL, share, int(CALL_TARGET_S / max(fetch_s, 1e-6))))
+
+    def flush(self, worker_id: int) -> None:
+        """Send worker `worker_id`'s pending tasks now, in one call."""
+        idxs = self._pending.pop(worker_id, None)
+        if idxs:
+            self._submit(worker_id, idxs)
+
+    def flush_all(self) -> None:
+        """No more tasks are coming (the sampler is exhausted): send every pending task."""
+        for worker_id in list(self._pending):
+            self.flush(worker_id)
+
+    def flush_for(self, idx: int) -> None:
+        """The driver is about to wait on task `idx`: if it is pending, its worker's call goes now."""
+        task = self.task_info.get(idx)
+        if task is not None and task.call is None and task.worker_id in self._pending:
+            self.flush(task.worker_id)
 
     # ------------------------------------------------------------------ placing tasks
 
@@ -126,10 +225,12 @@ class Schedule:
         return None
 
     def on_batch_made(self, worker_id: int, fetch_s: float) -> None:
-        """A batch of `worker_id` took `fetch_s` to make: its moving average (a job's rank only)."""
-        if self._balanced_from is not None:
-            prev = self._fetch_s.get(worker_id)
-            self._fetch_s[worker_id] = fetch_s if prev is None else 0.8 * prev + 0.2 * fetch_s
+        """A batch of `worker_id` took `fetch_s` to make: its moving average (call sizes, a job's balance)."""
+        prev = self._fetch_s.get(worker_id)
+        self._fetch_s[worker_id] = fetch_s if prev is None else 0.8 * prev + 0.2 * fetch_s
+        pending = self._pending.get(worker_id)
+        if pending and len(pending) >= self.batches_per_call(worker_id):  # its calls got smaller
+            self.flush(worker_id)
 
     def _least_loaded(self) -> Optional[int]:
         """A job's rank: the active worker that would finish one more of its tasks first, by its tasks in flight
@@ -159,7 +260,8 @@ class Schedule:
         self.active.append(worker_id)
 
     def remove_worker(self, worker_id: int) -> None:
-        """Worker `worker_id` gets no new task; the tasks it has stay on it (or are moved by `reassign`)."""
+        """Worker `worker_id` gets no new task; the tasks it has stay on it (or are moved by `reassign`), sent now."""
+        self.flush(worker_id)
         pos = self.active.index(worker_id)
         del self.active[pos]
         if pos < self._pos:
@@ -168,7 +270,8 @@ class Schedule:
             self._pos = 0
 
     def reassign(self, worker_id: int) -> list[int]:
-        """Worker `worker_id` is gone for good: send its tasks, oldest first, to the least loaded active workers.
+        """Worker `worker_id` is gone for good: send its tasks not yet received, oldest first, to the least loaded
+        active workers, one call each.
 
         Workers on probation are chosen last; a task moved to one is sent at once all the same (held,
         it could be the oldest batch of the epoch, waited on before the one its new worker makes).
@@ -176,41 +279,48 @@ class Schedule:
         """
         assert self.active, "no worker left to take the tasks"
         self.probation.pop(worker_id, None)
-        moved = self.tasks_on(worker_id)
+        self._pending.pop(worker_id, None)
+        moved = [i for i in self.tasks_on(worker_id) if not self._received(i)]
         for idx in moved:
             old = self.task_info[idx]
             target = min(self.active, key=lambda w: (w in self.probation, self.workers_num_tasks[w]))
-            ref, meta_ref = self._submit(target, idx, old.work)
-            self.task_info[idx] = Task(target, ref, meta_ref, old.index, old.work)
+            self.task_info[idx] = Task(target, old.index, old.work)
             self.workers_num_tasks[worker_id] -= 1
             self.workers_num_tasks[target] += 1
+            self._submit(target, [idx])
         return moved
 
     def add(self, idx: int, worker_id: int, index: Any, work: Any) -> None:
-        """Record task `idx` on `worker_id`; send it unless the worker is on probation."""
+        """Record task `idx` on `worker_id`: pending until its worker's call goes (NOTE [ raydl calls ]), held while
+        the worker is on probation."""
         assert self.tasks_outstanding < self.max_tasks or self.max_tasks == 0
-        refs = (None, None) if worker_id in self.probation else self._submit(worker_id, idx, work)
-        self.task_info[idx] = Task(worker_id, refs[0], refs[1], index, work)
+        self.task_info[idx] = Task(worker_id, index, work)
         self.workers_num_tasks[worker_id] += 1
         self.tasks_outstanding += 1
+        if worker_id in self.probation:
+            return
+        pending = self._pending.setdefault(worker_id, [])
+        pending.append(idx)
+        if len(pending) >= self.batches_per_call(worker_id):
+            self.flush(worker_id)
 
     def send_held(self, idx: int) -> None:
-        """Send task `idx`, held until now for its worker's probation."""
-        self._send(idx)
+        """Send task `idx`, held until now for its worker's probation, alone in its call."""
+        self._submit(self.task_info[idx].worker_id, [idx])
 
     def resend(self, worker_id: int) -> None:
-        """Worker `worker_id`'s actor was swapped before it made anything: send its sent tasks again, oldest first.
+        """Worker `worker_id`'s actor was swapped before it made anything: send its sent tasks again, oldest first,
+        in one call.
 
         The old refs are dropped (their actor is dead); the worker keeps its tasks, idxs and place.
         """
-        for idx in self.tasks_on(worker_id):
-            if not self.task_info[idx].held:
-                self._send(idx)
+        sent = [i for i in self.tasks_on(worker_id) if not self.task_info[i].held]
+        if sent:
+            self._submit(worker_id, sent)
 
-    def _send(self, idx: int) -> None:
-        task = self.task_info[idx]
-        ref, meta_ref = self._submit(task.worker_id, idx, task.work)
-        self.task_info[idx] = Task(task.worker_id, ref, meta_ref, task.index, task.work)
+    def _received(self, idx: int) -> bool:
+        call = self.task_info[idx].call
+        return call is not None and call.received
 
     # ------------------------------------------------------------------ removing tasks
 
@@ -219,6 +329,9 @@ class Schedule:
         task = self.task_info.pop(idx)
         self.tasks_outstanding -= 1
         self.workers_num_tasks[task.worker_id] -= 1
+        pending = self._pending.get(task.worker_id)
+        if pending and idx in pending:
+            pending.remove(idx)
         lost = self.probation.get(task.worker_id)
         if lost is not None:
             lost.discard(idx)
@@ -228,40 +341,48 @@ class Schedule:
                     self.send_held(held[0])
             else:
                 del self.probation[task.worker_id]
-                for i in held:
-                    self.send_held(i)
+                if held:  # the lost batches are re-made: the rest go as one call
+                    self._submit(task.worker_id, held)
         return task
 
     def drop_all(self) -> list[Task]:
         """Forget every task (nothing held is sent meanwhile); returns them, for their refs to be abandoned."""
         self.probation = {}
+        self._pending = {}
         return [self.pop(idx) for idx in list(self.task_info)]
 
     def retire(self, worker_id: int) -> list[Task]:
         """Iterable worker `worker_id` ended its stream: it gets no more tasks; returns the ones it had."""
         self.workers_status[worker_id] = False
+        self._pending.pop(worker_id, None)
         return [self.pop(idx) for idx in self.tasks_on(worker_id)]
 
     # ------------------------------------------------------------------ recovery and queries
 
     def hold_for_replacement(self, worker_id: int) -> list[int]:
-        """Worker `worker_id` is being replaced: hold all its tasks and put it on probation; returns their idxs."""
-        on_worker = self.tasks_on(worker_id)
-        if on_worker:
-            self.probation[worker_id] = set(on_worker)
-        for i in on_worker:
-            old = self.task_info[i]
-            self.task_info[i] = Task(worker_id, None, None, old.index, old.work)
-        return on_worker
+        """Worker `worker_id` is being replaced: hold its tasks not yet received and put it on probation; returns
+        their idxs (the batches lost with it)."""
+        self._pending.pop(worker_id, None)
+        lost = [i for i in self.tasks_on(worker_id) if not self._received(i)]
+        if lost:
+            self.probation[worker_id] = set(lost)
+        for i in lost:
+            self.task_info[i].call = None
+        return lost
 
     def tasks_on(self, worker_id: int) -> list[int]:
         """The idxs of worker `worker_id`'s tasks, oldest first."""
         return sorted(i for i, t in self.task_info.items() if t.worker_id == worker_id)
 
     def unordered_candidates(self) -> dict[Any, int]:
-        """in_order=False: ref -> idx of each worker's oldest task in flight (the only ones that may go first)."""
+        """in_order=False: ref -> idx of each worker's oldest task in flight (the only ones that may go first).
+
+        A worker whose oldest task is pending sends its call first (NOTE [ raydl calls ])."""
         oldest: dict[int, int] = {}
         for idx, task in self.task_info.items():
-            if not task.held and (task.worker_id not in oldest or idx < oldest[task.worker_id]):
-                oldest[task.worker_id] = idx
+            w = task.worker_id
+            if (not task.held or w in self._pending) and (w not in oldest or idx < oldest[w]):
+                oldest[w] = idx
+        for idx in oldest.values():
+            self.flush_for(idx)
         return {self.task_info[idx].ref: idx for idx in oldest.values()}

@@ -337,16 +337,22 @@ class StatsRecorder:
         sched = getattr(it, "_sched", None)
         if sched is None:
             return 0, 0
-        tasks = [t for t in sched.task_info.values() if t.ref is not None]
-        if not tasks:
+        calls = {id(t.call): t.call for t in sched.task_info.values() if t.call is not None}
+        if not calls:
             return len(sched.task_info), 0
         ray = self._ray
         try:
-            ready, _ = ray.wait([t.meta_ref for t in tasks], num_returns=len(tasks), timeout=0, fetch_local=False)
-            metas = ray.get(ready, timeout=5) if ready else []
+            meta_refs = [c.meta_ref for c in calls.values()]
+            ready, _ = ray.wait(meta_refs, num_returns=len(meta_refs), timeout=0, fetch_local=False)
+            made = dict(zip(ready, ray.get(ready, timeout=5))) if ready else {}
         except Exception:  # a dead worker's task: its figures are unknown, not an error here
-            metas = []
-        return len(sched.task_info), sum(getattr(m, "nbytes", 0) for m in metas)
+            made = {}
+        nbytes = 0
+        for idx, t in list(sched.task_info.items()):  # a call's batches not handed out yet (NOTE [ raydl calls ])
+            metas = made.get(t.call.meta_ref) if t.call is not None else None
+            if metas is not None:
+                nbytes += getattr(metas[t.call.idxs.index(idx)], "nbytes", 0)
+        return len(sched.task_info), nbytes
 
     # ------------------------------------------------------------------ Ray metrics
 

@@ -34,7 +34,7 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
-from .._errors import annotate_traceback
+from .._errors import TRACEBACK_ATTR, annotate_traceback
 from .._measures import batch_nbytes, observe_batch_time
 from ..data.share import open_payload
 from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
@@ -51,7 +51,7 @@ from .state import (
 )
 from .transfer import encode
 
-__all__ = ["WorkerPayload", "BatchMeta", "Worker", "numpy_seed_state", "get_worker_info"]
+__all__ = ["WorkerPayload", "BatchMeta", "BatchFailed", "Worker", "numpy_seed_state", "get_worker_info"]
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,36 @@ class BatchMeta:
     state: Optional[dict] = None  # torchdata's worker snapshot; None: a map-style dataset without state
     rng: Optional[dict] = None  # the random/torch/NumPy states; None: unchanged since this worker's last meta
     signal: bool = False  # the task returned a signal (end of an iterable stream), not a batch
+
+
+class BatchFailed:
+    """In a call's batches (`Worker.fetch_many`): the making of this batch raised in user code.
+
+    The error travels as a value, so the call's other batches are kept; the driver raises it
+    (torch's reraise, with the worker's traceback text) when the batch's turn comes.
+    """
+
+    __slots__ = ("error", "traceback")
+
+    def __init__(self, error: BaseException, traceback_text: str) -> None:
+        self.error = error
+        self.traceback = traceback_text
+
+    def __reduce__(self):
+        return (type(self), (self.error, self.traceback))
+
+
+def _portable_error(error: BaseException) -> BaseException:
+    """`error` if Ray can pickle it to the driver, else a RuntimeError saying what it was."""
+    from ray import cloudpickle
+
+    try:
+        cloudpickle.dumps(error)
+        return error
+    except Exception:
+        return RuntimeError(
+            f"{type(error).__module__}.{type(error).__qualname__}: {error} (the exception itself could not be pickled)"
+        )
 
 
 def numpy_seed_state(base_seed: int, worker_id: int) -> list[int]:
@@ -259,10 +289,28 @@ class Worker:
             return IterableFetcher(p.dataset, p.auto_collation, collate, p.drop_last)
         return MapFetcher(p.dataset, p.auto_collation, collate, p.threads_per_worker)
 
+    def fetch_many(self, epoch: int, tasks: list) -> tuple[list, list]:
+        """One call of the driver (NOTE [ raydl calls ] in driver/schedule.py): tasks `[(idx, work), ...]` made in
+        order, as `fetch` makes each. Called with `num_returns=2`: returns their batches (a batch, a signal, or a
+        `BatchFailed` when user code raised: the next tasks are still made, as a torch worker goes on after an
+        error) and their `BatchMeta`s."""
+        batches, metas = [], []
+        for idx, work in tasks:
+            started_s, t0 = time.time(), time.perf_counter()
+            try:
+                batch, meta = self.fetch(epoch, idx, work)
+            except Exception as e:
+                tb = getattr(e, TRACEBACK_ATTR, None) or traceback.format_exc()
+                batch = BatchFailed(_portable_error(e), tb)
+                meta = BatchMeta(self._worker_id, idx, started_s, time.perf_counter() - t0)
+            batches.append(batch)
+            metas.append(meta)
+        return batches, metas
+
     def fetch(self, epoch: int, idx: int, index: Any) -> tuple[Any, BatchMeta]:
         """Task `idx`: one batch for `index` (a list of indices, one index, or for iterables the batch length).
 
-        Called with `num_returns=2`: returns the batch (or a `_WorkerSignal`) and its `BatchMeta`.
+        Returns the batch (or a `_WorkerSignal`) and its `BatchMeta`; `fetch_many` calls it for each task of a call.
         `epoch` changes only with persistent workers; an iterable worker then restarts its
         stream, as torch's worker does when it is told to resume.
         """

@@ -84,15 +84,23 @@ def encode(batch: Any) -> Any:
     return _walk(batch, lambda x: _encode_tensor(x) if isinstance(x, torch.Tensor) else x)
 
 
+_read_only_warned = False  # torch.from_numpy has met a read-only array in this process (its warning is spent)
+
+
 def _decode_leaf(x: Any, pin: bool, copy: bool) -> Any:
     if type(x) is not _TensorView:
         return x
     array = x.array.reshape(x.shape)
     if not pin and not copy:
+        global _read_only_warned
+        if _read_only_warned and not torch.is_warn_always_enabled():
+            return torch.from_numpy(array)  # torch's warning fires once a process: nothing to silence (~40 us a batch)
         with warnings.catch_warnings():
             # torch warns once about arrays flagged read-only; this memory may be written (NOTE above)
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
-            return torch.from_numpy(array)
+            tensor = torch.from_numpy(array)
+        _read_only_warned = _read_only_warned or not array.flags.writeable
+        return tensor
     out = torch.empty(x.shape, dtype=x.dtype, pin_memory=pin)
     np.copyto(out.numpy(), array, casting="no")  # the one copy, into pinned memory (or private memory)
     return out

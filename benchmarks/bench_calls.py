@@ -1,0 +1,123 @@
+#!/usr/bin/env python3
+"""The trainer's core per batch: driver CPU and samples/s at the overhead floor, by batches per actor call.
+
+    python benchmarks/bench_calls.py            # ~3 min on 2 cores
+    python benchmarks/bench_calls.py --quick    # ~1 min
+
+Overhead floor: a 16-float sample, batch 64, 2 workers, default prefetch_factor (2), the loop does nothing
+with a batch. For torch's DataLoader, raydl with one call per batch (`ray_batches_per_call=1`, the shape
+before NOTE [ raydl calls ]) and raydl's default (`"auto"`), in rotated order, per repetition:
+  * driver CPU per batch: this process's CPU time (every thread: Ray's own included) over a measured
+    epoch, divided by its batches (torch's figure leaves out its worker processes, raydl's its actors);
+  * samples/s over the same epoch, and the ratio to torch's in the same repetition.
+Each loader runs one unmeasured epoch first (start-up, warm-up), then `--epochs` measured ones.
+Prints a Markdown table (median and range over repetitions); writes JSON lines to benchmarks/results/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
+import psutil  # noqa: E402
+import torch  # noqa: E402
+import torch.utils.data  # noqa: E402
+
+import raydl  # noqa: E402
+
+WORKLOAD = C.Workload("trivial", "overhead floor: 16-float sample, batch 64", 64 * 400, 64, "trivial")
+LOADERS = {
+    "torch": lambda ds: torch.utils.data.DataLoader(ds, batch_size=64, num_workers=2, persistent_workers=True),
+    "raydl k=1": lambda ds: raydl.DataLoader(
+        ds, batch_size=64, num_workers=2, persistent_workers=True, ray_batches_per_call=1
+    ),
+    "raydl auto": lambda ds: raydl.DataLoader(ds, batch_size=64, num_workers=2, persistent_workers=True),
+}
+
+
+def measure(name: str, epochs: int, n: int) -> dict:
+    """One loader: a warm-up epoch, then `epochs` measured ones (driver CPU us per batch, samples/s)."""
+    me = psutil.Process()
+    loader = LOADERS[name](C.WorkloadDataset(WORKLOAD, n))
+    for _ in loader:  # start-up and warm-up
+        pass
+    sched = getattr(getattr(loader, "_iterator", None), "_sched", None)
+    calls0 = sched.calls_sent if sched is not None else 0
+    batches = samples = 0
+    c0, t0 = me.cpu_times(), time.perf_counter()
+    for _ in range(epochs):
+        for x, _y in loader:
+            batches += 1
+            samples += len(x)
+    c1, t1 = me.cpu_times(), time.perf_counter()
+    calls = (sched.calls_sent - calls0) if sched is not None else None
+    if hasattr(loader, "shutdown"):
+        loader.shutdown()
+    del loader
+    cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
+    return {
+        "loader": name,
+        "driver_cpu_us_per_batch": cpu_s / batches * 1e6,
+        "samples_per_s": samples / (t1 - t0),
+        "batches_per_call": batches / calls if calls else None,
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true")
+    p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 2)")
+    p.add_argument("--epochs", type=int, default=None, help="measured epochs per repetition (default 3; quick 1)")
+    args = p.parse_args()
+    reps = args.reps or (2 if args.quick else 5)
+    epochs = args.epochs or (1 if args.quick else 3)
+    n = WORKLOAD.n // (4 if args.quick else 1)
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    rows: dict[str, list[dict]] = {k: [] for k in LOADERS}
+    names = list(LOADERS)
+    for rep in range(reps):
+        order = names[rep % len(names) :] + names[: rep % len(names)]
+        got = {name: measure(name, epochs, n) for name in order}
+        for name in names:
+            got[name]["ratio_to_torch"] = got[name]["samples_per_s"] / got["torch"]["samples_per_s"]
+            got[name]["rep"] = rep
+            rows[name].append(got[name])
+        print(
+            f"rep {rep}: " + ", ".join(f"{k} {v['driver_cpu_us_per_batch']:.0f} us" for k, v in got.items()), flush=True
+        )
+    ray.shutdown()
+
+    def fmt(values: list[float], spec: str) -> str:
+        return f"{statistics.median(values):{spec}} ({min(values):{spec}}–{max(values):{spec}})"
+
+    print(
+        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor 2; {reps} repetitions x {epochs} epochs of {n} samples\n"
+    )
+    print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call |")
+    print("|---|---|---|---|---|")
+    for name in names:
+        r = rows[name]
+        per_call = [x["batches_per_call"] for x in r if x["batches_per_call"]]
+        print(
+            f"| {name} | {fmt([x['driver_cpu_us_per_batch'] for x in r], '.0f')} | "
+            f"{fmt([x['samples_per_s'] for x in r], ',.0f')} | {fmt([x['ratio_to_torch'] for x in r], '.2f')} | "
+            f"{fmt(per_call, '.2f') if per_call else '-'} |"
+        )
+    os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
+    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_calls.jsonl")
+    with open(out, "a") as f:
+        for name in names:
+            for x in rows[name]:
+                f.write(json.dumps({"time": time.time(), **x}) + "\n")
+
+
+if __name__ == "__main__":
+    main()
