@@ -24,24 +24,21 @@ processes of a local Ray to the driver with Linux's parent-death signal, which f
 *thread* that spawned them ends, so a short-lived thread that started Ray would take Ray's GCS
 and raylet down with it (measured: they die when such a thread returns).
 Ray's start draws from Python's global `random` (a free port, ids), which every thread shares:
-from this thread, at moments no one controls, it would take draws from the script's stream, or
-from a worker's stream that a cold start makes live in the driver (NOTE [ raydl cold start ] in
-driver/coldstart.py; measured: batches differed from torch's). While a start runs, the `random`
-module's functions therefore send this thread's calls to a generator of its own (`_own_random`);
-every other thread's calls go to the global generator as before.
+while a start runs, this thread draws from a generator of its own, so the script's stream (and
+a worker's stream that a cold start makes live in the driver) loses no draw to it
+(NOTE [ raydl random and threads ] in raydl/_thread_random.py).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import queue
-import random
 import threading
 import time
 from typing import Any, Mapping, Optional
 
 from .._constants import DEFAULT_STARTUP_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
+from .._thread_random import diverted
 
 __all__ = ["start", "Startup", "wait_for_early_start", "starts_in_progress"]
 
@@ -74,7 +71,7 @@ class Startup:
         self.started = 0  # actors this call created (the rest existed from earlier calls)
 
     def _run(self) -> None:
-        with _own_random():
+        with diverted():  # NOTE [ raydl random and threads ]
             self._start()
 
     def _start(self) -> None:
@@ -230,27 +227,6 @@ def start(
             _runner.start()
     _jobs.put(startup)
     return startup
-
-
-@contextlib.contextmanager
-def _own_random():
-    """The `random` module's functions, called from this thread, draw from a generator of its own (see the NOTE)."""
-    own, me = random.Random(), threading.get_ident()
-    shared = {
-        name: fn for name in random.__all__ if getattr(fn := getattr(random, name), "__self__", None) is random._inst
-    }
-
-    def routed(name: str, fn: Any) -> Any:
-        mine = getattr(own, name)
-        return lambda *args, **kwargs: (mine if threading.get_ident() == me else fn)(*args, **kwargs)
-
-    for name, fn in shared.items():
-        setattr(random, name, routed(name, fn))
-    try:
-        yield
-    finally:
-        for name, fn in shared.items():
-            setattr(random, name, fn)
 
 
 class _NotMainThreadNotice(logging.Filter):

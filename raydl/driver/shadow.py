@@ -34,6 +34,7 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
+from .._thread_random import only_this_thread_draws
 from ..worker.actor import BatchMeta, _private_memory_collate, numpy_seed_state
 from ..worker.fetch import MapFetcher
 from ..worker.seeding import _SavedRNG
@@ -108,12 +109,28 @@ class ShadowWorker:
         threads: int = 1,
     ) -> None:
         self.worker_id = worker_id
-        seed = base_seed + worker_id
         self.batches = 0  # batches made by this shadow, over all epochs
         self._rng = RngTracker()  # what moved since its last batch, as the worker reports it
         driver = _DriverState()
         try:
             dataset, collate, init_fn = private_copy((dataset, collate_fn, worker_init_fn))
+            self._init(worker_id, num_workers, base_seed, dataset, auto_collation, collate, init_fn, threads)
+        finally:
+            driver.restore()
+
+    def _init(
+        self,
+        worker_id: int,
+        num_workers: int,
+        base_seed: int,
+        dataset: Any,
+        auto_collation: bool,
+        collate: Callable,
+        init_fn: Optional[Callable[[int], None]],
+        threads: int,
+    ) -> None:
+        seed = base_seed + worker_id
+        with only_this_thread_draws():  # NOTE [ raydl random and threads ]
             self.dataset = dataset
             if collate is default_collate:  # the worker's collate (worker/actor.py)
                 collate = _private_memory_collate
@@ -124,11 +141,11 @@ class ShadowWorker:
             torch.default_generator.manual_seed(seed)
             np.random.seed(numpy_seed_state(base_seed, worker_id))
             self._enter()
-            if init_fn is not None:
-                init_fn(worker_id)
-        finally:
-            self._leave()
-            driver.restore()
+            try:
+                if init_fn is not None:
+                    init_fn(worker_id)
+            finally:
+                self._leave()
 
     def _enter(self) -> None:
         _torch_worker._worker_info = self._info
@@ -150,13 +167,16 @@ class ShadowWorker:
         would report with it (its dataset's state, the generators that moved); the driver's state is untouched."""
         driver = _DriverState()
         try:
-            self._load()
-            self._enter()
-            batch = self._fetcher.fetch(index)
+            with only_this_thread_draws():  # NOTE [ raydl random and threads ]
+                self._load()
+                self._enter()
+                try:
+                    batch = self._fetcher.fetch(index)
+                finally:
+                    self.batches += 1
+                    rng = self._rng.changed()  # while this shadow's generators are the live ones
+                    self._leave()
         finally:
-            self.batches += 1
-            rng = self._rng.changed()  # while this shadow's generators are the live ones
-            self._leave()
             driver.restore()
         state = make_worker_snapshot(self.worker_id, self._fetcher, self.dataset, False)
         return batch, BatchMeta(self.worker_id, idx, 0.0, 0.0, state=state, rng=rng)
