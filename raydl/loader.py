@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -148,7 +149,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             soon as torch's. User code (the dataset, collate_fn, worker_init_fn) then runs in this
             process for those batches. Map-style datasets with ray_seed="worker", without
             pinning, ray_device or ray_job (NOTE [ raydl cold start ]). ``False``: every batch is
-            made in a worker, after Ray and the workers started. Defaults to ``True``.
+            made in a worker, after Ray and the workers started. Defaults to ``None``: ``True``
+            unless the environment sets ``RAYDL_COLD_START=0``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration
     (in the background on a cold start: see ``ray_cold_start``).
@@ -192,7 +194,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_name: Optional[str] = None,
         ray_job: Any = None,
         ray_batches_per_call: int | str = "auto",
-        ray_cold_start: bool = True,
+        ray_cold_start: Optional[bool] = None,
     ) -> None:
         if ray_job is False:
             ray_job = None
@@ -213,7 +215,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             name=ray_name,
             job=ray_job,
             batches_per_call=None if ray_batches_per_call == "auto" else ray_batches_per_call,
-            cold_start=ray_cold_start,
+            # None: the process-wide default, RAYDL_COLD_START=0 turning it off (NOTE [ raydl cold start ])
+            cold_start=os.environ.get("RAYDL_COLD_START", "1") != "0" if ray_cold_start is None else ray_cold_start,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()

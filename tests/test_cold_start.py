@@ -79,7 +79,7 @@ def _cold_epochs(max_in_driver, generator, persistent=False, epochs=2, raydl_kwa
         epochs=epochs,
         raydl_kwargs=raydl_kwargs,
     )
-    facts = read_facts(run_python(code, timeout_s=300))
+    facts = read_facts(run_python(code, timeout_s=300, env_extra={"RAYDL_COLD_START": "1"}))  # the suite turns it off
     assert facts["same"], f"raydl's batches differ from torch's at [epoch, batch] {facts['first_diff']}: {facts}"
     assert facts["offset"] == -1, f"worker_init_fn wrote into the driver's dataset: {facts}"
     # The batches made here leave the script's torch and NumPy streams where torch's loader leaves them. Python's
@@ -118,6 +118,15 @@ def test_cold_start_off_makes_every_batch_in_a_worker():
     """ray_cold_start=False: the Ray iterator from the first batch on, with torch's batches."""
     facts = _cold_epochs(max_in_driver=None, generator=True, epochs=1, raydl_kwargs="ray_cold_start=False")
     assert facts["kinds"] == ["_RayLoaderIter"] and facts["made"] == [None], facts
+
+
+def test_cold_start_is_on_by_default_and_the_environment_turns_it_off(monkeypatch):
+    """ray_cold_start defaults to True; RAYDL_COLD_START=0 makes the default False; an explicit argument wins."""
+    monkeypatch.delenv("RAYDL_COLD_START", raising=False)
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is True
+    monkeypatch.setenv("RAYDL_COLD_START", "0")
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is False
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start=True).ray_cold_start is True
 
 
 def test_ray_cold_start_must_be_a_bool():
