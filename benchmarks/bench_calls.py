@@ -32,19 +32,20 @@ import torch.utils.data  # noqa: E402
 import raydl  # noqa: E402
 
 WORKLOAD = C.Workload("trivial", "overhead floor: 16-float sample, batch 64", 64 * 400, 64, "trivial")
-LOADERS = {
-    "torch": lambda ds: torch.utils.data.DataLoader(ds, batch_size=64, num_workers=2, persistent_workers=True),
-    "raydl k=1": lambda ds: raydl.DataLoader(
-        ds, batch_size=64, num_workers=2, persistent_workers=True, ray_batches_per_call=1
-    ),
-    "raydl auto": lambda ds: raydl.DataLoader(ds, batch_size=64, num_workers=2, persistent_workers=True),
-}
+NAMES = ("torch", "raydl k=1", "raydl auto")
 
 
-def measure(name: str, epochs: int, n: int) -> dict:
+def make(name: str, ds: torch.utils.data.Dataset, prefetch_factor: int):
+    kw = dict(batch_size=64, num_workers=2, persistent_workers=True, prefetch_factor=prefetch_factor)
+    if name == "torch":
+        return torch.utils.data.DataLoader(ds, **kw)
+    return raydl.DataLoader(ds, **kw, ray_batches_per_call=1 if name == "raydl k=1" else "auto")
+
+
+def measure(name: str, epochs: int, n: int, prefetch_factor: int) -> dict:
     """One loader: a warm-up epoch, then `epochs` measured ones (driver CPU us per batch, samples/s)."""
     me = psutil.Process()
-    loader = LOADERS[name](C.WorkloadDataset(WORKLOAD, n))
+    loader = make(name, C.WorkloadDataset(WORKLOAD, n), prefetch_factor)
     for _ in loader:  # start-up and warm-up
         pass
     sched = getattr(getattr(loader, "_iterator", None), "_sched", None)
@@ -74,6 +75,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 2)")
     p.add_argument("--epochs", type=int, default=None, help="measured epochs per repetition (default 3; quick 1)")
+    p.add_argument("--prefetch-factor", type=int, default=2, help="every loader's prefetch_factor (torch's default 2)")
     args = p.parse_args()
     reps = args.reps or (2 if args.quick else 5)
     epochs = args.epochs or (1 if args.quick else 3)
@@ -81,11 +83,11 @@ def main() -> None:
     import ray
 
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
-    rows: dict[str, list[dict]] = {k: [] for k in LOADERS}
-    names = list(LOADERS)
+    rows: dict[str, list[dict]] = {k: [] for k in NAMES}
+    names = list(NAMES)
     for rep in range(reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
-        got = {name: measure(name, epochs, n) for name in order}
+        got = {name: measure(name, epochs, n, args.prefetch_factor) for name in order}
         for name in names:
             got[name]["ratio_to_torch"] = got[name]["samples_per_s"] / got["torch"]["samples_per_s"]
             got[name]["rep"] = rep
@@ -99,7 +101,8 @@ def main() -> None:
         return f"{statistics.median(values):{spec}} ({min(values):{spec}}–{max(values):{spec}})"
 
     print(
-        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor 2; {reps} repetitions x {epochs} epochs of {n} samples\n"
+        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor {args.prefetch_factor}; "
+        f"{reps} repetitions x {epochs} epochs of {n} samples\n"
     )
     print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call |")
     print("|---|---|---|---|---|")
@@ -116,7 +119,7 @@ def main() -> None:
     with open(out, "a") as f:
         for name in names:
             for x in rows[name]:
-                f.write(json.dumps({"time": time.time(), **x}) + "\n")
+                f.write(json.dumps({"time": time.time(), "prefetch_factor": args.prefetch_factor, **x}) + "\n")
 
 
 if __name__ == "__main__":

@@ -18,11 +18,11 @@ from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
 from .cluster.locality import warn_if_workers_oversubscribe
-from .driver.checkpoint import FINISHED, STEPS_SINCE_SNAPSHOT, validate
 from .driver.coldstart import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
 from .driver.samplers import inexact_sampler
+from .driver.state_layout import FINISHED, STEPS_SINCE_SNAPSHOT, validate
 from .driver.stats import LoaderStats
 
 __all__ = ["DataLoader"]

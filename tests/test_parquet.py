@@ -222,6 +222,14 @@ def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
             assert figures is not None and figures["hits"] + figures["misses"] > 0
             assert figures["bytes_fetched"] == st["bytes_fetched"] and figures["limit_bytes"] == ds.cache_limit
             assert "node cache:" in str(loader.stats())
+            # the timeline draws the cache's fetches from storage: one track, the epoch's bytes
+            import json
+
+            trace = json.load(open(loader.stats().timeline(str(tmp_path / f"epoch{epoch}.json"))[0]))
+            names = [e["args"]["name"] for e in trace["traceEvents"] if e.get("name") == "thread_name"]
+            assert any(n.startswith("node cache") for n in names), names
+            fetched = sum(e["args"]["bytes"] for e in trace["traceEvents"] if e.get("cat") == "cache")
+            assert 0 < fetched <= st["bytes_fetched"], (fetched, st)
     assert workers != 2 or orders[0] != orders[1]
     loader.shutdown()
 

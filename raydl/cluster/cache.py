@@ -54,6 +54,7 @@ import random
 import threading
 import time
 import uuid
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
@@ -62,6 +63,7 @@ __all__ = ["NodeCache", "node_cache", "read_units", "with_retries", "is_transien
 logger = logging.getLogger(__name__)
 
 FETCH_PARALLEL = 8  # concurrent storage requests per node cache
+FETCH_SPANS_KEPT = 4096  # the last fetches kept for the loader's timeline
 STORAGE_ATTEMPTS = 6  # tries per request on a transient error
 BACKOFF_S = 0.05  # first backoff; doubles per try, capped at BACKOFF_MAX_S, with jitter
 BACKOFF_MAX_S = 2.0
@@ -159,6 +161,8 @@ class NodeCache:
             hits=0, misses=0, bytes_fetched=0, fetches=0, adopted=0, evictions=0, retries=0, failures=0, peak_bytes=0
         )
         self._wait_s = 0.0
+        # (start, end, key, nbytes, error or None) of the last fetches from storage, wall clock: the timeline's track
+        self._fetch_spans: deque = deque(maxlen=FETCH_SPANS_KEPT)
         self._last_call = time.monotonic()
         self._pool = ThreadPoolExecutor(FETCH_PARALLEL)
         self._clean_tmp()
@@ -311,6 +315,12 @@ class NodeCache:
                 wait_s=self._wait_s,
             )
 
+    def fetch_spans(self, since_wall_s: float) -> list:
+        """The fetches from storage that ended at or after `since_wall_s` (wall clock): (start, end, key, nbytes,
+        error), oldest first, at most FETCH_SPANS_KEPT (`LoaderStats.timeline()` draws them)."""
+        with self._cv:
+            return [span for span in self._fetch_spans if span[1] >= since_wall_s]
+
     def stop(self) -> None:
         """End the scheduler thread and the fetch threads (a cache used as a plain object, in tests)."""
         with self._cv:
@@ -431,6 +441,7 @@ class NodeCache:
         fs = self._fs[token]
         final = os.path.join(self._dir, key)
         error = None
+        started_wall_s, fetched = time.time(), False
         try:
             if not self._intact(key, nbytes):  # another loader sharing the folder may have written it
 
@@ -457,6 +468,7 @@ class NodeCache:
                     if e.errno == errno.ENOSPC:
                         raise OSError(e.errno, f"the cache folder {self._dir} is full (no space left on device)") from e
                     raise
+                fetched = True
                 with self._cv:
                     self._stats["bytes_fetched"] += nbytes
                     self._stats["fetches"] += 1
@@ -466,6 +478,8 @@ class NodeCache:
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
         with self._cv:
+            if fetched or error is not None:
+                self._fetch_spans.append((started_wall_s, time.time(), key, nbytes, error))
             self._fetching.pop(key, None)
             if error is None:
                 self._ready[key] = nbytes

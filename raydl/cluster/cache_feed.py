@@ -130,6 +130,23 @@ class CacheFeed:
                 except Exception:  # Ray already shut down
                     pass
 
+    def fetch_spans(self, since_wall_s: float) -> dict:
+        """node id -> the fetches from storage of its cache since `since_wall_s` (NOTE [ raydl node cache ]), for the
+        timeline; nodes that do not answer within 10 s are left out."""
+        import ray
+
+        if not self._live():
+            return {}
+        nodes = list(self._actors)
+        refs = [self._actors[n].fetch_spans.remote(since_wall_s) for n in nodes]
+        out = {}
+        for node, ref in zip(nodes, refs):
+            try:
+                out[node] = ray.get(ref, timeout=10)
+            except Exception:  # a cache gone or slow: the picture goes without its track
+                continue
+        return out
+
     def stats(self, busy_s: float) -> Optional[dict]:
         """This epoch's cache figures, summed over the nodes fed (bytes held and peak: now, the largest node's).
 

@@ -274,7 +274,7 @@ class ElasticPool:
         for wid in wids:
             where = self._pool.describe(wid)
             if wid in self._sched.active:
-                self._sched.remove_worker(wid)
+                self._sched.remove_worker(wid, lost=True)
             self.retiring.discard(wid)
             self._pool.release(wid)
             self._set_bound()

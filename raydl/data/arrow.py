@@ -39,7 +39,7 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
-__all__ = ["ArrowDataset"]
+__all__ = ["ArrowDataset", "check_columns_and_transform"]
 
 _PARQUET = (".parquet", ".pq")
 _IPC = (".arrow", ".feather", ".ipc")
@@ -47,6 +47,17 @@ _CSV = (".csv",)
 _SUFFIXES = _PARQUET + _IPC + _CSV
 # An IPC read that allocates more than this was decompressed, not mapped.
 _MAPPED_SLACK_BYTES = 1 << 20
+
+
+def check_columns_and_transform(owner: str, columns: Any, transform: Any) -> Optional[list]:
+    """The `columns=` and `transform=` arguments of a row dataset, checked: the columns as a list (or None)."""
+    if columns is not None:
+        if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
+            raise TypeError(f"{owner}: columns should be a list of column names, got {columns!r}")
+        columns = list(columns)
+    if transform is not None and not callable(transform):
+        raise TypeError(f"{owner}: transform should be callable, got {transform!r}")
+    return columns
 
 
 class ArrowDataset(Dataset):
@@ -86,12 +97,7 @@ class ArrowDataset(Dataset):
         columns: Optional[Sequence[str]] = None,
         transform: Optional[Callable[[dict], Any]] = None,
     ) -> None:
-        if columns is not None:
-            if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
-                raise TypeError(f"ArrowDataset: columns should be a list of column names, got {columns!r}")
-            columns = list(columns)
-        if transform is not None and not callable(transform):
-            raise TypeError(f"ArrowDataset: transform should be callable, got {transform!r}")
+        columns = check_columns_and_transform("ArrowDataset", columns, transform)
         self._columns = columns
         self._transform = transform
         self._hf: Any = None  # the Hugging Face dataset this reads, if any

@@ -49,6 +49,8 @@ import torch
 from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
+from .arrow import check_columns_and_transform
+
 __all__ = [
     "ParquetDataset",
     "ParquetShuffleSampler",
@@ -251,12 +253,7 @@ class ParquetDataset(Dataset):
         cache_limit: Union[int, str] = _DEFAULT_LIMIT,
         shuffle_window: Optional[int] = None,
     ) -> None:
-        if columns is not None:
-            if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
-                raise TypeError(f"ParquetDataset: columns should be a list of column names, got {columns!r}")
-            columns = list(columns)
-        if transform is not None and not callable(transform):
-            raise TypeError(f"ParquetDataset: transform should be callable, got {transform!r}")
+        columns = check_columns_and_transform("ParquetDataset", columns, transform)
         self._columns = columns
         self._transform = transform
         self.cache_dir = os.path.abspath(cache_dir or os.path.join(tempfile.gettempdir(), "raydl-cache"))

@@ -61,9 +61,10 @@ from .._options import RayOptions
 from ..cluster.connect import never_connected, resource_request, worker_actor_options
 from ..cluster.startup import Startup, start, starts_in_progress
 from ..job.global_epoch import GLOBAL_EPOCH
-from .checkpoint import RAYDL, Tracker, iterator_base_seed
+from .checkpoint import Tracker, iterator_base_seed
 from .iter import _RayLoaderIter
 from .shadow import ShadowWorker
+from .state_layout import RAYDL
 
 if TYPE_CHECKING:
     from ..loader import DataLoader

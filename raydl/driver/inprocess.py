@@ -20,7 +20,10 @@ from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
 from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
-from .checkpoint import (
+from .checkpoint import Deal, draw_base_seed, iterator_base_seed, restore_sampler, saved_base_seed
+from .device import pin_memory, pin_memory_target, warn_pin_memory_args
+from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
+from .state_layout import (
     FINISHED,
     INDEX_SAMPLER_STATE,
     LEN_CALLED,
@@ -30,15 +33,8 @@ from .checkpoint import (
     SAMPLER_ITER_STATE,
     SAMPLER_ITER_YIELDED,
     SHARED_SEED,
-    Deal,
-    draw_base_seed,
-    iterator_base_seed,
     loader_facts,
-    restore_sampler,
-    saved_base_seed,
 )
-from .device import pin_memory, pin_memory_target, warn_pin_memory_args
-from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 
 __all__ = ["_InProcessIter"]
 

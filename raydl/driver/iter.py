@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import logging
 import time
-import warnings
 import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
@@ -59,7 +58,6 @@ from typing import TYPE_CHECKING, Any, Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset
 
-from .. import _constants
 from .._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
 from .._options import RayOptions
@@ -81,6 +79,7 @@ from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resol
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .stats import make_recorder
+from .waits import BatchWaits
 
 if TYPE_CHECKING:
     from ..loader import DataLoader
@@ -121,7 +120,7 @@ class _RayLoaderIter(Iterator[Any]):
         idx: its keys lie in `[_rcvd_idx, _send_idx)`; which worker gets a task, probation and
         held tasks are its business (NOTE [ raydl scheduling ] in driver/schedule.py, with its own
         invariants).
-    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (driver/recovery.py), NOTE [ raydl scheduling ] and NOTE [ raydl shutdown ].
+    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (driver/recovery.py), NOTE [ raydl scheduling ], NOTE [ raydl waits ] (driver/waits.py) and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, loader: DataLoader, state: Optional[dict] = None, handover: Any = None) -> None:
@@ -263,8 +262,7 @@ class _RayLoaderIter(Iterator[Any]):
             startup_timeout_s=options.startup_timeout_s,
         )
         self._ckpt.await_start = weakref.WeakMethod(self._await_start)  # a state before any batch
-        self._typical_latency_s: Optional[float] = None  # moving average of batch latency, for stall reports
-        self._ready_at_s = 0.0  # when the workers last became ready: latencies start no earlier
+        self._waits = BatchWaits(self._timeout, self._pool.describe)  # NOTE [ raydl waits ]
         # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
         self.stats_recorder = make_recorder(
             payload.stats_name, self, options.threads_per_worker, loader.__dict__.setdefault("_hint_given", [False])
@@ -348,7 +346,7 @@ class _RayLoaderIter(Iterator[Any]):
         start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
         self._sample_key = self._ckpt.deal.sample_key(self._base_seed, self._epoch) if self._seed_per_sample else None
         self._num_yielded = self._ckpt.num_yielded
-        self._stall_reported: set[int] = set()  # task idxs already reported as stalled
+        self._waits.new_epoch()
         self._send_idx = start  # idx of the next task to be sent to workers
         self._rcvd_idx = start  # idx of the next task to be handed out in order
         self._sched.reset(first_worker)
@@ -517,30 +515,18 @@ class _RayLoaderIter(Iterator[Any]):
         process's current Ray session: after the user's `ray.shutdown()` a new iterator starts anew)."""
         return self._state != _State.SHUT_DOWN and self._pool.alive and self._pool.in_session()
 
-    def _deadline(self) -> Optional[float]:
-        return time.monotonic() + self._timeout if self._timeout > 0 else None
-
-    def _raise_timeout(self, idx: int, task: Optional[Task]) -> None:
-        where = ""
-        if task is not None:
-            where = (
-                f" (waiting for batch {idx}, indices {short_indices(task.index)}, "
-                f"from {self._pool.describe(task.worker_id)})"
-            )
-        raise RuntimeError(f"DataLoader timed out after {self._timeout} seconds{where}")
-
     def _first_ready_idx(self) -> int:
         """in_order=False: the idx of whichever worker's oldest task finishes first (bounded by timeout)."""
         import ray
 
-        deadline = self._deadline()
+        deadline = self._waits.deadline()
         by_ref = self._sched.unordered_candidates()
         while True:
             ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=STATUS_CHECK_INTERVAL_S, fetch_local=True)
             if ready:
                 return by_ref[ready[0]]
             if deadline is not None and time.monotonic() >= deadline:
-                self._raise_timeout(self._rcvd_idx, self._sched.task_info.get(self._rcvd_idx))
+                self._waits.raise_timeout(self._rcvd_idx, self._sched.task_info.get(self._rcvd_idx))
 
     def _get_result(self, idx: int, task: Task) -> Any:
         """`ray.get` the task's batch in slices, bounded by `timeout`; a lost worker is replaced.
@@ -553,7 +539,7 @@ class _RayLoaderIter(Iterator[Any]):
         import ray
         from ray.exceptions import ActorUnschedulableError, GetTimeoutError, ObjectLostError, RayActorError
 
-        deadline = self._deadline()
+        deadline = self._waits.deadline()
         while True:
             try:
                 call = task.call
@@ -564,22 +550,16 @@ class _RayLoaderIter(Iterator[Any]):
                 if isinstance(data, BatchFailed):
                     raise _Failed(data.error, data.traceback)
                 self._on_batch_made(idx, task, meta)
-                latency_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
-                self._typical_latency_s = (
-                    latency_s if self._typical_latency_s is None else (0.8 * self._typical_latency_s + 0.2 * latency_s)
-                )
+                self._waits.on_batch(task)
                 return data
             except GetTimeoutError:
-                if deadline is not None and time.monotonic() >= deadline:
-                    self._raise_timeout(idx, task)
-                if deadline is None:
-                    self._check_stall(idx, task)
+                self._waits.after_slice(idx, task, deadline)  # torch's timeout error, or a stall warning
             except (RayActorError, ObjectLostError, ActorUnschedulableError) as e:
                 self._recover(task.worker_id, e)
                 task = self._sched.task_info[idx]
                 if task.held:  # in_order=False picked a later batch of the worker: it waits its turn
                     raise _Held from None
-                deadline = self._deadline()
+                deadline = self._waits.deadline()
 
     def _recover(self, worker_id: int, error: BaseException) -> None:
         """Replace a dead worker and resend its tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
@@ -603,7 +583,7 @@ class _RayLoaderIter(Iterator[Any]):
 
     def on_workers_ready(self) -> None:
         """Every worker has started (`RecoveryHost`): latencies count from now; remote batches start moving here."""
-        self._ready_at_s = time.monotonic()
+        self._waits.workers_ready()
         self._ckpt.on_workers_started(getattr(self._pool, "started_states", {}))
         if self._feed is not None:  # the caches of the workers' nodes get the plan too (NOTE [ raydl node cache ])
             self._feed.add_nodes(self._worker_nodes())
@@ -617,23 +597,6 @@ class _RayLoaderIter(Iterator[Any]):
         self._elastic.on_batch_made(meta.fetch_s)
         self._sched.on_batch_made(task.worker_id, meta.fetch_s)
         self.stats_recorder.batch_made(meta)
-
-    def _check_stall(self, idx: int, task: Task) -> None:
-        """timeout=0: report (once) a batch outstanding far longer than its peers, instead of a silent hang."""
-        waited_s = time.monotonic() - max(task.sent_s, self._ready_at_s)
-        typical_s = self._typical_latency_s or 0.0
-        if idx in self._stall_reported or waited_s < max(
-            _constants.STALL_WARN_MIN_S, _constants.STALL_FACTOR * typical_s
-        ):
-            return
-        self._stall_reported.add(idx)
-        warnings.warn(
-            f"raydl: batch {idx} (indices {short_indices(task.index)}) has been outstanding for {waited_s:.0f} s on "
-            f"{self._pool.describe(task.worker_id)}; batches typically take {typical_s:.2f} s. The dataset may "
-            "be stuck there (a hung read, a deadlock). Pass timeout=<seconds> to make this an error.",
-            RuntimeWarning,
-            stacklevel=4,
-        )
 
     # ------------------------------------------------------------------ pinning
 

@@ -259,9 +259,11 @@ class Schedule:
         self.workers_status[worker_id] = True
         self.active.append(worker_id)
 
-    def remove_worker(self, worker_id: int) -> None:
-        """Worker `worker_id` gets no new task; the tasks it has stay on it (or are moved by `reassign`), sent now."""
-        self.flush(worker_id)
+    def remove_worker(self, worker_id: int, lost: bool = False) -> None:
+        """Worker `worker_id` gets no new task; the tasks it has stay on it, its pending ones sent now, or, when it is
+        `lost`, wait for `reassign` to move them."""
+        if not lost:
+            self.flush(worker_id)
         pos = self.active.index(worker_id)
         del self.active[pos]
         if pos < self._pos:

@@ -306,6 +306,9 @@ class StatsRecorder:
             "pins": [(a + self._wall_offset, b + self._wall_offset) for a, b in self._pin_spans],
             "truncated": any(len(x) >= MAX_SPANS for x in (self._batch_spans, self._waits, self._pin_spans)),
         }
+        feed = getattr(self._iter_ref(), "_feed", None)
+        if feed is not None:  # a streamed dataset: its node caches' fetches from storage (NOTE [ raydl node cache ])
+            spans["cache"] = feed.fetch_spans(spans["start_wall_s"])
         return LoaderStats(
             name=self.name,
             epoch=self._epoch,

@@ -162,7 +162,8 @@ class LoaderStats:
         """Write the epoch as a Chrome trace (open in https://ui.perfetto.dev or chrome://tracing).
 
         One track per worker (its batch spans, on its own clock), one for the loop's waits inside
-        `next()`, one for pinning / device copies. With matplotlib installed, also a Gantt chart
+        `next()`, one for pinning / device copies, and for a dataset streamed through the node cache
+        (`raydl.ParquetDataset`) one per node cache: its fetches from storage, each named by its unit. With matplotlib installed, also a Gantt chart
         of the same next to it (`path` with `.png` in place of `.json`, or `.png` appended).
 
         Returns:

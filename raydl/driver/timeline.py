@@ -6,6 +6,9 @@ microsecond timestamps, "M" metadata events naming each track), which Perfetto
 the loader:
   * tid 1, "training loop: waiting in next()": the loop's waits (the data stall);
   * tid 2, "pin / device copy": the pin thread's work (only with pin_memory or ray_device);
+  * tid 3 + n, "node cache (node)": for a dataset streamed through the node cache
+    (`raydl.ParquetDataset`), each fetch of a unit from storage by that node's cache, named by the
+    unit's key (a failed fetch says so);
   * tid 10 + w, "worker w (pid, node)": worker w's batch spans, named by task idx.
 Times are seconds since the epoch's start. Worker spans are on the worker's own wall clock
 (`BatchMeta.started_s`), driver spans on the driver's: on one machine they share a clock; across
@@ -24,7 +27,13 @@ if TYPE_CHECKING:
 
 __all__ = ["write_trace", "write_png"]
 
-_LOOP_TID, _PIN_TID, _WORKER_TID0 = 1, 2, 10
+_LOOP_TID, _PIN_TID, _CACHE_TID0, _WORKER_TID0 = 1, 2, 3, 10
+
+
+def _cache_tracks(stats: LoaderStats) -> list[tuple[str, list]]:
+    """(label, [(start, end, key, nbytes, error)]) per node cache that fetched during the epoch."""
+    by_node = stats._spans.get("cache") or {}
+    return [(f"node cache ({node[:8]}): fetches", spans) for node, spans in sorted(by_node.items()) if spans]
 
 
 def _worker_label(stats: LoaderStats, wid: int) -> str:
@@ -83,6 +92,23 @@ def trace_events(stats: LoaderStats) -> list[dict]:
                     "tid": _PIN_TID,
                     "ts": us(a),
                     "dur": round((b - a) * 1e6, 1),
+                }
+            )
+    for n, (label, spans) in enumerate(_cache_tracks(stats)[: _WORKER_TID0 - _CACHE_TID0]):
+        tid = _CACHE_TID0 + n
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": 2 + n}})
+        for a, b, key, nbytes, error in spans:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": key if error is None else f"{key} (failed)",
+                    "cat": "cache",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": us(a),
+                    "dur": round((b - a) * 1e6, 1),
+                    "args": {"bytes": nbytes, "error": error},
                 }
             )
     worker_ids = sorted({w.worker_id for w in stats.workers} | {s[0] for s in sp["batches"]})
@@ -150,6 +176,8 @@ def write_png(stats: LoaderStats, path: str, width_in: float = 9.0) -> Optional[
         mine = [(start - t0, dur, idx) for w, idx, start, dur in sp["batches"] if w == wid]
         labels[len(rows)] = [(x + d / 2, idx) for x, d, idx in mine]
         rows.append((_worker_label(stats, wid), [(x, d) for x, d, _ in mine], "#4c72b0"))
+    for label, spans in _cache_tracks(stats):
+        rows.append((label, [(a - t0, b - a) for a, b, *_ in spans], "#8172b2"))
     if sp["pins"]:
         rows.append(("pin / device copy", [(a - t0, b - a) for a, b in sp["pins"]], "#55a868"))
     rows.append(("loop waiting in next()", [(a - t0, b - a) for a, b in sp["waits"]], "#c44e52"))

@@ -99,7 +99,7 @@ class JobElastic(ElasticPool):
             self._pool.changed.set()  # the rest of the change (workers that joined) at the next batch
             if worker_id in self._pool.active or worker_id not in self._sched.active:
                 return False
-            self._sched.remove_worker(worker_id)
+            self._sched.remove_worker(worker_id, lost=True)
         self.retiring.discard(worker_id)
         self._sched.reassign(worker_id)
         self._pool.done_with(worker_id)
