@@ -1,24 +1,30 @@
 """Cold start-up: time to the first batch of the first loader in a new process with no Ray running.
 
-    python benchmarks/bench_startup.py                # 3 repetitions (about 2 minutes on 2 cores)
+    python benchmarks/bench_startup.py                # 3 repetitions
     python benchmarks/bench_startup.py --reps 5 --num-workers 4
 
 Each measurement is a fresh Python process (`--child MODE`), timed from before `import torch`
-to the first batch in hand, with no Ray running beforehand:
+to the first batch in hand, with no Ray running beforehand; the loader is built and iterated at once:
   * torch: torch's DataLoader (fork);
-  * raydl: raydl.DataLoader, nothing done early (Ray's start and the workers' start in series);
+  * raydl: raydl.DataLoader as it is by default: on a cold start the first batches are made in the
+    driver, each as its worker would, while Ray and the workers start (NOTE [ raydl cold start ]);
+  * raydl-no-cold: raydl.DataLoader(ray_cold_start=False): Ray's start and the workers' start in
+    series before the first batch (raydl before the cold start);
   * raydl+start: `raydl.start(num_workers)` called right after the import, then a model build of
-    `--build-s` seconds (a CPU-bound loop in the main process), then the loader. The same build
-    runs in the torch and raydl cases, so the three columns compare the same script.
+    `--build-s` seconds (a CPU-bound loop in the main process), then the loader (no cold start:
+    the batches come from the workers). The same build runs in every mode, so the columns compare
+    the same script.
 The child reports its phases (import torch, import the loader, Ray up, workers ready, first
-batch) from raydl's debug log. Repetitions rotate the order of the modes; medians are reported,
-with the load other processes put on the machine meanwhile (this machine is shared).
-Results: one JSON line per run, then a markdown table.
+batch) from raydl's debug log. Repetitions rotate the order of the modes; each raydl mode's
+ratio to torch is taken within a repetition (the same minute of a shared machine), and reported
+as median and range over the repetitions, with the load other processes put on the machine.
+Results: one JSON line per run, then markdown tables.
 """
 
 t0 = __import__("time").perf_counter()  # the clock starts before anything is imported
 
 import argparse  # noqa: E402
+import functools  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import statistics  # noqa: E402
@@ -31,7 +37,7 @@ sys.path.insert(0, HERE)
 from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
 
 REPO = os.path.dirname(HERE)
-MODES = ("torch", "raydl", "raydl+start")
+MODES = ("torch", "raydl", "raydl-no-cold", "raydl+start")
 
 
 def _build_model(seconds: float) -> None:
@@ -120,6 +126,8 @@ def child(mode: str, num_workers: int, build_s: float) -> None:
 
         DataLoader = raydl.DataLoader
         marks["raydl_file"] = raydl.__file__
+        if mode != "raydl":  # NOTE [ raydl cold start ]: only on by default in the plain mode
+            DataLoader = functools.partial(raydl.DataLoader, ray_cold_start=False)
     mark("import_loader")
     if mode == "raydl+start":
         raydl.start(num_workers=num_workers)
@@ -225,6 +233,29 @@ def main() -> None:
         for mode in modes:
             cells = [fmt(statistics.median(r["cpu_s"].get(k, 0.0) for r in runs[mode])) for k in kinds]
             print(f"| {mode} | " + " | ".join(cells) + " |")
+    if "torch" in modes:
+        _print_ratios(runs, modes, args.reps)
+
+
+def _print_ratios(runs: dict, modes: list, reps: int) -> None:
+    """Each raydl mode's first batch over torch's in the same repetition: median and range."""
+    print(f"\nNew process to first batch, ratio to torch within each repetition ({reps} repetitions):\n")
+    print("| loader | first batch s, median (range) | torch's, same runs | ratio to torch, median (range) |")
+    print("|---|---|---|---|")
+    torch_by_rep = {r["rep"]: r["first_batch"] for r in runs["torch"]}
+    for mode in modes:
+        if mode == "torch":
+            continue
+        pairs = [(r["first_batch"], torch_by_rep[r["rep"]]) for r in runs[mode] if r["rep"] in torch_by_rep]
+        if not pairs:
+            continue
+        mine, theirs = [p[0] for p in pairs], [p[1] for p in pairs]
+        ratios = [a / b for a, b in pairs]
+        print(
+            f"| {mode} | {statistics.median(mine):.2f} ({min(mine):.2f}-{max(mine):.2f}) | "
+            f"{statistics.median(theirs):.2f} ({min(theirs):.2f}-{max(theirs):.2f}) | "
+            f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) |"
+        )
 
 
 if __name__ == "__main__":

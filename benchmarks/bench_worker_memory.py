@@ -70,8 +70,10 @@ def child(loader_kind: str, num_workers: int) -> None:
         DataLoader = raydl.DataLoader
         kwargs = {
             "ray_reuse_workers": False,
-            "ray_startup_timeout_s": 900.0,
-        }  # 16 starts on a busy 2-core host are slow
+            "ray_startup_timeout_s": 900.0,  # 16 starts on a busy 2-core host are slow
+            # every batch in a worker: a cold start would make this small epoch in the driver (NOTE [ raydl cold start ])
+            "ray_cold_start": False,
+        }
         if loader_kind == "raydl-pre-fix-imports":
             kwargs["worker_init_fn"] = _pre_fix_imports
     loader = DataLoader(Samples(), batch_size=16, num_workers=num_workers, persistent_workers=True, **kwargs)

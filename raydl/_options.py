@@ -32,6 +32,7 @@ class RayOptions:
     name: Optional[str] = None
     job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
     batches_per_call: Optional[int] = None  # None ("auto"): adaptive (NOTE [ raydl calls ] in driver/schedule.py)
+    cold_start: bool = True  # NOTE [ raydl cold start ] in driver/coldstart.py
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -84,6 +85,8 @@ class RayOptions:
                 f"ray_batches_per_call should be 'auto' (adaptive) or a positive int (the most batches one actor "
                 f"call carries; 1: one call per batch), got {k!r}"
             )
+        if not isinstance(self.cold_start, bool):
+            raise TypeError(f"ray_cold_start should be True or False, got {self.cold_start!r}")
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
@@ -110,6 +113,7 @@ class RayOptions:
             name=getattr(loader, "ray_name", defaults.name),
             job=getattr(loader, "ray_job", defaults.job),
             batches_per_call=_batches_per_call(getattr(loader, "ray_batches_per_call", "auto")),
+            cold_start=getattr(loader, "ray_cold_start", defaults.cold_start),
         )
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import os
 import threading
 import warnings
 import weakref
@@ -17,6 +18,7 @@ from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
 from .cluster.locality import warn_if_workers_oversubscribe
+from .driver.coldstart import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
 from .driver.samplers import inexact_sampler
@@ -37,6 +39,8 @@ _ITERABLE_RESIZE_ERROR = (
     "worker without losing or repeating samples. Build a new loader with the num_workers you want."
 )
 _mp_context_lock = threading.Lock()
+# an epoch with Ray workers: from its start, or after its first batches were made here (NOTE [ raydl cold start ])
+_RAY_ITERS = (_RayLoaderIter, ColdStartIter)
 
 
 def _warn_mp_context_once() -> None:
@@ -137,8 +141,19 @@ class DataLoader(_TorchDataLoader[T_co]):
             most 8 and at most its share of the prefetch bound (``prefetch_factor``), and 1 for
             batches of 5 ms or more; an int fixes the most (1: one call per batch). The batches
             are the same either way. Defaults to ``"auto"``.
+        ray_cold_start (bool): in a process that has not used Ray yet, the first `iter()` starts
+            Ray and the workers in the background and makes the first batches in this process,
+            each exactly as the worker that would have made it (its copy of the dataset,
+            worker_init_fn, get_worker_info(), its seeds and random streams), until the workers
+            run and take the epoch on: the batches are torch's, and the first one comes about as
+            soon as torch's. User code (the dataset, collate_fn, worker_init_fn) then runs in this
+            process for those batches. Map-style datasets with ray_seed="worker", without
+            pinning, ray_device or ray_job (NOTE [ raydl cold start ]). ``False``: every batch is
+            made in a worker, after Ray and the workers started. Defaults to ``None``: ``True``
+            unless the environment sets ``RAYDL_COLD_START=0``.
 
-    Construction has no side effects: Ray starts, and actors are created, on first iteration.
+    Construction has no side effects: Ray starts, and actors are created, on first iteration
+    (in the background on a cold start: see ``ray_cold_start``).
 
     Mid-epoch resume: `state_dict()` / `load_state_dict()` behave as torchdata's
     `StatefulDataLoader`'s, with its state layout (either loader loads the other's state), and
@@ -179,6 +194,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_name: Optional[str] = None,
         ray_job: Any = None,
         ray_batches_per_call: int | str = "auto",
+        ray_cold_start: Optional[bool] = None,
     ) -> None:
         if ray_job is False:
             ray_job = None
@@ -199,6 +215,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             name=ray_name,
             job=ray_job,
             batches_per_call=None if ray_batches_per_call == "auto" else ray_batches_per_call,
+            # None: the process-wide default, RAYDL_COLD_START=0 turning it off (NOTE [ raydl cold start ])
+            cold_start=os.environ.get("RAYDL_COLD_START", "1") != "0" if ray_cold_start is None else ray_cold_start,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -215,6 +233,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_job = options.job
         self.ray_max_workers = options.max_workers
         self.ray_batches_per_call = "auto" if options.batches_per_call is None else options.batches_per_call
+        self.ray_cold_start = options.cold_start
         self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
         self.ray_stats = options.stats
         self.ray_name = options.name
@@ -288,8 +307,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             return it
         return self._new_iterator()
 
-    def _new_iterator(self, state: Optional[Mapping] = None) -> _RayLoaderIter:
-        it = _RayLoaderIter(self, state)
+    def _new_iterator(self, state: Optional[Mapping] = None) -> _RayLoaderIter | ColdStartIter:
+        it: _RayLoaderIter | ColdStartIter
+        it = ColdStartIter(self) if cold_start_applies(self, state) else _RayLoaderIter(self, state)
         self._live_iters().add(it)
         self._stats_recorder = it.stats_recorder  # NOTE [ raydl stats ]: the recorder, never the iterator
         self._state_source = it._ckpt
@@ -312,11 +332,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             return it
         self._next_iter_state = None
         if self.persistent_workers:
-            if state is None and isinstance(self._iterator, _RayLoaderIter) and self._iterator.reusable:
+            if state is None and isinstance(self._iterator, _RAY_ITERS) and self._iterator.reusable:
                 self._iterator._reset(self)
                 self._state_source = self._iterator._ckpt
             else:
-                if isinstance(self._iterator, _RayLoaderIter):  # a loaded state starts its own workers
+                if isinstance(self._iterator, _RAY_ITERS):  # a loaded state starts its own workers
                     self._iterator.shutdown()
                 self._iterator = self._new_iterator(state)
             it = self._iterator
@@ -373,7 +393,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if isinstance(state_dict, Mapping) and len(state_dict) == 0:
             return
         validate(state_dict, self)
-        if isinstance(self._prepared_iter, _RayLoaderIter) and self._prepared_iter is not self._iterator:
+        if isinstance(self._prepared_iter, _RAY_ITERS) and self._prepared_iter is not self._iterator:
             self._prepared_iter.shutdown()
         self._prepared_iter = None
         self._next_iter_state = state_dict
@@ -436,11 +456,11 @@ class DataLoader(_TorchDataLoader[T_co]):
     @property
     def worker_records(self) -> list:
         """Where the persistent workers run (worker id, pid, node); empty before the first iteration."""
-        return self._iterator.worker_records if isinstance(self._iterator, _RayLoaderIter) else []
+        return self._iterator.worker_records if isinstance(self._iterator, _RAY_ITERS) else []
 
     def shutdown(self) -> None:
         """Release the persistent workers now (idempotent); the next iteration starts new ones."""
-        if isinstance(self._iterator, _RayLoaderIter):
+        if isinstance(self._iterator, _RAY_ITERS):
             self._iterator.shutdown()
         self._iterator = None
 

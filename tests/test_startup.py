@@ -52,8 +52,9 @@ except ConnectionError as e:
     facts["bad_address_error"] = str(e)
 started = raydl.start(num_workers=2)
 facts["returned_before_ray_up"] = not ray.is_initialized() or not started.done()
-# A loader iterated at once, while the start is still in progress, takes the started workers.
-loader = raydl.DataLoader(D.PidDataset(8), batch_size=2, num_workers=2, timeout=60)
+# A loader iterated at once, while the start is still in progress, takes the started workers (every batch from
+# them: no cold start, whose first batches would come from this process, NOTE [ raydl cold start ]).
+loader = raydl.DataLoader(D.PidDataset(8), batch_size=2, num_workers=2, timeout=60, ray_cold_start=False)
 batches = list(loader)
 started.wait(60)
 facts["batches"] = [b[:, 0].tolist() for b in batches]

@@ -42,6 +42,7 @@ from .node_ray import share_node_ray
 
 __all__ = [
     "ensure_ray_initialized",
+    "never_connected",
     "ray_session",
     "worker_actor_options",
     "resource_request",
@@ -78,6 +79,12 @@ def ray_session() -> Optional[str]:
         return f"{ctx.gcs_address}/{ctx.get_job_id()}"
     except Exception:  # shutting down under us
         return None
+
+
+def never_connected() -> bool:
+    """Whether this process has neither Ray initialized nor ever used one (a cold start, NOTE [ raydl cold start ])."""
+    ray = sys.modules.get("ray")
+    return _last_session is None and (ray is None or not ray.is_initialized())
 
 
 def ensure_ray_initialized(ray_address: Optional[str]) -> None:

@@ -23,6 +23,10 @@ The work runs in one daemon thread per process that never exits, even when idle:
 processes of a local Ray to the driver with Linux's parent-death signal, which fires when the
 *thread* that spawned them ends, so a short-lived thread that started Ray would take Ray's GCS
 and raylet down with it (measured: they die when such a thread returns).
+Ray's start draws from Python's global `random` (a free port, ids), which every thread shares:
+while a start runs, this thread draws from a generator of its own, so the script's stream (and
+a worker's stream that a cold start makes live in the driver) loses no draw to it
+(NOTE [ raydl random and threads ] in raydl/_thread_random.py).
 """
 
 from __future__ import annotations
@@ -34,8 +38,9 @@ import time
 from typing import Any, Mapping, Optional
 
 from .._constants import DEFAULT_STARTUP_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
+from .._thread_random import diverted
 
-__all__ = ["start", "Startup", "wait_for_early_start"]
+__all__ = ["start", "Startup", "wait_for_early_start", "starts_in_progress"]
 
 logger = logging.getLogger(__name__)
 
@@ -61,10 +66,15 @@ class Startup:
         self._options = options
         self._handed_over = threading.Event()  # Ray is up and the actors are in the warm pool
         self._ready_refs: list[Any] = []
+        self._running = False  # every started worker was seen running (`running_now`)
         self._error: Optional[BaseException] = None
         self.started = 0  # actors this call created (the rest existed from earlier calls)
 
     def _run(self) -> None:
+        with diverted():  # NOTE [ raydl random and threads ]
+            self._start()
+
+    def _start(self) -> None:
         try:
             from .connect import ensure_ray_initialized
             from .pool import _worker_actor_class
@@ -111,6 +121,19 @@ class Startup:
     def done(self) -> bool:
         """Whether Ray is up and the workers have been requested (they may still be starting)."""
         return self._handed_over.is_set()
+
+    def running_now(self) -> bool:
+        """Without blocking: whether Ray is up and every started worker runs (or the start failed: `wait()` raises)."""
+        if not self._handed_over.is_set():
+            return False
+        if self._error is None and self._ready_refs and not self._running:
+            import ray
+
+            refs = self._ready_refs
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0, fetch_local=False)
+            self._running = len(ready) == len(refs)
+            return self._running
+        return True
 
     def wait(self, timeout_s: Optional[float] = DEFAULT_STARTUP_TIMEOUT_S) -> None:
         """Block until Ray is up and every started worker runs (its process imported torch).
@@ -218,6 +241,12 @@ def _run_forever() -> None:
     logging.getLogger("ray._private.worker").addFilter(_NotMainThreadNotice())
     while True:
         _jobs.get()._run()
+
+
+def starts_in_progress() -> list[Startup]:
+    """The `start()` calls whose Ray or workers are not handed over yet."""
+    with _lock:
+        return list(_in_progress)
 
 
 def wait_for_early_start(timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S) -> None:

@@ -123,8 +123,9 @@ class _RayLoaderIter(Iterator[Any]):
     See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (driver/recovery.py), NOTE [ raydl scheduling ], NOTE [ raydl waits ] (driver/waits.py) and NOTE [ raydl shutdown ].
     """
 
-    def __init__(self, loader: DataLoader, state: Optional[dict] = None) -> None:
-        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in driver/checkpoint.py)."""
+    def __init__(self, loader: DataLoader, state: Optional[dict] = None, handover: Any = None) -> None:
+        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in driver/checkpoint.py);
+        `handover`: with it, the driver's part of a cold start (NOTE [ raydl cold start ] in driver/coldstart.py)."""
         options = RayOptions.from_loader(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)
@@ -156,11 +157,14 @@ class _RayLoaderIter(Iterator[Any]):
         # index: the generator is consumed in the same order here. A resumed iterator then takes
         # its sampler position, base seed and epoch from the state (NOTE [ raydl checkpoint ], draws).
         self._ckpt = Tracker(loader, self._index_sampler, state)
-        self._sampler_iter = self._ckpt.sampler_iter()
-        base_seed = iterator_base_seed(loader.generator, state is not None)
-        self._sampler_iter, self._base_seed = self._ckpt.resume_main(
-            self._sampler_iter, base_seed, self._IterableDataset_len_called
-        )
+        if handover is not None:  # the sampler and base seed as the driver left them: nothing drawn again
+            self._sampler_iter, self._base_seed = handover.take_main(self._ckpt)
+        else:
+            self._sampler_iter = self._ckpt.sampler_iter()
+            base_seed = iterator_base_seed(loader.generator, state is not None)
+            self._sampler_iter, self._base_seed = self._ckpt.resume_main(
+                self._sampler_iter, base_seed, self._IterableDataset_len_called
+            )
         self._epoch = self._ckpt.epoch
         self._seed_per_sample = options.seed == "sample"
 
