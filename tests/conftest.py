@@ -15,10 +15,9 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # machine starves them, and the suite's bounded waits become failures.
 os.environ.setdefault("RAY_worker_niceness", "0")
 
-# The suite's tests check what workers do (their pids, records, stats); a loader iterated in a process with no
-# Ray yet would make its first batches in that process (NOTE [ raydl cold start ]). tests/test_cold_start.py turns
-# the cold start back on in the fresh drivers it checks it with.
-os.environ.setdefault("RAYDL_COLD_START", "0")
+# A loader iterated in a process with no Ray yet makes its first batches in that process (NOTE [ raydl cold
+# start ]): the default, which the fresh drivers (the examples, the README's commands) run with. The in-process
+# tests share the suite's Ray (`ray_session`), so their batches all come from workers.
 
 import pytest  # noqa: E402
 

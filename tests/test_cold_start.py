@@ -79,7 +79,7 @@ def _cold_epochs(max_in_driver, generator, persistent=False, epochs=2, raydl_kwa
         epochs=epochs,
         raydl_kwargs=raydl_kwargs,
     )
-    facts = read_facts(run_python(code, timeout_s=300, env_extra={"RAYDL_COLD_START": "1"}))  # the suite turns it off
+    facts = read_facts(run_python(code, timeout_s=300, env_extra={"RAYDL_COLD_START": "1"}))  # opt-in
     assert facts["same"], f"raydl's batches differ from torch's at [epoch, batch] {facts['first_diff']}: {facts}"
     assert facts["offset"] == -1, f"worker_init_fn wrote into the driver's dataset: {facts}"
     # The batches made here leave the script's torch and NumPy streams where torch's loader leaves them. Python's
@@ -120,13 +120,13 @@ def test_cold_start_off_makes_every_batch_in_a_worker():
     assert facts["kinds"] == ["_RayLoaderIter"] and facts["made"] == [None], facts
 
 
-def test_cold_start_is_on_by_default_and_the_environment_turns_it_off(monkeypatch):
-    """ray_cold_start defaults to True; RAYDL_COLD_START=0 makes the default False; an explicit argument wins."""
+def test_cold_start_is_off_by_default_and_the_environment_turns_it_on(monkeypatch):
+    """ray_cold_start defaults to False; RAYDL_COLD_START=1 makes the default True; an explicit argument wins."""
     monkeypatch.delenv("RAYDL_COLD_START", raising=False)
-    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is True
-    monkeypatch.setenv("RAYDL_COLD_START", "0")
     assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is False
-    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start=True).ray_cold_start is True
+    monkeypatch.setenv("RAYDL_COLD_START", "1")
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is True
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start=False).ray_cold_start is False
 
 
 def test_ray_cold_start_must_be_a_bool():

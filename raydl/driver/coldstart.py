@@ -36,8 +36,11 @@ first batches come sooner; the first epoch lasts at least Ray's and the workers'
 The batches are those of a loader whose workers made them all, batch for batch: torch's.
 Which batches the driver made depends only on timing; their content does not.
 Applies to: num_workers > 0, a map-style dataset, `ray_seed="worker"` without `ray_job`, no
-pinning or `ray_device`, no loaded state, `ray_cold_start=True` (the default, unless the
-environment sets RAYDL_COLD_START=0; the test suite does, tests/conftest.py). Otherwise the
+pinning or `ray_device`, no loaded state, `ray_cold_start=True` (or RAYDL_COLD_START=1 in the
+environment). It is off by default: while Ray starts in the background, a script's own Ray call
+(`ray.get_runtime_context()`, which auto-initializes Ray) races that start and fails with Ray's
+"ray.init twice" error (seen in tests/test_integrations.py's Lightning DDP ranks, which read
+their Ray context right after their first epoch). Otherwise the
 iterator is today's: IterableDataset streams stay in their workers (a stream's position cannot
 be handed from the driver to an actor unless it has a `state_dict()`).
 Costs and limits: each shadow holds a copy of the dataset (large arrays shared, see
