@@ -50,55 +50,27 @@ import errno
 import hashlib
 import logging
 import os
-import random
 import threading
 import time
 import uuid
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
-__all__ = ["NodeCache", "node_cache", "read_units", "with_retries", "is_transient"]
+__all__ = ["NodeCache", "node_cache"]
+
+from ..data.storage import with_retries
 
 logger = logging.getLogger(__name__)
 
 FETCH_PARALLEL = 8  # concurrent storage requests per node cache
 FETCH_SPANS_KEPT = 4096  # the last fetches kept for the loader's timeline
-STORAGE_ATTEMPTS = 6  # tries per request on a transient error
-BACKOFF_S = 0.05  # first backoff; doubles per try, capped at BACKOFF_MAX_S, with jitter
-BACKOFF_MAX_S = 2.0
 ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
 READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
 IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
 STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
 _TMP = ".tmp-"
-_NOT_TRANSIENT = ("NO_SUCH_KEY", "NoSuchKey", "ACCESS_DENIED", "AccessDenied", "does not exist", "NoSuchBucket")
 INF = float("inf")
-
-
-def is_transient(e: BaseException) -> bool:
-    """Whether a storage error is worth retrying: 5xx, SlowDown, throttling, resets, timeouts (not a missing file)."""
-    if isinstance(e, (FileNotFoundError, PermissionError, IsADirectoryError)):
-        return False
-    if isinstance(e, (TimeoutError, ConnectionError)):
-        return True
-    return isinstance(e, OSError) and not any(s in str(e) for s in _NOT_TRANSIENT)
-
-
-def with_retries(fn: Callable[[], Any], what: str, on_retry: Optional[Callable[[BaseException], None]] = None) -> Any:
-    """`fn()`, retried with exponential backoff on transient storage errors (NOTE [ raydl node cache ])."""
-    for attempt in range(STORAGE_ATTEMPTS):
-        try:
-            return fn()
-        except Exception as e:
-            if not is_transient(e) or attempt == STORAGE_ATTEMPTS - 1:
-                raise
-            if on_retry is not None:
-                on_retry(e)
-            delay = min(BACKOFF_MAX_S, BACKOFF_S * 2**attempt) * (0.5 + random.random())
-            logger.debug("raydl cache: %s failed (%s); retry in %.2f s", what, e, delay)
-            time.sleep(delay)
-    raise AssertionError("unreachable")
 
 
 class _Stream:
@@ -568,70 +540,3 @@ def _ensure_registered(actor: Any, dataset: Any, name: str) -> None:
             timeout=READ_TIMEOUT_S,
         )
         _registered.add((name, dataset.token))
-
-
-def read_units(dataset: Any, units: list) -> dict:
-    """{unit: its bytes}, read from this node's cache (in a worker), or from storage without Ray.
-
-    Raises:
-        OSError / FileNotFoundError: storage failed for good; names the file and row group.
-        TimeoutError: the units did not arrive within READ_TIMEOUT_S.
-    """
-    import ray
-
-    if not ray.is_initialized():
-        return {u: _read_direct(dataset, u) for u in units}
-    from ray.exceptions import GetTimeoutError, RayActorError
-
-    deadline = time.monotonic() + READ_TIMEOUT_S
-    name = _name(ray.get_runtime_context().get_node_id(), dataset.cache_dir)
-    out: dict = {}
-    todo = list(units)
-    fresh = False
-    first = True  # the batch's first call counts its hits and misses
-    while todo:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(
-                f"raydl cache: {dataset.describe_unit(todo[0])} (and {len(todo) - 1} more) did not arrive in "
-                f"{READ_TIMEOUT_S:.0f} s (RAYDL_CACHE_READ_TIMEOUT_S)"
-            )
-        actor = node_cache(dataset.cache_dir, dataset.cache_limit, fresh=fresh)
-        fresh = False
-        try:
-            _ensure_registered(actor, dataset, name)
-            got = ray.get(actor.acquire.remote(dataset.token, todo, left, first), timeout=ACQUIRE_SLICE_S + 30)
-            first = False
-        except (RayActorError, GetTimeoutError):  # the cache died (or was replaced): find or start another
-            fresh = True
-            time.sleep(0.1)
-            continue
-        if got["unknown"]:
-            _registered.discard((name, dataset.token))
-            continue
-        for u, msg in got["errors"].items():
-            kind = FileNotFoundError if msg.startswith("FileNotFoundError") else OSError
-            raise kind(f"raydl cache: cannot fetch {dataset.describe_unit(u)}: {msg}")
-        lost = []
-        for u, path in got["ready"].items():
-            try:
-                with open(path, "rb") as f:
-                    out[u] = f.read()
-            except FileNotFoundError:
-                lost.append(u)
-        actor.release.remote(dataset.token, list(got["ready"]), tuple(lost))
-        todo = [u for u in todo if u not in out]
-    return out
-
-
-def _read_direct(dataset: Any, unit: int) -> bytes:
-    path, _size, segs, _key = dataset.raydl_cache_units()[unit]
-
-    def read() -> bytes:
-        with dataset.filesystem.open_input_file(path) as f:
-            return b"".join(f.read_at(n, off) for off, n in segs)
-
-    data = with_retries(read, f"reading {path}")
-    if len(data) != sum(n for _, n in segs):
-        raise OSError(f"cannot read {dataset.describe_unit(unit)}: {path} is truncated")
-    return data

@@ -423,7 +423,7 @@ class ParquetDataset(Dataset):
                     self._decoded.move_to_end(u)
                     found[u] = t
         if missing:
-            from ..cluster.cache import read_units
+            from ..cluster.cache_read import read_units
 
             for u, data in read_units(self, missing).items():
                 found[u] = t = self._decode(u, data)
@@ -556,7 +556,7 @@ def _read_footers(fs: Any, infos: list) -> list:
     """Every file's footer, read with parallel requests; a file that is not Parquet is named."""
     import pyarrow.parquet as pq
 
-    from ..cluster.cache import with_retries
+    from .storage import with_retries
 
     def read(info: Any) -> Any:
         def once() -> Any:

@@ -74,6 +74,7 @@ from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from ..worker.actor import BatchFailed, BatchMeta, WorkerPayload
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
+from .calls import CallSender
 from .checkpoint import Tracker, iterator_base_seed, track_rng_enabled
 from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
 from .recovery import Recovery
@@ -191,7 +192,6 @@ class _RayLoaderIter(Iterator[Any]):
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
         self._job_rank: Optional[int] = None
-        self._fetch_methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
         self._pool: Any
         if options.job is not None:  # the job's pool, shared by its ranks (NOTE [ raydl job pool ])
             rank, world = rank_and_world()
@@ -221,6 +221,7 @@ class _RayLoaderIter(Iterator[Any]):
                 track_rng=track_rng_enabled(),
                 epoch=self._epoch,
             )
+        self._calls = CallSender(self._pool, self._driver_node_id)  # NOTE [ raydl calls ]
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
         self._sched = Schedule(
@@ -386,35 +387,12 @@ class _RayLoaderIter(Iterator[Any]):
         self._send_idx += 1
 
     def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any]:
-        """One call to a worker for `tasks` [(idx, work), ...]: (batches ref, metas ref); batches made on another node
-        start moving here at once (NOTE [ raydl calls ])."""
-        actor = self._pool.actors[worker_id]
-        cached = self._fetch_methods.get(worker_id)
-        if cached is None or cached[0] is not actor:  # `.options()` once per actor: ~25 us a call (Ray 2.60)
-            cached = self._fetch_methods[worker_id] = (actor, actor.fetch_many.options(num_returns=2))
-        ref, meta_ref = cached[1].remote(self._epoch, tasks)
-        if self._on_other_node(worker_id):
-            self._prefetch([ref])
-        return ref, meta_ref
-
-    @staticmethod
-    def _prefetch(refs: list) -> None:
-        """Have Ray pull these (remote) batches to this node as soon as they exist (NOTE [ raydl ordering ])."""
-        for ref in refs:
-            ref.future()
-
-    def _on_other_node(self, worker_id: int) -> bool:
-        record = self._pool.records[worker_id]
-        return record is not None and record.node_id != self._driver_node_id
+        """One call to a worker for `tasks` [(idx, work), ...] (the Schedule's `submit`; NOTE [ raydl calls ])."""
+        return self._calls.send(worker_id, self._epoch, tasks)
 
     def _abandon(self, tasks: list[Task]) -> None:
         """Forget these tasks' results (their worker must finish their calls before being reused)."""
-        seen: set[int] = set()
-        for task in tasks:
-            call = task.call
-            if call is not None and id(call) not in seen:
-                seen.add(id(call))
-                self._pool.abandon(task.worker_id, call.ref)
+        self._calls.abandon(tasks)
 
     def _abandon_task(self, idx: int) -> None:
         self._abandon([self._sched.pop(idx)])
@@ -588,8 +566,7 @@ class _RayLoaderIter(Iterator[Any]):
         if self._feed is not None:  # the caches of the workers' nodes get the plan too (NOTE [ raydl node cache ])
             self._feed.add_nodes(self._worker_nodes())
         # Tasks sent before the workers reported where they run: start their transfers now.
-        calls = {id(t.call): (t.call, t.worker_id) for t in self._sched.task_info.values() if t.call is not None}
-        self._prefetch([c.ref for c, w in calls.values() if not c.received and self._on_other_node(w)])
+        self._calls.start_transfers(self._sched.task_info.values())
 
     def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""

@@ -1,0 +1,85 @@
+"""A worker's side of the node cache: the units of one batch, read through this node's cache actor.
+
+NOTE [ raydl node cache ] in cluster/cache.py has the design. A worker asks its node's cache for
+the units (row groups) a batch needs, waits (bounded by READ_TIMEOUT_S) while the cache fetches
+what it does not hold, reads the files and releases them. A cache that died or was replaced is
+found (or started) again; without Ray (a dataset used in a plain process) units are read straight
+from storage, with the same retries.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from ..data.storage import with_retries
+from .cache import ACQUIRE_SLICE_S, READ_TIMEOUT_S, _ensure_registered, _name, _registered, node_cache
+
+__all__ = ["read_units"]
+
+
+def read_units(dataset: Any, units: list) -> dict:
+    """{unit: its bytes}, read from this node's cache (in a worker), or from storage without Ray.
+
+    Raises:
+        OSError / FileNotFoundError: storage failed for good; names the file and row group.
+        TimeoutError: the units did not arrive within READ_TIMEOUT_S.
+    """
+    import ray
+
+    if not ray.is_initialized():
+        return {u: _read_direct(dataset, u) for u in units}
+    from ray.exceptions import GetTimeoutError, RayActorError
+
+    deadline = time.monotonic() + READ_TIMEOUT_S
+    name = _name(ray.get_runtime_context().get_node_id(), dataset.cache_dir)
+    out: dict = {}
+    todo = list(units)
+    fresh = False
+    first = True  # the batch's first call counts its hits and misses
+    while todo:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"raydl cache: {dataset.describe_unit(todo[0])} (and {len(todo) - 1} more) did not arrive in "
+                f"{READ_TIMEOUT_S:.0f} s (RAYDL_CACHE_READ_TIMEOUT_S)"
+            )
+        actor = node_cache(dataset.cache_dir, dataset.cache_limit, fresh=fresh)
+        fresh = False
+        try:
+            _ensure_registered(actor, dataset, name)
+            got = ray.get(actor.acquire.remote(dataset.token, todo, left, first), timeout=ACQUIRE_SLICE_S + 30)
+            first = False
+        except (RayActorError, GetTimeoutError):  # the cache died (or was replaced): find or start another
+            fresh = True
+            time.sleep(0.1)
+            continue
+        if got["unknown"]:
+            _registered.discard((name, dataset.token))
+            continue
+        for u, msg in got["errors"].items():
+            kind = FileNotFoundError if msg.startswith("FileNotFoundError") else OSError
+            raise kind(f"raydl cache: cannot fetch {dataset.describe_unit(u)}: {msg}")
+        lost = []
+        for u, path in got["ready"].items():
+            try:
+                with open(path, "rb") as f:
+                    out[u] = f.read()
+            except FileNotFoundError:
+                lost.append(u)
+        actor.release.remote(dataset.token, list(got["ready"]), tuple(lost))
+        todo = [u for u in todo if u not in out]
+    return out
+
+
+def _read_direct(dataset: Any, unit: int) -> bytes:
+    path, _size, segs, _key = dataset.raydl_cache_units()[unit]
+
+    def read() -> bytes:
+        with dataset.filesystem.open_input_file(path) as f:
+            return b"".join(f.read_at(n, off) for off, n in segs)
+
+    data = with_retries(read, f"reading {path}")
+    if len(data) != sum(n for _, n in segs):
+        raise OSError(f"cannot read {dataset.describe_unit(unit)}: {path} is truncated")
+    return data
