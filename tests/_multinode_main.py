@@ -59,6 +59,33 @@ def _wait_alive(n: int, timeout_s: float = 60) -> int:
     return alive
 
 
+def _parquet_run(name) -> dict:
+    """Two epochs of `shuffle=True` over 32 row groups (a window of one, batches of one row group), 2 workers."""
+    import tempfile
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tempfile.mkdtemp(prefix="raydl-mn-parquet-")
+    for f in range(8):
+        ids = np.arange(f * 256, (f + 1) * 256)
+        pq.write_table(pa.table({"id": ids}), os.path.join(root, f"part-{f}.parquet"), row_group_size=64)
+    ds = raydl.ParquetDataset(root, cache_dir=os.path.join(root, "cache"), cache_limit="1MB", shuffle_window=1)
+    loader = raydl.DataLoader(ds, batch_size=64, shuffle=True, num_workers=2, persistent_workers=True, timeout=60)
+    out: dict = {"rows_once": [], "per_node": []}
+    for _ in range(2):
+        it = iter(loader)
+        ids = [i for batch in it for i in batch["id"].tolist()]
+        out["rows_once"].append(sorted(ids) == list(range(len(ds))))
+        per_node = loader.stats().cache["per_node"]
+        out["per_node"].append({name(n): st for n, st in per_node.items()})
+        out["worker_nodes"] = sorted(name(r.node_id) for r in it.worker_records)
+        del it
+    loader.shutdown()
+    return out
+
+
 def main() -> None:
     facts: dict = {}
     patient_clusters()  # node start-up bounds sized for a loaded machine
@@ -137,6 +164,10 @@ def main() -> None:
             "after": [name(r.node_id) for r in it.worker_records],
         }
         del it, loader
+
+        # 1d. A streamed Parquet dataset (NOTE [ raydl node cache ]) with its workers on both data nodes: each
+        # node's cache brings in only the row groups its own worker reads (a batch is one row group here).
+        facts["parquet"] = _parquet_run(name)
 
         # 2. "data" nodes only, never the trainer's node; then a data node is removed mid-epoch.
         loader = raydl.DataLoader(

@@ -76,3 +76,17 @@ def test_node_removed_mid_epoch_is_recovered(facts):
 def test_no_actor_left_behind(facts):
     """After the loaders are dropped, no actor is alive anywhere in the cluster."""
     assert facts["alive_actors_after"] == 0
+
+
+def test_streamed_parquet_each_node_fetches_the_row_groups_its_worker_reads(facts):
+    """ParquetDataset with one worker on each data node: every row once per epoch, and each node's cache brings in
+    the 16 of the 32 row groups its own worker reads (not the epoch's 32); the trainer's node is not fed."""
+    run = facts["parquet"]
+    assert run["rows_once"] == [True, True]
+    assert run["worker_nodes"] == ["data0", "data1"]
+    first = run["per_node"][0]
+    assert sorted(first) == ["data0", "data1"], first
+    for node, st in first.items():
+        # its worker's 16 (one of which may be asked before the node's counters start); all 32 without the split
+        assert 12 <= st["fetches"] + st["adopted"] <= 16, (node, st)
+        assert 12 <= st["hits"] + st["misses"] <= 16, (node, st)

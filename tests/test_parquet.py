@@ -349,7 +349,7 @@ def test_killed_cache_mid_epoch_and_restart_reuses_files(ray_session, s3, tmp_pa
     while True:  # a restarted job: a fresh cache actor over the same folder
         try:
             fresh = node_cache(ds.cache_dir, ds.cache_limit, fresh=True)
-            ray.get(fresh.register.remote(ds.token, ds.filesystem, ds.raydl_cache_units()), timeout=30)
+            ray.get(fresh.register.remote(token=ds.token, fs=ds.filesystem, units=ds.raydl_cache_units()), timeout=30)
             break
         except ray.exceptions.RayActorError:
             assert time.monotonic() < deadline
@@ -520,3 +520,105 @@ def test_two_caches_share_one_folder_safely(tmp_path):
     finally:
         one.stop()
         two.stop()
+
+
+def test_each_node_is_told_and_fetches_only_the_batches_its_workers_make(folder, tmp_path, monkeypatch):
+    """Across nodes (NOTE [ raydl node cache ]): with workers on two nodes, each node's cache is planned and fetches
+    the units of the batches that its own workers make by torch's round robin, not the whole epoch's; a batch sent
+    to another node than foreseen (a worker lost, the pool resized) re-plans the rest; a batch of a sampler that
+    cannot say its future goes to its worker's node only. Two caches as plain objects (no Ray), one folder each."""
+    import raydl.cluster.cache_feed as feed_mod
+    from raydl.cluster.cache import NodeCache
+    from raydl.cluster.cache_feed import CacheFeed
+
+    # A window of one row group and batches of one row group: batch p reads exactly one unit.
+    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=10 * _NBYTES[0], shuffle_window=1)
+    caches = {node: NodeCache(str(tmp_path / node), 10 * _NBYTES[0]) for node in "AB"}
+
+    class _Remote:
+        def __init__(self, fn):
+            self.remote = fn
+
+    class _Handle:  # what the feed calls as an actor: the plain cache's methods, called at once
+        def __init__(self, cache):
+            self.cache = cache
+
+        def __getattr__(self, name):
+            return _Remote(getattr(self.cache, name))
+
+    monkeypatch.setattr(feed_mod, "node_cache", lambda cache_dir, limit, node_id: _Handle(caches[node_id]))
+    monkeypatch.setattr(
+        feed_mod,
+        "_ensure_registered",
+        lambda h, ds_, name: h.cache.register(ds_.token, ds_.filesystem, ds_.raydl_cache_units()),
+    )
+    owner = {"rule": lambda p: "AB"[p % 2]}  # 2 workers, one per node, in round robin
+    feed = CacheFeed(ds, ROWS, where=lambda first, end: [owner["rule"](p) for p in range(first, end)])
+    it = iter(ParquetShuffleSampler(ds, generator=torch.Generator().manual_seed(3)))
+    order = ds.raydl_order_ahead(it)
+    units = ds.units_of(order)
+    per_batch = [set(np.unique(units[i : i + ROWS]).tolist()) for i in range(0, len(order), ROWS)]
+    assert all(len(u) == 1 for u in per_batch)
+    keys = ds.raydl_cache_units()
+
+    def held(node: str, timeout_s: float = 20.0) -> set:
+        c = caches[node]
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            with c._cv:
+                if not c._fetching and c._candidate() is None:
+                    return set(c._ready)
+            time.sleep(0.05)
+        raise AssertionError(f"node {node}'s cache still fetching after {timeout_s} s")
+
+    def planned(node: str, sid: str) -> set:
+        s = caches[node]._streams[sid]
+        return {p for p, ks in s.steps.items() if ks}
+
+    try:
+        feed.begin_epoch(it, {}, 0, 0, node_ids=["A", "B"])
+        for node, parity in (("A", 0), ("B", 1)):
+            want = {keys[u][3] for p, us in enumerate(per_batch) if p % 2 == parity for u in us}
+            assert held(node) == want, node
+            assert caches[node].stats()["fetches"] == len(per_batch) // 2
+            assert planned(node, feed._sid) == {p for p in range(len(per_batch)) if p % 2 == parity}
+        # From batch 11 on every batch goes to node A (B's worker left): the rest of the epoch is planned again.
+        feed.advance(11, 11)
+        owner["rule"] = lambda p: "A" if p >= 11 else "AB"[p % 2]
+        feed.on_send(11, list(order[11 * ROWS : 12 * ROWS]), "A")
+        assert planned("A", feed._sid) == set(range(11, len(per_batch)))
+        assert planned("B", feed._sid) == set()
+        feed.close()
+        # A sampler that cannot say its future: each batch is planned where it is sent.
+        plain = iter(range(len(ds)))
+        feed.begin_epoch(plain, {}, 0, 0, node_ids=["A", "B"])
+        feed.on_send(0, list(range(ROWS)), "B")
+        feed.on_send(1, list(range(ROWS, 2 * ROWS)), "A")
+        assert planned("A", feed._sid) == {1} and planned("B", feed._sid) == {0}
+    finally:
+        for c in caches.values():
+            c.stop()
+
+
+def test_release_node_caches_ends_idle_caches_only(ray_session, folder, tmp_path):
+    """raydl.release_node_caches() ends the caches no loader streams through, keeps one mid-epoch, keeps the files."""
+    import ray
+
+    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "cache"), cache_limit=_quarter())
+    loader = _loader(ds)
+    it = iter(loader)
+    first = next(it)
+    assert raydl.release_node_caches() == 0  # its epoch's plan is open
+    rest = [b["id"] for b in it]
+    assert sorted(torch.cat([first["id"], *rest]).tolist()) == list(range(N))
+    del it
+    from tests._session import wait_until
+
+    ended = []  # the epoch's close reaches the cache asynchronously
+    assert wait_until(lambda: ended.append(raydl.release_node_caches()) or sum(ended) == 1, timeout_s=30), ended
+    with pytest.raises(ValueError):
+        _live_cache(ds)
+    assert _held_on_disk(ds.cache_dir) > 0  # a later cache adopts these
+    assert sorted(b for batch in loader for b in batch["id"].tolist()) == list(range(N))  # a new cache serves
+    del loader
+    assert ray.is_initialized()

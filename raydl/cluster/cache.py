@@ -35,11 +35,16 @@ worker of the node and by every rank of a `ray_job` there.
     vanished (evicted by the other) asks again. A restarted cache adopts the intact files (right
     name, right size) of the units it is told about, up to its limit; temporary files older than
     an hour are removed. Each cache counts its own files against its limit.
-Across nodes: the feed sends the plan to the cache of every node its workers run on (as they
-report it; before that, to the driver's node's, dropped if no worker runs there), so each node fetches the epoch's units in order, about once
-per epoch per node (a window shuffle spreads each batch over its window, so a node's workers
-read nearly every unit anyway). Known limit: the choice of worker for a batch does not follow
-where its rows are cached. The plan is O(batches) in each cache's memory; a plan whose driver went silent for STREAM_IDLE_S
+Across nodes: each node's cache is told the batches its own workers make, as torch's round robin
+deals them (the feed asks the iterator where each batch goes), so a node fetches only the units
+its workers read; a batch whose worker is not known yet (out of order, a job's balanced dispatch)
+goes to every node's plan, and one sent to another node than foreseen (a worker lost, the pool
+resized) makes the feed plan the rest of the epoch again (`plan` replaces those positions).
+Before the workers are placed, the planned nodes are fed (or the driver's node when no plan
+names one, dropped if no worker runs there). Known limit: the worker of a batch follows torch's
+rule, not where its rows are cached (a window shuffle spreads each batch over its window, so
+with workers on several nodes each node reads nearly every unit of the epoch anyway).
+The plan is O(batches) in each cache's memory; a plan whose driver went silent for STREAM_IDLE_S
 (a driver gone without closing its stream) is dropped.
 """
 
@@ -57,7 +62,7 @@ from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
 
-__all__ = ["NodeCache", "node_cache"]
+__all__ = ["NodeCache", "node_cache", "release_node_caches"]
 
 from ..data.storage import with_retries
 
@@ -94,6 +99,15 @@ class _Stream:
                 lst.append(step)
             else:
                 bisect.insort(lst, step)
+
+    def drop(self, first: int, end: int) -> None:
+        """Forget what the plan said of positions [first, end)."""
+        for step in [k for k in self.steps if first <= k < end]:
+            for k in self.steps.pop(step):
+                lst = self.uses[k]
+                lst.pop(bisect.bisect_left(lst, step))
+                if not lst:
+                    del self.uses[k]
 
     def next_use(self, key: str) -> tuple[float, bool]:
         """(batches until the key's next use, whether a batch in flight uses it)."""
@@ -168,16 +182,21 @@ class NodeCache:
             self._peak()
 
     def plan(self, sid: str, token: str, first: int, steps: list) -> None:
-        """Stream `sid`'s batches from position `first` on: `steps[j]` = unit ids of batch first + j."""
+        """Stream `sid`'s batches from position `first` on: `steps[j]` = unit ids of batch first + j (replacing
+        what an earlier plan said of those positions: the driver re-plans when batches go to other nodes)."""
         with self._cv:
             self._touch()
             keys = self._keys[token]
             if sid in self._closed:
                 return
             s = self._streams.setdefault(sid, _Stream())  # an `extend` may have come first
-            s.cursor = s.sent = first
+            s.cursor = max(s.cursor, first)
+            s.sent = max(s.sent, s.cursor)
+            s.drop(first, first + len(steps))
             for j, units in enumerate(steps):
-                s.add(first + j, [keys[u] for u in units])
+                if units:
+                    s.add(first + j, [keys[u] for u in units])
+            s.scan = min(s.scan, first)
             self._cv.notify_all()
 
     def extend(self, sid: str, token: str, step: int, units: list) -> None:
@@ -286,6 +305,11 @@ class NodeCache:
                 fetching=len(self._fetching),
                 wait_s=self._wait_s,
             )
+
+    def in_use(self) -> bool:
+        """Whether a loader's plan is open here (an epoch streaming through this cache)."""
+        with self._cv:
+            return bool(self._streams)
 
     def fetch_spans(self, since_wall_s: float) -> list:
         """The fetches from storage that ended at or after `since_wall_s` (wall clock): (start, end, key, nbytes,
@@ -498,6 +522,22 @@ def _name(node_id: str, cache_dir: str) -> str:
     return f"raydl-cache-{node_id[:16]}-{hashlib.sha1(cache_dir.encode()).hexdigest()[:10]}"
 
 
+_REMOTE: list = []  # NodeCache as a Ray actor class, made once per process
+
+
+def _remote_class() -> Any:
+    """`ray.remote(NodeCache)`, made once per process (under `_handles_lock`).
+
+    Every call to a cache actor passes its arguments by keyword: a handle found by name
+    (`get_if_exists`) can come with its methods' signatures reduced to `**kwargs` (Ray issue
+    #26283, seen here as "too many positional arguments" in the suite), which keywords satisfy."""
+    import ray
+
+    if not _REMOTE:
+        _REMOTE.append(ray.remote(NodeCache))
+    return _REMOTE[0]
+
+
 def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, fresh: bool = False) -> Any:
     """The cache actor of this (or `node_id`'s) node for `cache_dir`: found by name, else started there."""
     import ray
@@ -515,7 +555,7 @@ def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, 
         h = _handles.get(name, (None, None))[1]
         if h is None:
             h = (
-                ray.remote(NodeCache)
+                _remote_class()
                 .options(
                     name=name,
                     namespace="raydl",
@@ -525,7 +565,7 @@ def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, 
                     max_concurrency=64,
                     scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False),
                 )
-                .remote(cache_dir, limit_bytes, IDLE_EXIT_S)
+                .remote(cache_dir=cache_dir, limit_bytes=limit_bytes, idle_exit_s=IDLE_EXIT_S)
             )
             _handles[name] = (session, h)
         return h
@@ -536,7 +576,39 @@ def _ensure_registered(actor: Any, dataset: Any, name: str) -> None:
 
     if (name, dataset.token) not in _registered:
         ray.get(
-            actor.register.remote(dataset.token, dataset.filesystem, dataset.raydl_cache_units()),
+            actor.register.remote(token=dataset.token, fs=dataset.filesystem, units=dataset.raydl_cache_units()),
             timeout=READ_TIMEOUT_S,
         )
         _registered.add((name, dataset.token))
+
+
+def release_node_caches() -> int:
+    """End the node cache actors of `raydl.ParquetDataset`s that no loader is streaming through now, on every
+    node of the connected Ray cluster; returns how many ended.
+
+    Their files stay in their folders (a later cache adopts the intact ones). Caches also end by
+    themselves after RAYDL_CACHE_IDLE_S seconds unused (default 900). Does nothing when this process
+    is not connected to Ray (NOTE [ raydl no Ray behind the user's back ] in cluster/connect.py).
+    """
+    import ray
+
+    from .connect import ray_session
+
+    if ray_session() is None:
+        return 0
+    ended = 0
+    for entry in ray.util.list_named_actors(all_namespaces=True):
+        if entry["namespace"] != "raydl" or not entry["name"].startswith("raydl-cache-"):
+            continue
+        try:
+            actor = ray.get_actor(entry["name"], namespace="raydl")
+            if ray.get(actor.in_use.remote(), timeout=10):
+                continue
+            ray.kill(actor, no_restart=True)
+            ended += 1
+        except Exception:  # gone meanwhile, or not answering: left to its idle exit
+            continue
+    with _handles_lock:
+        _handles.clear()
+        _registered.clear()
+    return ended

@@ -8,7 +8,7 @@ talks to run on every node a worker of the iterator runs on.
 from __future__ import annotations
 
 import uuid
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
@@ -20,20 +20,24 @@ __all__ = ["CacheFeed"]
 class CacheFeed:
     """What the driver tells the node caches about one iterator's order (NOTE [ raydl node cache ]).
 
-    The plan goes to the cache of the driver's node and of every node a worker of this iterator
-    runs on (`add_nodes`, as workers report where they run): each node then fetches, in the
-    epoch's order, the units its workers will read, about once per epoch per node.
+    Each node's cache is told the batches that workers on that node make (or, by torch's round robin,
+    will make: `where`), so a node fetches only the units its own workers read; a batch whose worker
+    is not known yet goes to every node's plan. A batch sent to another node than foreseen (a worker
+    lost, the pool resized) re-plans the rest of the epoch from the cursor.
     """
 
     _COUNTERS = ("hits", "misses", "bytes_fetched", "fetches", "adopted", "evictions", "retries", "failures", "wait_s")
 
-    def __init__(self, dataset: Any, batch_size: int) -> None:
+    def __init__(self, dataset: Any, batch_size: int, where: Optional[Callable[[int, int], list]] = None) -> None:
+        """`where(first, end)`: the node of the worker of each batch position in [first, end), None if not known."""
         self._ds = dataset
         self._batch = max(1, batch_size)
+        self._where = where
         self._sid = uuid.uuid4().hex
         self._actors: dict[str, Any] = {}  # node id -> its cache actor
         self._bases: dict[str, Any] = {}  # node id -> its counters when it joined this epoch (a ref)
         self._steps: list = []  # unit ids of each batch position from `_first` on
+        self._nodes: list = []  # the node each position's plan went to, None: every node
         self._first = 0
         self._last: tuple = (-1, -1)  # (cursor, end of the batches in flight) last reported
         self._open = False  # whether the stream is open (actors stay known for stats after it closes)
@@ -41,11 +45,11 @@ class CacheFeed:
         self._guess: Optional[str] = None  # the node fed before the workers said where they run
 
     @staticmethod
-    def for_dataset(dataset: Any, batch_size: Optional[int]) -> Optional[CacheFeed]:
+    def for_dataset(dataset: Any, batch_size: Optional[int], where: Any = None) -> Optional[CacheFeed]:
         """A feed for a dataset that streams through the node cache, else None."""
         if not callable(getattr(dataset, "raydl_cache_units", None)):
             return None
-        return CacheFeed(dataset, batch_size or 1)
+        return CacheFeed(dataset, batch_size or 1, where)
 
     def begin_epoch(self, sampler_iter: Any, in_flight: dict, first: int, sent: int, node_ids: Any = ()) -> None:
         """Send the epoch's plan: the batches in flight (`in_flight`: position -> indices), then what the sampler knows ahead."""
@@ -66,6 +70,7 @@ class CacheFeed:
             for i in range(0, len(units), self._batch):
                 steps.append(np.unique(units[i : i + self._batch]).tolist())
         self._steps, self._first = steps, first
+        self._nodes = [None] * len(steps)
         self._last = (first, sent)
         self._open = True
         node_ids = list(node_ids)
@@ -75,43 +80,83 @@ class CacheFeed:
         self.add_nodes(node_ids or [guess])
         self._guess = guess
 
+    def _at(self) -> int:
+        """The first position still to plan: the cursor."""
+        return max(self._last[0], self._first)
+
+    def _split(self, known: list) -> bool:
+        """Which node's plan each position from the cursor on goes to (None: every node's); whether any changed."""
+        at = self._at()
+        end = self._first + len(self._steps)
+        if self._where is None or len(known) < 2 or at >= end:
+            new = [None] * (end - at)
+        else:
+            new = [n if n in known else None for n in self._where(at, end)]
+        old = self._nodes[at - self._first :]
+        self._nodes[at - self._first :] = new
+        return new != old
+
+    def _plan_for(self, node: str) -> list:
+        """The steps from the cursor on that `node`'s cache is told (an empty step for another node's batch)."""
+        at = self._at() - self._first
+        return [s if n is None or n == node else [] for s, n in zip(self._steps[at:], self._nodes[at:])]
+
+    def _send_plan(self, node: str, actor: Any) -> None:
+        cursor, sent = self._last
+        at = self._at()
+        actor.plan.remote(sid=self._sid, token=self._ds.token, first=at, steps=self._plan_for(node))
+        actor.advance.remote(sid=self._sid, cursor=at, sent=max(sent, at))
+
     def add_nodes(self, node_ids: Any) -> None:
-        """Workers run on these nodes: their caches get the plan from the cursor on."""
+        """Workers run on these nodes: their caches get their part of the plan from the cursor on, and the nodes
+        already fed get theirs again if the split changed."""
         if not self._open:
             return
         node_ids = list(dict.fromkeys(node_ids))
         guess, self._guess = self._guess, None
         if guess is not None and node_ids and guess not in node_ids:  # no worker there: stop its prefetching
-            self._actors.pop(guess).close.remote(self._sid)
+            self._actors.pop(guess).close.remote(sid=self._sid)
             self._bases.pop(guess)
-        for node in node_ids:
-            if node in self._actors:
-                continue
+        new = [node for node in node_ids if node not in self._actors]
+        for node in new:
             actor = node_cache(self._ds.cache_dir, self._ds.cache_limit, node_id=node)
             _ensure_registered(actor, self._ds, _name(node, self._ds.cache_dir))
             self._bases[node] = actor.stats.remote()
-            cursor, sent = self._last
-            at = max(cursor, self._first)
-            actor.plan.remote(self._sid, self._ds.token, at, self._steps[at - self._first :])
-            actor.advance.remote(self._sid, at, max(sent, at))
             self._actors[node] = actor
+        changed = self._split(list(self._actors))
+        for node, actor in self._actors.items():
+            if node in new or changed:
+                self._send_plan(node, actor)
 
-    def on_send(self, position: int, index: Any) -> None:
-        """A batch sent to a worker: added to the plan unless the plan already had it."""
+    def on_send(self, position: int, index: Any, node: Optional[str] = None) -> None:
+        """A batch sent to a worker on `node` (None: not known): added to that node's plan unless it had it."""
+        if not self._open:
+            return
         end = self._first + len(self._steps)
-        if not self._open or position < end:
+        if position < end:
+            told = self._nodes[position - self._first] if position >= self._first else None
+            if told is not None and node is not None and told != node and node in self._actors:
+                # Not the foreseen worker's node (a worker lost, the pool resized): plan the rest again.
+                self._split(list(self._actors))
+                self._nodes[position - self._first] = node
+                for n, actor in self._actors.items():
+                    self._send_plan(n, actor)
             return
         self._steps.extend([] for _ in range(position - end))  # positions skipped at resume use nothing
+        self._nodes.extend(None for _ in range(position - end))
         units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
         self._steps.append(units)
-        for actor in self._actors.values():
-            actor.extend.remote(self._sid, self._ds.token, position, units)
+        target = node if node in self._actors and len(self._actors) > 1 else None
+        self._nodes.append(target)
+        for n, actor in self._actors.items():
+            if target is None or n == target:
+                actor.extend.remote(sid=self._sid, token=self._ds.token, step=position, units=units)
 
     def advance(self, cursor: int, sent: int) -> None:
         if self._open and (cursor, sent) != self._last:
             self._last = (cursor, sent)
             for actor in self._actors.values():
-                actor.advance.remote(self._sid, cursor, sent)
+                actor.advance.remote(sid=self._sid, cursor=cursor, sent=sent)
 
     def _live(self) -> bool:
         """Whether the actors' Ray session is still this process's: finalizers may run after ray.shutdown()."""
@@ -126,7 +171,7 @@ class CacheFeed:
                 return
             for actor in self._actors.values():
                 try:
-                    actor.close.remote(self._sid)
+                    actor.close.remote(sid=self._sid)
                 except Exception:  # Ray already shut down
                     pass
 
@@ -138,7 +183,7 @@ class CacheFeed:
         if not self._live():
             return {}
         nodes = list(self._actors)
-        refs = [self._actors[n].fetch_spans.remote(since_wall_s) for n in nodes]
+        refs = [self._actors[n].fetch_spans.remote(since_wall_s=since_wall_s) for n in nodes]
         out = {}
         for node, ref in zip(nodes, refs):
             try:
@@ -168,6 +213,12 @@ class CacheFeed:
             out[k] = sum(now[k] - base[k] for now, base in zip(nows, bases))
         out["prefetch_depth"] = sum(now["prefetch_depth"] for now in nows)
         out["nodes"] = len(nodes)
+        # Each node's own figures this epoch: what its workers read (hits, misses) and what its cache brought in.
+        out["per_node"] = {
+            node: {k: now[k] - base[k] for k in ("hits", "misses", "bytes_fetched", "fetches", "adopted")}
+            | {"bytes_held": now["bytes_held"], "peak_bytes": now["peak_bytes"]}
+            for node, now, base in zip(nodes, nows, bases)
+        }
         asked = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / asked if asked else 0.0
         out["storage_wait_share"] = min(1.0, out["wait_s"] / busy_s) if busy_s > 0 else 0.0

@@ -48,7 +48,10 @@ def read_units(dataset: Any, units: list) -> dict:
         fresh = False
         try:
             _ensure_registered(actor, dataset, name)
-            got = ray.get(actor.acquire.remote(dataset.token, todo, left, first), timeout=ACQUIRE_SLICE_S + 30)
+            got = ray.get(
+                actor.acquire.remote(token=dataset.token, units=todo, timeout_s=left, count=first),
+                timeout=ACQUIRE_SLICE_S + 30,
+            )
             first = False
         except (RayActorError, GetTimeoutError):  # the cache died (or was replaced): find or start another
             fresh = True
@@ -67,7 +70,7 @@ def read_units(dataset: Any, units: list) -> dict:
                     out[u] = f.read()
             except FileNotFoundError:
                 lost.append(u)
-        actor.release.remote(dataset.token, list(got["ready"]), tuple(lost))
+        actor.release.remote(token=dataset.token, units=list(got["ready"]), lost=tuple(lost))
         todo = [u for u in todo if u not in out]
     return out
 

@@ -143,7 +143,9 @@ class _RayLoaderIter(Iterator[Any]):
         self._source_ended = False
         # a dataset streamed through the node cache, which is told the epoch's order (NOTE [ raydl node cache ])
         self._feed = CacheFeed.for_dataset(
-            loader.dataset, getattr(self._index_sampler, "batch_size", 1) if self._auto_collation else 1
+            loader.dataset,
+            getattr(self._index_sampler, "batch_size", 1) if self._auto_collation else 1,
+            where=self._batch_nodes,
         )
 
         warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
@@ -382,9 +384,9 @@ class _RayLoaderIter(Iterator[Any]):
         elif self._job_rank is not None:  # a job's batch, keyed by its rank (NOTE [ raydl job pool ])
             work = (("batch", self._base_seed, self._epoch, self._send_idx, self._job_rank), work)
         self._sched.add(self._send_idx, worker_id, index, work)
-        if self._feed is not None:
-            self._feed.on_send(self._send_idx, index)
         self._send_idx += 1
+        if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx
+            self._feed.on_send(self._send_idx - 1, index, self._pool_node(worker_id))
 
     def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any]:
         """One call to a worker for `tasks` [(idx, work), ...] (the Schedule's `submit`; NOTE [ raydl calls ])."""
@@ -551,8 +553,41 @@ class _RayLoaderIter(Iterator[Any]):
     def running(self) -> bool:
         return self._state == _State.RUNNING
 
+    def _pool_node(self, worker_id: Optional[int]) -> Optional[str]:
+        """Where worker `worker_id` runs, or where it is planned to run before it reports; None if not known."""
+        if worker_id is None:
+            return None
+        records = self._pool.records
+        record = records[worker_id] if worker_id < len(records) else None
+        if record is not None:
+            return record.node_id
+        planned = getattr(self._pool, "nodes", None)
+        return planned[worker_id] if planned is not None and worker_id < len(planned) else None
+
     def _worker_nodes(self) -> list:
-        return [r.node_id for r in self._pool.records if r is not None]
+        """The nodes the workers run on (or are planned to), each once."""
+        nodes = (self._pool_node(w) for w in self._sched.active)
+        return list(dict.fromkeys(n for n in nodes if n is not None))
+
+    def _batch_nodes(self, first: int, end: int) -> list:
+        """The node of the worker that makes (or, by torch's round robin, will make) each batch position in
+        [first, end); None where that is not known (NOTE [ raydl node cache ]: the plan of such a batch goes to every
+        node)."""
+        cycle = self._sched.predicted_cycle()
+        nodes = {}
+        out = []
+        for p in range(first, end):
+            task = self._sched.task_info.get(p)
+            if task is not None:
+                worker = task.worker_id
+            elif p >= self._send_idx and cycle:
+                worker = cycle[(p - self._send_idx) % len(cycle)]
+            else:
+                worker = None
+            if worker not in nodes:
+                nodes[worker] = self._pool_node(worker)
+            out.append(nodes[worker])
+        return out
 
     def _await_start(self) -> None:
         """A state taken before the workers started waits for them: their start replies hold their snapshots."""

@@ -224,6 +224,16 @@ class Schedule:
                 return worker_id
         return None
 
+    def predicted_cycle(self) -> Optional[list[int]]:
+        """The workers the next tasks go to, in order and repeating, if the pool stays as it is: torch's round robin
+        in order. None where the rule depends on timing (out of order, a job's balance) or a worker is inactive."""
+        if self._balanced_from is not None or not self.in_order or not self.active:
+            return None
+        if not all(self.workers_status[w] for w in self.active):
+            return None
+        n = len(self.active)
+        return [self.active[(self._pos + k) % n] for k in range(n)]
+
     def on_batch_made(self, worker_id: int, fetch_s: float) -> None:
         """A batch of `worker_id` took `fetch_s` to make: its moving average (call sizes, a job's balance)."""
         prev = self._fetch_s.get(worker_id)

@@ -84,7 +84,9 @@ class LoaderStats:
             worker asked), `bytes_fetched` from storage, `retries` (transient storage errors),
             `evictions`, `prefetch_depth` (units held ahead of the cursor, now), `bytes_held`,
             `peak_bytes` and `limit_bytes`, `wait_s` (workers' time waiting on storage) and
-            `storage_wait_share` (its share of the workers' busy time); else None.
+            `storage_wait_share` (its share of the workers' busy time), summed over the `nodes`
+            whose caches serve this loader, and `per_node` (node id -> that node's `hits`,
+            `misses`, `bytes_fetched`, `fetches`, `adopted`, `bytes_held`, `peak_bytes`); else None.
     `str(stats)` is a compact table; `stats.timeline(path)` writes a Chrome trace (and a PNG).
     """
 
