@@ -83,6 +83,7 @@ def _parquet_run(name) -> dict:
         out["worker_nodes"] = sorted(name(r.node_id) for r in it.worker_records)
         del it
     loader.shutdown()
+    out["caches_released"] = raydl.release_node_caches()  # detached: they would outlive the loader by 15 min
     return out
 
 

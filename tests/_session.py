@@ -193,18 +193,52 @@ def _end_group(proc: subprocess.Popen) -> None:
 # while the in-process tests run. `run_command` (and `run_main`) only read the output, waiting,
 # bounded, if the command is still running; a command not started yet when its test comes is taken
 # back and run by the test itself, so each is run once and a failure is the test's.
-# While the machine is busier than the suite alone makes it (`_machine_busy`), the thread starts
+# While processes other than the suite's keep the machine busy (`_machine_busy`), the thread starts
 # nothing: the tests run their commands themselves, one at a time, as without it.
 # RAYDL_TEST_NO_BACKGROUND=1 runs every one in its test.
 
 
+def _foreign_runnable(samples: int = 5, interval_s: float = 0.2) -> float | None:
+    """How many processes that are not this suite's (this process and its descendants: its Rays, their workers,
+    the fresh drivers) are running or waiting for a CPU, averaged over `samples` looks at /proc; None without /proc."""
+    if not os.path.isdir("/proc/self"):
+        return None
+    me = os.getpid()
+    total = 0
+    for i in range(samples):
+        parent, running = {}, []
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    stat = f.read()
+            except OSError:  # gone meanwhile
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...
+            parent[int(entry)] = int(fields[1])
+            if fields[0] == "R":
+                running.append(int(entry))
+        for pid in running:
+            p, hops = pid, 0
+            while p > 1 and p != me and hops < 64:
+                p, hops = parent.get(p, 0), hops + 1
+            total += p != me
+        if i + 1 < samples:
+            time.sleep(interval_s)
+    return total / samples
+
+
 def _machine_busy() -> bool:
-    """Whether the machine is busier than this suite makes it alone: the 1-minute load average above twice its
-    cores (a quiet run with the background lane stays near 3 on 2 cores; two spinners beside it make 5 or more).
-    A busy machine runs no command beside the tests: a Ray's node start gives up after 30 s (Ray's own bound),
-    which such a machine can exceed when Rays start side by side. RAYDL_TEST_BACKGROUND_MAX_LOAD overrides."""
-    limit = float(os.environ.get("RAYDL_TEST_BACKGROUND_MAX_LOAD", 2 * (os.cpu_count() or 1)))
-    return os.getloadavg()[0] > limit
+    """Whether processes other than this suite's keep the machine busy: on average one or more of them running
+    (two CPU-spinning processes beside the suite make 2; a quiet machine about 0). A busy machine runs no command
+    beside the tests: a Ray's node start gives up after 30 s (Ray's own bound), which Rays started side by side on
+    an overloaded machine can exceed. RAYDL_TEST_BACKGROUND_MAX_FOREIGN overrides the bound (without /proc: the
+    1-minute load average above twice the cores)."""
+    foreign = _foreign_runnable()
+    if foreign is None:
+        return os.getloadavg()[0] > 2 * (os.cpu_count() or 1)
+    return foreign >= float(os.environ.get("RAYDL_TEST_BACKGROUND_MAX_FOREIGN", "1.0"))
 
 
 class _Background:

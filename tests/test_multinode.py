@@ -84,6 +84,7 @@ def test_streamed_parquet_each_node_fetches_the_row_groups_its_worker_reads(fact
     run = facts["parquet"]
     assert run["rows_once"] == [True, True]
     assert run["worker_nodes"] == ["data0", "data1"]
+    assert run["caches_released"] == 2  # raydl.release_node_caches(): one per data node, none on the trainer's
     first = run["per_node"][0]
     assert sorted(first) == ["data0", "data1"], first
     for node, st in first.items():

@@ -165,15 +165,20 @@ class CacheFeed:
         return bool(self._actors) and self._session is not None and ray_session() == self._session
 
     def close(self) -> None:
+        from .connect import ray_calls
+
         if self._open:
             self._open = False
-            if not self._live():
+            if not self._actors:
                 return
-            for actor in self._actors.values():
-                try:
-                    actor.close.remote(sid=self._sid)
-                except Exception:  # Ray already shut down
-                    pass
+            with ray_calls(self._session) as session:  # may run in a finalizer, in any thread
+                if session is None:
+                    return
+                for actor in self._actors.values():
+                    try:
+                        actor.close.remote(sid=self._sid)
+                    except Exception:  # Ray going down
+                        pass
 
     def fetch_spans(self, since_wall_s: float) -> dict:
         """node id -> the fetches from storage of its cache since `since_wall_s` (NOTE [ raydl node cache ]), for the

@@ -44,6 +44,7 @@ __all__ = [
     "ensure_ray_initialized",
     "never_connected",
     "ray_session",
+    "ray_calls",
     "worker_actor_options",
     "resource_request",
     "describe_placement",
@@ -55,7 +56,14 @@ logger = logging.getLogger(__name__)
 _LOOPBACK_ENV_VAR = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 _WORKER_NICENESS_ENV_VAR = "RAY_worker_niceness"
 _init_lock = threading.Lock()
+RAY_CALLS_WAIT_S = 0.5  # a background path's longest wait for a connect or shutdown in another thread (`ray_calls`)
 _last_session: Optional[str] = None  # the Ray session this process last used, to say when it is gone
+
+
+def _shutdown_lock(ray: Any) -> Any:
+    """Ray's own re-entrant lock around `ray.init`'s connect and `ray.shutdown()` (its exit hook's too), or None."""
+    worker = getattr(getattr(ray, "_private", None), "worker", None)
+    return getattr(worker, "_connect_or_shutdown_lock", None)
 
 
 def ray_session() -> Optional[str]:
@@ -70,15 +78,44 @@ def ray_session() -> Optional[str]:
     returns None or another session than the one its actors belong to (their handles died with
     that session). Only a loader's own iteration (or `raydl.start()`) connects, by the module's
     precedence, and it says so when Ray was shut down after this process used it.
+    A background path makes its check and its calls in one `ray_calls()` block, which holds the
+    lock Ray itself holds around `ray.shutdown()` (the private touch of Ray here, checked against
+    Ray 2.60): a shutdown waits for the block, and no block runs during a shutdown. Ray 2.60 ends
+    the process (exit status 1, "The core worker has already been shutdown") when another thread
+    reaches its core worker while `ray.shutdown()` tears it down (a call, or an ObjectRef freed):
+    seen once at the end of the suite, as the session fixture shut Ray down with raydl's threads
+    about. So a background path also frees no ref while Ray is shutting down.
     """
     ray = sys.modules.get("ray")
-    if ray is None or not ray.is_initialized():
+    if ray is None:
         return None
+    with _shutdown_lock(ray) or contextlib.nullcontext():
+        if not ray.is_initialized():
+            return None
+        try:
+            ctx = ray.get_runtime_context()  # connected: no auto-init
+            return f"{ctx.gcs_address}/{ctx.get_job_id()}"
+        except Exception:  # shutting down under us
+            return None
+
+
+@contextlib.contextmanager
+def ray_calls(session: Optional[str] = None) -> Iterator[Optional[str]]:
+    """Around a background path's Ray calls: yields this process's Ray session, or None when Ray is down (or, with
+    `session`, is another session) or is connecting or shutting down in another thread for more than
+    RAY_CALLS_WAIT_S (then the path makes no call this time); `ray.shutdown()` waits until the block ends (NOTE
+    [ raydl no Ray behind the user's back ]). Keep the block short: no unbounded wait inside."""
+    ray = sys.modules.get("ray")
+    lock = _shutdown_lock(ray) if ray is not None else None
+    if ray is None or (lock is not None and not lock.acquire(timeout=RAY_CALLS_WAIT_S)):
+        yield None
+        return
     try:
-        ctx = ray.get_runtime_context()  # connected: no auto-init
-        return f"{ctx.gcs_address}/{ctx.get_job_id()}"
-    except Exception:  # shutting down under us
-        return None
+        now = ray_session()
+        yield now if session is None or now == session else None
+    finally:
+        if lock is not None:
+            lock.release()
 
 
 def never_connected() -> bool:

@@ -448,35 +448,39 @@ class WorkerPool:
         if not self._alive:
             return
         self._alive = False
-        if not self.in_session():
-            # Ray was shut down since this pool started: its actors died with that session, and a
-            # call now would start a new Ray behind the user's back (NOTE [ raydl no Ray behind the user's back ]).
-            self._ready_refs = [None] * len(self.actors)
-            self.joining = {}
-            logger.debug("raydl: pool ended with its Ray session")
-            return
-        import ray
+        from .connect import ray_calls
 
         reusable: dict[str, list] = {}
-        for wid, actor in enumerate(self.actors):
-            if wid in self.released:
-                continue
-            if self._is_clean(wid):
-                reset = actor.reset.remote()  # runs after the tasks already sent to it
-                pending = self._abandoned[wid] + ([self._ready_refs[wid]] if self._ready_refs[wid] is not None else [])
-                if not tasks_known:
-                    # reset runs after every task sent before it (one at a time, in order): once it
-                    # has run, none of the tasks whose refs died with the owner is left on the actor
-                    pending.append(reset)
-                # Placed workers are kept under the node they really run on (soft affinity may have moved one).
-                key = self._warm_key(self._node_of(wid) if self._placement is not None else None)
-                reusable.setdefault(key, []).append((actor, pending))
-                continue
-            try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already dead, or Ray is shutting down
-                pass
-        for key, actors in reusable.items():
+        with ray_calls(self._session) as session:  # may run in a finalizer, in any thread
+            if session is None:
+                # Ray was shut down since this pool started: its actors died with that session, and a
+                # call now would start a new Ray behind the user's back (NOTE [ raydl no Ray behind the user's back ]).
+                self._ready_refs = [None] * len(self.actors)
+                self.joining = {}
+                logger.debug("raydl: pool ended with its Ray session")
+                return
+            import ray
+
+            for wid, actor in enumerate(self.actors):
+                if wid in self.released:
+                    continue
+                if self._is_clean(wid):
+                    reset = actor.reset.remote()  # runs after the tasks already sent to it
+                    ready = self._ready_refs[wid]
+                    pending = self._abandoned[wid] + ([ready] if ready is not None else [])
+                    if not tasks_known:
+                        # reset runs after every task sent before it (one at a time, in order): once it
+                        # has run, none of the tasks whose refs died with the owner is left on the actor
+                        pending.append(reset)
+                    # Placed workers are kept under the node they really run on (soft affinity may have moved one).
+                    key = self._warm_key(self._node_of(wid) if self._placement is not None else None)
+                    reusable.setdefault(key, []).append((actor, pending))
+                    continue
+                try:
+                    ray.kill(actor, no_restart=True)
+                except Exception:  # already dead, or Ray is shutting down
+                    pass
+        for key, actors in reusable.items():  # outside the block: the warm pool's lock is taken before Ray's
             WARM_POOL.give(key, actors)
         self._ready_refs = [None] * len(self.actors)
         self.joining = {}

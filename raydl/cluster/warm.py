@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping, Optional
 
 from .._constants import WARM_DRAIN_TIMEOUT_S, WARM_IDLE_TIMEOUT_S, WARM_MAX_IDLE_PER_KEY
-from .connect import ray_session
+from .connect import ray_calls, ray_session
 
 __all__ = ["WARM_POOL", "release_idle_workers", "warm_key"]
 
@@ -62,14 +62,13 @@ def _idle_timeout_s() -> float:
 def _kill(actor: Any) -> None:
     import ray
 
-    if (
-        ray_session() is None
-    ):  # Ray already shut down: its actors went with it (NOTE [ raydl no Ray behind the user's back ])
-        return
-    try:
-        ray.kill(actor, no_restart=True)
-    except Exception:  # already dead, or Ray gone
-        pass
+    with ray_calls() as session:
+        if session is None:  # Ray shut down: its actors went with it (NOTE [ raydl no Ray behind the user's back ])
+            return
+        try:
+            ray.kill(actor, no_restart=True)
+        except Exception:  # already dead
+            pass
 
 
 @dataclass
@@ -80,15 +79,21 @@ class _Idle:
     pending: list
 
     def drained(self) -> bool:
-        if self.pending and ray_session() is None:  # Ray shut down: the tasks went with it (never auto-init)
-            self.pending = []
         if self.pending:
             import ray
 
-            try:
-                _, self.pending = ray.wait(self.pending, num_returns=len(self.pending), timeout=0, fetch_local=False)
-            except Exception:  # Ray shut down under the reaper: its tasks (and actors) are gone with it
-                self.pending = []
+            with ray_calls() as session:
+                if session is None:
+                    # Ray shut down (or shutting down in another thread): no call (never auto-init), and the refs
+                    # are not dropped here either: freeing one while Ray shuts down ends the process (NOTE [ raydl
+                    # no Ray behind the user's back ]); the entry is forgotten with its session.
+                    return False
+                try:
+                    _, self.pending = ray.wait(
+                        self.pending, num_returns=len(self.pending), timeout=0, fetch_local=False
+                    )
+                except Exception:  # its tasks (and actor) are gone
+                    self.pending = []
         return not self.pending
 
 

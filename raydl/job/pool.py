@@ -338,27 +338,46 @@ class JobPool:
         return self._session is not None and ray_session() == self._session
 
     def renew(self) -> bool:
+        """Renew this rank's lease (from the lease thread): whether the coordinator still counts it as a member.
+        Each Ray call is made in a short `ray_calls` block, so a `ray.shutdown()` never waits more than a slice."""
         import ray
 
-        try:
-            reply = ray.get(self._coord.renew.remote(self._member), timeout=self._renew_s * 2)
-        except Exception:  # the coordinator is gone or slow: the next call finds out
-            return False
+        from ..cluster.connect import ray_calls
+
+        with ray_calls(self._session) as session:
+            if session is None:
+                return False
+            ref = self._coord.renew.remote(self._member)
+        deadline = time.monotonic() + self._renew_s * 2
+        while True:
+            with ray_calls(self._session) as session:
+                if session is None:
+                    return False
+                try:
+                    ready, _ = ray.wait([ref], timeout=0.2, fetch_local=True)
+                    reply = ray.get(ref, timeout=1) if ready else None
+                except Exception:  # the coordinator is gone: the next call finds out
+                    return False
+            if reply is not None:
+                break
+            if time.monotonic() > deadline:  # slow: the next renewal tries again
+                return False
         if reply["version"] != self.version:
             self.changed.set()
         return bool(reply["member"])
 
 
 def _leave(coord: Any, member: str, stop: threading.Event) -> None:
-    from ..cluster.connect import ray_session
+    from ..cluster.connect import ray_calls
 
     stop.set()
-    if ray_session() is None:  # Ray already shut down (a call would start a new one): the lease runs out
-        return
-    try:
-        coord.leave.remote(member)
-    except Exception:  # Ray going down
-        pass
+    with ray_calls() as session:
+        if session is None:  # Ray already shut down (a call would start a new one): the lease runs out
+            return
+        try:
+            coord.leave.remote(member)
+        except Exception:  # Ray going down
+            pass
 
 
 def _renew_loop(pool_ref: Any, stop: threading.Event, every_s: float) -> None:
