@@ -142,7 +142,7 @@ def main() -> None:
     import ray
 
     import raydl
-    from raydl.cluster.cache import node_cache
+    from raydl.cluster.cache_actors import node_cache
 
     tmp = tempfile.mkdtemp(prefix="bench-streaming-")
     corpus = os.path.join(tmp, "corpus")

@@ -29,7 +29,7 @@ _LAZY = {
     "ParquetDistributedSampler": ".data.parquet",
     "get_worker_info": ".worker.actor",
     "release_idle_workers": ".cluster.warm",
-    "release_node_caches": ".cluster.cache",
+    "release_node_caches": ".cluster.cache_actors",
     "start": ".cluster.startup",
     "Startup": ".cluster.startup",
     "patch": ".driver.patch",

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import raydl
-from raydl.cluster.cache import node_cache
+from raydl.cluster.cache_actors import node_cache
 from raydl.data.parquet import ParquetDistributedSampler, ParquetShuffleSampler
 from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 
@@ -107,7 +107,7 @@ def _live_cache(ds):
     """The node cache actor now serving `ds`'s folder (by name: a handle cached here may be of a dead one)."""
     import ray
 
-    from raydl.cluster.cache import _name
+    from raydl.cluster.cache_actors import _name
 
     return ray.get_actor(_name(ray.get_runtime_context().get_node_id(), ds.cache_dir), namespace="raydl")
 

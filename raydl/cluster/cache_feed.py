@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .cache import _ensure_registered, _name, node_cache
+from .cache_actors import _ensure_registered, _name, node_cache
 
 __all__ = ["CacheFeed"]
 

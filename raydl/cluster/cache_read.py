@@ -13,7 +13,8 @@ import time
 from typing import Any
 
 from ..data.storage import with_retries
-from .cache import ACQUIRE_SLICE_S, READ_TIMEOUT_S, _ensure_registered, _name, _registered, node_cache
+from .cache import ACQUIRE_SLICE_S, READ_TIMEOUT_S
+from .cache_actors import _ensure_registered, _name, _registered, node_cache
 
 __all__ = ["read_units"]
 

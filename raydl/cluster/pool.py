@@ -216,13 +216,13 @@ class WorkerPool:
         """Give worker `worker_id` a node by the plan's rule among the nodes alive now (NOTE [ raydl placement ])."""
         if self._placement is not None:
             others = [
-                self._node_of(w)
+                self.node_of(w)
                 for w in range(len(self.actors))
                 if w != worker_id and w not in self._failed and w not in self.released
             ]
             self.nodes[worker_id] = self._placement.node_for_new_worker(others) or self.nodes[worker_id]
 
-    def _node_of(self, worker_id: int) -> Optional[str]:
+    def node_of(self, worker_id: int) -> Optional[str]:
         """Where worker `worker_id` runs (its record), or where it was planned before it reported."""
         record = self.records[worker_id]
         return record.node_id if record is not None else self.nodes[worker_id]
@@ -323,7 +323,7 @@ class WorkerPool:
         if self._is_clean(worker_id):
             actor.reset.remote()
             pending = self._abandoned[worker_id] + [r for r in [self._ready_refs[worker_id]] if r is not None]
-            key = self._warm_key(self._node_of(worker_id) if self._placement is not None else None)
+            key = self._warm_key(self.node_of(worker_id) if self._placement is not None else None)
             WARM_POOL.give(key, [(actor, pending)])
         else:
             try:
@@ -473,7 +473,7 @@ class WorkerPool:
                         # has run, none of the tasks whose refs died with the owner is left on the actor
                         pending.append(reset)
                     # Placed workers are kept under the node they really run on (soft affinity may have moved one).
-                    key = self._warm_key(self._node_of(wid) if self._placement is not None else None)
+                    key = self._warm_key(self.node_of(wid) if self._placement is not None else None)
                     reusable.setdefault(key, []).append((actor, pending))
                     continue
                 try:

@@ -554,40 +554,19 @@ class _RayLoaderIter(Iterator[Any]):
         return self._state == _State.RUNNING
 
     def _pool_node(self, worker_id: Optional[int]) -> Optional[str]:
-        """Where worker `worker_id` runs, or where it is planned to run before it reports; None if not known."""
-        if worker_id is None:
-            return None
-        records = self._pool.records
-        record = records[worker_id] if worker_id < len(records) else None
-        if record is not None:
-            return record.node_id
-        planned = getattr(self._pool, "nodes", None)
-        return planned[worker_id] if planned is not None and worker_id < len(planned) else None
+        """Where worker `worker_id` runs (or is planned to run); None if not known."""
+        return self._pool.node_of(worker_id) if worker_id is not None else None
 
     def _worker_nodes(self) -> list:
         """The nodes the workers run on (or are planned to), each once."""
-        nodes = (self._pool_node(w) for w in self._sched.active)
-        return list(dict.fromkeys(n for n in nodes if n is not None))
+        return list(dict.fromkeys(n for n in map(self._pool_node, self._sched.active) if n is not None))
 
     def _batch_nodes(self, first: int, end: int) -> list:
-        """The node of the worker that makes (or, by torch's round robin, will make) each batch position in
-        [first, end); None where that is not known (NOTE [ raydl node cache ]: the plan of such a batch goes to every
-        node)."""
-        cycle = self._sched.predicted_cycle()
-        nodes = {}
-        out = []
-        for p in range(first, end):
-            task = self._sched.task_info.get(p)
-            if task is not None:
-                worker = task.worker_id
-            elif p >= self._send_idx and cycle:
-                worker = cycle[(p - self._send_idx) % len(cycle)]
-            else:
-                worker = None
-            if worker not in nodes:
-                nodes[worker] = self._pool_node(worker)
-            out.append(nodes[worker])
-        return out
+        """The node of the worker that makes each batch position in [first, end), None where not known (NOTE [ raydl
+        node cache ]: the plan of such a batch goes to every node)."""
+        workers = self._sched.workers_of(first, end, self._send_idx)
+        nodes = {w: self._pool_node(w) for w in set(workers)}
+        return [nodes[w] for w in workers]
 
     def _await_start(self) -> None:
         """A state taken before the workers started waits for them: their start replies hold their snapshots."""

@@ -234,6 +234,21 @@ class Schedule:
         n = len(self.active)
         return [self.active[(self._pos + k) % n] for k in range(n)]
 
+    def workers_of(self, first: int, end: int, next_idx: int) -> list[Optional[int]]:
+        """The worker that makes (or, by `predicted_cycle`, will make) each task idx in [first, end), `next_idx` being
+        the next idx to place; None where that is not known."""
+        cycle = self.predicted_cycle()
+        out: list[Optional[int]] = []
+        for idx in range(first, end):
+            task = self.task_info.get(idx)
+            if task is not None:
+                out.append(task.worker_id)
+            elif idx >= next_idx and cycle:
+                out.append(cycle[(idx - next_idx) % len(cycle)])
+            else:
+                out.append(None)
+        return out
+
     def on_batch_made(self, worker_id: int, fetch_s: float) -> None:
         """A batch of `worker_id` took `fetch_s` to make: its moving average (call sizes, a job's balance)."""
         prev = self._fetch_s.get(worker_id)

@@ -315,6 +315,11 @@ class JobPool:
     def take_swapped(self) -> list[int]:
         return []
 
+    def node_of(self, worker_id: int) -> Optional[str]:
+        """Where worker `worker_id` runs, once it reported (the coordinator places the job's workers)."""
+        record = self.records[worker_id] if worker_id < len(self.records) else None
+        return record.node_id if record is not None else None
+
     def describe(self, worker_id: int) -> str:
         record = self.records[worker_id] if worker_id < len(self.records) else None
         where = f"pid {record.pid}, node {record.node_ip}" if record is not None else "not started"
