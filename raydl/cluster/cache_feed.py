@@ -102,10 +102,9 @@ class CacheFeed:
         return [s if n is None or n == node else [] for s, n in zip(self._steps[at:], self._nodes[at:])]
 
     def _send_plan(self, node: str, actor: Any) -> None:
-        cursor, sent = self._last
         at = self._at()
         actor.plan.remote(sid=self._sid, token=self._ds.token, first=at, steps=self._plan_for(node))
-        actor.advance.remote(sid=self._sid, cursor=at, sent=max(sent, at))
+        actor.advance.remote(sid=self._sid, cursor=at, sent=max(self._last[1], at))
 
     def add_nodes(self, node_ids: Any) -> None:
         """Workers run on these nodes: their caches get their part of the plan from the cursor on, and the nodes
