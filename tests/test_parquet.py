@@ -112,6 +112,11 @@ def _live_cache(ds):
     return ray.get_actor(_name(ray.get_runtime_context().get_node_id(), ds.cache_dir), namespace="raydl")
 
 
+def _units_bytes(ds, indices: list) -> int:
+    """Bytes of the row groups that `indices` read."""
+    return int(ds.unit_nbytes[np.unique(ds.units_of(indices))].sum()) if indices else 0
+
+
 def _held_on_disk(cache_dir: str) -> int:
     total = 0
     for name in os.listdir(cache_dir):
@@ -208,6 +213,9 @@ def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
         ids = []
         for k, batch in enumerate(loader):
             ids.extend(batch["id"].tolist())
+            # the units of the batches in flight fit in the cache beside one arriving: none is fetched twice
+            in_flight = [i for t in loader._iterator._sched.task_info.values() for i in t.index]
+            assert _units_bytes(ds, in_flight) + ds.unit_nbytes.max() <= ds.cache_limit
             if k % 5 == 0:
                 held = ray.get(cache.stats.remote(), timeout=30)["bytes_held"]
                 assert held <= ds.cache_limit and _held_on_disk(ds.cache_dir) <= ds.cache_limit

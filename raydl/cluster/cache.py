@@ -20,7 +20,9 @@ worker of the node and by every rank of a `ray_job` there.
     use of the unit to fetch; otherwise prefetching waits. A unit a worker is reading (pinned
     between `acquire` and `release`) is never evicted; one used by a batch in flight is evicted
     only to serve a worker that waits on a missing unit when nothing else can go (a limit too
-    small for the batches in flight: refetched, never a deadlock).
+    small for the batches in flight: refetched, never a deadlock). The driver keeps that from
+    happening when the plan is known: it sends a batch only while the units of the batches in
+    flight up to it fit in the cache with room for one more unit (`CacheFeed.has_room`).
   * workers `acquire` the units of a batch: they get the local paths of those present (pinned),
     read them, `release` them, and ask again for the rest; no worker holds a pin while it waits,
     so a limit of two units always makes progress. Every wait is bounded (ACQUIRE_SLICE_S per

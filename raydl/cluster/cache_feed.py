@@ -151,6 +151,22 @@ class CacheFeed:
             if target is None or n == target:
                 actor.extend.remote(sid=self._sid, token=self._ds.token, step=position, units=units)
 
+    def has_room(self, cursor: int, position: int) -> bool:
+        """Whether the batch at `position` may be sent now: on every node, the units of the batches from `cursor` to
+        it (those the node's cache is told) fit in the cache with room for one more unit arriving (NOTE [ raydl node
+        cache ]: a cache full of units of batches in flight must evict one of them for a worker that waits, and fetch
+        it again). True for a position the plan does not know yet: nothing to weigh."""
+        lo, hi = max(cursor, self._first) - self._first, position - self._first
+        if not self._open or hi < lo or hi >= len(self._steps):
+            return True
+        groups: dict = {}
+        for units, node in zip(self._steps[lo : hi + 1], self._nodes[lo : hi + 1]):
+            groups.setdefault(node, set()).update(units)
+        every = groups.pop(None, set())
+        sizes = self._ds.unit_nbytes
+        room = self._ds.cache_limit - int(sizes.max())
+        return all(int(sizes[list(every | own)].sum()) <= room for own in (groups.values() or [set()]))
+
     def advance(self, cursor: int, sent: int) -> None:
         if self._open and (cursor, sent) != self._last:
             self._last = (cursor, sent)

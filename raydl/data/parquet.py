@@ -352,6 +352,11 @@ class ParquetDataset(Dataset):
         return int(self._unit_bytes.sum())
 
     @property
+    def unit_nbytes(self) -> np.ndarray:
+        """Bytes of each unit (row group, selected columns): what the node cache holds for it."""
+        return self._unit_bytes
+
+    @property
     def column_names(self) -> list:
         return self._columns if self._columns is not None else self._footers[0].schema.to_arrow_schema().names
 

@@ -9,7 +9,9 @@ index and result queues:
     tasks travel several to an actor call when its batches are cheap (NOTE [ raydl calls ] in
     driver/schedule.py), which changes no batch;
   * the prefetch is primed with `prefetch_factor * num_workers` tasks and refilled by one task
-    each time a batch is handed out (or an iterable worker reports its end);
+    each time a batch is handed out (or an iterable worker reports its end); over a node cache,
+    a task waits while the units of the batches in flight would not fit in the cache, and the
+    tasks held back go as room comes (`_refill`; NOTE [ raydl node cache ]);
   * with in_order=True, batches are handed out in send order: the driver waits on the ref of
     task `rcvd_idx`. With in_order=False, it hands out whichever outstanding batch is ready
     first;
@@ -354,29 +356,42 @@ class _RayLoaderIter(Iterator[Any]):
         self._rcvd_idx = start  # idx of the next task to be handed out in order
         self._sched.reset(first_worker)
         self._elastic.new_epoch()
+        if self._feed is not None:  # the plan first: what the first batches may fetch is weighed too (`has_room`)
+            self._feed.begin_epoch(self._sampler_iter, {}, self._rcvd_idx, self._send_idx, self._worker_nodes())
         for _ in range(self._sched.max_tasks):
             self._try_put_index()
-        if self._feed is not None:
-            in_flight = {i: t.index for i, t in self._sched.task_info.items()}
-            self._feed.begin_epoch(self._sampler_iter, in_flight, self._rcvd_idx, self._send_idx, self._worker_nodes())
 
-    def _try_put_index(self) -> None:
-        """Draw the next index from the sampler and give it to the next eligible worker (torch's rule)."""
+    def _refill(self) -> None:
+        """After a batch is handed out: the next task, as torch sends one; and, while the node cache held some back
+        (`_try_put_index`), as many as the prefetch bound and the cache's room allow."""
+        while self._try_put_index() and self._feed is not None:
+            if self._sched.tasks_outstanding >= self._sched.max_tasks > 0:
+                return
+
+    def _try_put_index(self) -> bool:
+        """Draw the next index from the sampler and give it to the next eligible worker (torch's rule); whether a
+        task was added."""
         if 0 < self._sched.max_tasks <= self._sched.tasks_outstanding:
-            return  # the pool shrank: refills wait until the tasks in flight fit its bound
+            return False  # the pool shrank: refills wait until the tasks in flight fit its bound
+        if (
+            self._feed is not None
+            and self._sched.tasks_outstanding > 0
+            and not self._feed.has_room(self._rcvd_idx, self._send_idx)
+        ):
+            return False  # the cache cannot hold one more batch's units beside those in flight: it waits its turn
         while True:
             try:
                 index = next(self._sampler_iter)
             except StopIteration:
                 self._sched.flush_all()  # no draw will fill a call: pending tasks go now (NOTE [ raydl calls ])
-                return
+                return False
             self._ckpt.on_draw(self._send_idx, self._sampler_iter)
             if not self._ckpt.skip(self._send_idx):
                 break
             self._send_idx += 1  # handed out before the state was taken (in_order=False): not made again
         worker_id = self._sched.next_worker()
         if worker_id is None:
-            return
+            return False
         # An iterable worker only needs the batch length; its replica decides the items.
         work = (len(index) if self._auto_collation else None) if self._is_iterable else index
         if self._sample_key is not None:  # NOTE [ raydl sample seeding ]
@@ -387,6 +402,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._send_idx += 1
         if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx
             self._feed.on_send(self._send_idx - 1, index, self._pool_node(worker_id))
+        return True
 
     def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any]:
         """One call to a worker for `tasks` [(idx, work), ...] (the Schedule's `submit`; NOTE [ raydl calls ])."""
@@ -439,7 +455,7 @@ class _RayLoaderIter(Iterator[Any]):
                 self._ckpt.on_batch_failed(idx)
                 self._consume(idx)
                 # As torch does: refill before raising, so a caller that catches the error can go on.
-                self._try_put_index()
+                self._refill()
                 cause, tb = (e.error, e.traceback) if isinstance(e, _Failed) else (e.cause, remote_traceback(e))
                 raise rebuild_worker_exception(
                     cause,
@@ -452,9 +468,9 @@ class _RayLoaderIter(Iterator[Any]):
                 raise RuntimeError(f"raydl bug: read a batch from worker {data.worker_id}, whose start failed")
             if isinstance(data, StreamEnd):
                 self._retire_worker(data.worker_id)
-                self._try_put_index()
+                self._refill()
                 continue
-            self._try_put_index()
+            self._refill()
             return data
 
     def _consume(self, idx: int) -> None:
