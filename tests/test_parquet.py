@@ -584,7 +584,7 @@ def test_each_node_is_told_and_fetches_only_the_batches_its_workers_make(folder,
         return {p for p, ks in s.steps.items() if ks}
 
     try:
-        feed.begin_epoch(it, {}, 0, 0, node_ids=["A", "B"])
+        feed.begin_epoch(it, 0, node_ids=["A", "B"])
         for node, parity in (("A", 0), ("B", 1)):
             want = {keys[u][3] for p, us in enumerate(per_batch) if p % 2 == parity for u in us}
             assert held(node) == want, node
@@ -599,7 +599,7 @@ def test_each_node_is_told_and_fetches_only_the_batches_its_workers_make(folder,
         feed.close()
         # A sampler that cannot say its future: each batch is planned where it is sent.
         plain = iter(range(len(ds)))
-        feed.begin_epoch(plain, {}, 0, 0, node_ids=["A", "B"])
+        feed.begin_epoch(plain, 0, node_ids=["A", "B"])
         feed.on_send(0, list(range(ROWS)), "B")
         feed.on_send(1, list(range(ROWS, 2 * ROWS)), "A")
         assert planned("A", feed._sid) == {1} and planned("B", feed._sid) == {0}

@@ -51,8 +51,9 @@ class CacheFeed:
             return None
         return CacheFeed(dataset, batch_size or 1, where)
 
-    def begin_epoch(self, sampler_iter: Any, in_flight: dict, first: int, sent: int, node_ids: Any = ()) -> None:
-        """Send the epoch's plan: the batches in flight (`in_flight`: position -> indices), then what the sampler knows ahead."""
+    def begin_epoch(self, sampler_iter: Any, first: int, node_ids: Any = ()) -> None:
+        """Send the epoch's plan from batch position `first` on, before any of its batches is sent: what the sampler
+        knows ahead (the driver weighs each batch against it before sending it: `has_room`)."""
         import ray
 
         from .connect import ray_session
@@ -61,9 +62,7 @@ class CacheFeed:
         self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
         self._session = ray_session()
         self._actors, self._bases = {}, {}
-        steps = [
-            np.unique(self._ds.units_of(in_flight[p])).tolist() if p in in_flight else [] for p in range(first, sent)
-        ]
+        steps: list = []
         ahead = self._ds.raydl_order_ahead(sampler_iter)
         if ahead is not None and len(ahead):
             units = self._ds.units_of(ahead)
@@ -71,7 +70,7 @@ class CacheFeed:
                 steps.append(np.unique(units[i : i + self._batch]).tolist())
         self._steps, self._first = steps, first
         self._nodes = [None] * len(steps)
-        self._last = (first, sent)
+        self._last = (first, first)
         self._open = True
         node_ids = list(node_ids)
         # Workers not placed yet (a first epoch): the driver's node until they say where they run.

@@ -14,14 +14,24 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from typing import Any, Callable, Optional
 
 import torch
 from torch.utils.data._utils.pin_memory import pin_memory as _torch_pin_memory
 
 from .._constants import PIN_LOOKAHEAD_BATCHES, PIN_THREAD_JOIN_TIMEOUT_S, STATUS_CHECK_INTERVAL_S
+from ..worker.transfer import decode
 
-__all__ = ["pin_memory", "pin_memory_target", "warn_pin_memory_args", "PinStage", "DeviceCopier", "resolve_device"]
+__all__ = [
+    "pin_memory",
+    "pin_memory_target",
+    "warn_pin_memory_args",
+    "PinStage",
+    "PinnedBatches",
+    "DeviceCopier",
+    "resolve_device",
+]
 
 _DATA, _ERROR = "data", "error"
 
@@ -224,3 +234,48 @@ class PinStage:
         self._stop.set()
         if self._thread.is_alive() and threading.current_thread() is not self._thread:
             self._thread.join(timeout=PIN_THREAD_JOIN_TIMEOUT_S)
+
+
+class PinnedBatches:
+    """One iterator's batches through the pin thread (NOTE [ raydl pinning ]): up to PIN_LOOKAHEAD_BATCHES resolved
+    ahead, handed out in order, decoded into pinned memory and, with a `copier`, sent on to the device.
+
+    The stage's thread is stopped when `owner` (the iterator) is collected (NOTE [ raydl shutdown ] in driver/iter.py).
+    """
+
+    def __init__(self, owner: Any, device: Optional[str], copier: Optional[DeviceCopier], timed: Callable) -> None:
+        """`timed(fn)`: `fn` wrapped by the stats recorder (the pin time is measured)."""
+
+        def pin_fn(data: Any) -> Any:
+            pinned = pin_memory(decode(data, pin=True), device)
+            return copier(pinned) if copier is not None else pinned
+
+        self.stage = PinStage(timed(pin_fn), torch.accelerator.current_device_index())
+        stop = weakref.finalize(owner, self.stage.shutdown)
+        stop.atexit = False
+        self._copier = copier
+        self.source_ended = False  # set back to False by the iterator at each new epoch
+
+    def next(self, next_data: Callable[[], Any], running: Callable[[], bool]) -> Any:
+        """The oldest batch, pinned; StopIteration once `next_data` ended and every batch was handed out.
+
+        An error from `next_data` goes through the stage in its place and is handed out before anything after it is
+        waited on; the source counts as ended after it when `running()` says the iterator stopped."""
+        stage = self.stage
+        while stage.in_flight < PIN_LOOKAHEAD_BATCHES and not self.source_ended:
+            try:
+                stage.submit_data(next_data())
+            except StopIteration:
+                self.source_ended = True
+            except Exception as e:
+                stage.submit_error(e)
+                if not running():
+                    self.source_ended = True
+                break
+        if stage.in_flight == 0:
+            raise StopIteration
+        data = stage.take()
+        return self._copier.finish(data) if self._copier is not None else data
+
+    def shutdown(self) -> None:
+        self.stage.shutdown()

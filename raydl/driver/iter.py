@@ -57,28 +57,24 @@ import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import torch
 from torch.utils.data import IterableDataset
 
-from .._constants import PIN_LOOKAHEAD_BATCHES, STATUS_CHECK_INTERVAL_S
+from .._constants import STATUS_CHECK_INTERVAL_S
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
 from .._options import RayOptions
 from ..cluster.cache_feed import CacheFeed
 from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
-from ..cluster.placement import worker_placement
-from ..cluster.pool import WorkerPool
 from ..cluster.startup import wait_for_early_start
-from ..data.payload import put_payload
 from ..job.elastic import JobElastic
-from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
-from ..worker.actor import BatchFailed, BatchMeta, WorkerPayload
+from ..worker.actor import BatchFailed, BatchMeta
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .calls import CallSender
-from .checkpoint import Tracker, iterator_base_seed, track_rng_enabled
-from .device import DeviceCopier, PinStage, pin_memory, pin_memory_target, resolve_device, warn_pin_memory_args
+from .checkpoint import Tracker, iterator_base_seed
+from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
+from .pool_choice import make_pool, worker_payload
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .stats import make_recorder
@@ -141,8 +137,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._in_order = loader.in_order
         self._IterableDataset_len_called = loader._IterableDataset_len_called
         self._state = _State.RUNNING
-        self._pin_stage: Optional[PinStage] = None
-        self._source_ended = False
+        self._pinned: Optional[PinnedBatches] = None  # made at the first pinned batch
         # a dataset streamed through the node cache, which is told the epoch's order (NOTE [ raydl node cache ])
         self._feed = CacheFeed.for_dataset(
             loader.dataset,
@@ -181,50 +176,15 @@ class _RayLoaderIter(Iterator[Any]):
         self._via_client = (
             ray.util.client.ray.is_connected()
         )  # Ray Client: batches are copied (NOTE [ raydl zero-copy ])
-        payload = WorkerPayload(
-            dataset=loader.dataset,
-            is_iterable=self._is_iterable,
-            auto_collation=self._auto_collation,
-            collate_fn=loader.collate_fn,
-            drop_last=loader.drop_last,
-            worker_init_fn=loader.worker_init_fn,
-            threads_per_worker=options.threads_per_worker,
-            seed_per_batch=options.seed == "batch",
-            keyed_seeds=options.seed == "sample" or options.job is not None,
-            stats_name=(options.name or type(loader.dataset).__name__) if options.stats else None,
-        )
+        payload = worker_payload(loader, options, self._is_iterable, self._auto_collation)
         actor_options = worker_actor_options(options.remote_args)
         warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
-        self._job_rank: Optional[int] = None
+        # the job's pool, shared by its ranks, or one of its own (NOTE [ raydl pool choice ])
         self._pool: Any
-        if options.job is not None:  # the job's pool, shared by its ranks (NOTE [ raydl job pool ])
-            rank, world = rank_and_world()
-            self._job_rank = rank
-            self._pool = JobPool(
-                job_name(options.job),
-                rank,
-                world,
-                self._num_workers,
-                lambda: put_payload(payload, options.shared_dataset_memory),
-                job_fingerprint(loader, options),
-                self._base_seed,
-                actor_options,
-                options.startup_timeout_s,
-                max_workers=options.max_workers,
-            )
-        else:
-            self._pool = WorkerPool(
-                put_payload(payload, options.shared_dataset_memory),
-                self._num_workers,
-                self._base_seed,
-                actor_options,
-                reuse=options.reuse_workers,
-                # None when ray_remote_args says where workers go (NOTE [ raydl placement ])
-                placement=worker_placement(actor_options, self._driver_node_id),
-                worker_states=self._ckpt.worker_states,
-                track_rng=track_rng_enabled(),
-                epoch=self._epoch,
-            )
+        self._job_rank: Optional[int]
+        self._pool, self._job_rank = make_pool(
+            loader, options, payload, self._base_seed, self._ckpt, self._driver_node_id, self._epoch, actor_options
+        )
         self._calls = CallSender(self._pool, self._driver_node_id)  # NOTE [ raydl calls ]
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
@@ -325,9 +285,9 @@ class _RayLoaderIter(Iterator[Any]):
         if self._state == _State.SHUT_DOWN:
             return
         self._state = _State.SHUT_DOWN
-        if self._pin_stage is not None:
-            self._pin_stage.shutdown()
-            self._pin_stage = None
+        if self._pinned is not None:
+            self._pinned.shutdown()
+            self._pinned = None
         self._release_workers()
         logger.debug("raydl: iterator shut down")
 
@@ -345,7 +305,8 @@ class _RayLoaderIter(Iterator[Any]):
             self._epoch += 1
             self._pool.epoch = self._epoch
             self._state = _State.RUNNING
-            self._source_ended = False
+            if self._pinned is not None:
+                self._pinned.source_ended = False
         self.stats_recorder.begin_epoch()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
         start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
@@ -357,7 +318,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._sched.reset(first_worker)
         self._elastic.new_epoch()
         if self._feed is not None:  # the plan first: what the first batches may fetch is weighed too (`has_room`)
-            self._feed.begin_epoch(self._sampler_iter, {}, self._rcvd_idx, self._send_idx, self._worker_nodes())
+            self._feed.begin_epoch(self._sampler_iter, self._rcvd_idx, self._worker_nodes())
         for _ in range(self._sched.max_tasks):
             self._try_put_index()
 
@@ -608,31 +569,13 @@ class _RayLoaderIter(Iterator[Any]):
     # ------------------------------------------------------------------ pinning
 
     def _next_pinned(self) -> Any:
-        """Keep up to PIN_LOOKAHEAD_BATCHES resolved batches in the pin thread; hand out the oldest."""
-        if self._pin_stage is None:
-            device, copier = self._pin_device, self._copier
-
-            def pin_fn(data: Any) -> Any:
-                pinned = pin_memory(decode(data, pin=True), device)
-                return copier(pinned) if copier is not None else pinned
-
-            self._pin_stage = PinStage(self.stats_recorder.timed_pin(pin_fn), torch.accelerator.current_device_index())
-            stop = weakref.finalize(self, self._pin_stage.shutdown)  # NOTE [ raydl shutdown ]
-            stop.atexit = False
-        stage = self._pin_stage
-        while stage.in_flight < PIN_LOOKAHEAD_BATCHES and not self._source_ended:
-            try:
-                stage.submit_data(self._next_data())
-            except StopIteration:
-                self._source_ended = True
-            except Exception as e:
-                stage.submit_error(e)
-                if self._state != _State.RUNNING:
-                    self._source_ended = True
-                break  # hand the error out before waiting on anything after it
-        if stage.in_flight == 0:
+        """The next batch through the pin thread (NOTE [ raydl pinning ] in driver/device.py)."""
+        if self._pinned is None:
+            recorder = self.stats_recorder
+            self._pinned = PinnedBatches(self, self._pin_device, self._copier, recorder.timed_pin)
+        try:
+            return self._pinned.next(self._next_data, lambda: self._state == _State.RUNNING)
+        except StopIteration:
             if not self._persistent_workers:
                 self.shutdown()
-            raise StopIteration
-        data = stage.take()
-        return self._copier.finish(data) if self._copier is not None else data
+            raise
