@@ -149,9 +149,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             soon as torch's. User code (the dataset, collate_fn, worker_init_fn) then runs in this
             process for those batches. Map-style datasets with ray_seed="worker", without
             pinning, ray_device or ray_job (NOTE [ raydl cold start ]). ``False``: every batch is
-            made in a worker, after Ray and the workers started. Defaults to ``None``: ``False``
-            unless the environment sets ``RAYDL_COLD_START=1`` (off by default: a script that calls
-            Ray itself right after its first batches can race the background start).
+            made in a worker, after Ray and the workers started. Defaults to ``None``: ``True``
+            unless the environment sets ``RAYDL_COLD_START=0``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration
     (in the background on a cold start: see ``ray_cold_start``).
@@ -216,8 +215,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             name=ray_name,
             job=ray_job,
             batches_per_call=None if ray_batches_per_call == "auto" else ray_batches_per_call,
-            # None: the process-wide default, off unless RAYDL_COLD_START=1 (NOTE [ raydl cold start ])
-            cold_start=os.environ.get("RAYDL_COLD_START", "0") == "1" if ray_cold_start is None else ray_cold_start,
+            # None: the process-wide default, on unless RAYDL_COLD_START=0 (NOTE [ raydl cold start ])
+            cold_start=os.environ.get("RAYDL_COLD_START", "1") != "0" if ray_cold_start is None else ray_cold_start,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()

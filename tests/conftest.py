@@ -16,8 +16,9 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 os.environ.setdefault("RAY_worker_niceness", "0")
 
 # A loader iterated in a process with no Ray yet makes its first batches in that process (NOTE [ raydl cold
-# start ]): the default, which the fresh drivers (the examples, the README's commands) run with. The in-process
-# tests share the suite's Ray (`ray_session`), so their batches all come from workers.
+# start ]): the default, which the fresh drivers (the examples, the README's commands) run with. In pytest's own
+# process loaders default to ray_cold_start=False (`pytest_configure`): its tests check what workers do, and one
+# that iterates before another built the suite's Ray (`ray_session`) would otherwise make its batches here.
 
 import pytest  # noqa: E402
 
@@ -33,10 +34,11 @@ def pytest_addoption(parser):
 
 
 def pytest_configure(config):
+    from raydl.loader import DataLoader
+
+    DataLoader.__init__.__kwdefaults__["ray_cold_start"] = False  # this process only (see above)
     k = config.getoption("--ray-batches-per-call")
     if k is not None:
-        from raydl.loader import DataLoader
-
         DataLoader.__init__.__kwdefaults__["ray_batches_per_call"] = k if k == "auto" else int(k)
 
 

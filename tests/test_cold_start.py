@@ -79,7 +79,7 @@ def _cold_epochs(max_in_driver, generator, persistent=False, epochs=2, raydl_kwa
         epochs=epochs,
         raydl_kwargs=raydl_kwargs,
     )
-    facts = read_facts(run_python(code, timeout_s=300, env_extra={"RAYDL_COLD_START": "1"}))  # opt-in
+    facts = read_facts(run_python(code, timeout_s=300))  # the default
     assert facts["same"], f"raydl's batches differ from torch's at [epoch, batch] {facts['first_diff']}: {facts}"
     assert facts["offset"] == -1, f"worker_init_fn wrote into the driver's dataset: {facts}"
     # The batches made here leave the script's torch and NumPy streams where torch's loader leaves them. Python's
@@ -120,13 +120,78 @@ def test_cold_start_off_makes_every_batch_in_a_worker():
     assert facts["kinds"] == ["_RayLoaderIter"] and facts["made"] == [None], facts
 
 
-def test_cold_start_is_off_by_default_and_the_environment_turns_it_on(monkeypatch):
-    """ray_cold_start defaults to False; RAYDL_COLD_START=1 makes the default True; an explicit argument wins."""
+def test_cold_start_is_on_by_default_and_the_environment_turns_it_off(monkeypatch):
+    """ray_cold_start defaults to True; RAYDL_COLD_START=0 makes the default False; an explicit argument wins."""
+    # the library's own default (pytest's process turns it off for the suite's in-process tests: conftest.py)
+    monkeypatch.setitem(raydl.DataLoader.__init__.__kwdefaults__, "ray_cold_start", None)
     monkeypatch.delenv("RAYDL_COLD_START", raising=False)
-    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is False
-    monkeypatch.setenv("RAYDL_COLD_START", "1")
     assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is True
-    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start=False).ray_cold_start is False
+    monkeypatch.setenv("RAYDL_COLD_START", "0")
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is False
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start=True).ray_cold_start is True
+
+
+# A fresh driver whose own Ray call comes while raydl's background start is inside `ray.init` (held there 1.5 s, in
+# raydl's thread only): Ray initializes itself on first use, so without raydl's init under Ray's auto-init lock the
+# two inits overlapped and the script's failed with "ray.init twice" when raydl's connected first (Lightning DDP
+# ranks reading their Ray context before their first epoch ended, 1 run in 4; here the script's connect is held
+# until raydl's is done, so that order is certain). The call waits for raydl's Ray and uses it; the epoch is torch's.
+_RACE_SCRIPT = r"""
+import json, threading, time
+import torch
+import ray, ray._private.worker as ray_worker
+import raydl
+from torch.utils.data import Dataset
+
+inside = threading.Event()
+real_connect = ray_worker.connect
+
+
+def held_connect(*args, **kwargs):
+    if threading.current_thread() is not threading.main_thread():  # raydl's start
+        inside.set()
+        time.sleep(1.5)  # the script's own call comes meanwhile
+    else:  # the script's own init, had it begun one: it connects after raydl's, the order that failed
+        deadline = time.monotonic() + 60
+        while not ray_worker.global_worker.connected and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return real_connect(*args, **kwargs)
+
+
+ray_worker.connect = held_connect
+
+
+class Squares(Dataset):
+    def __len__(self):
+        return 24
+
+    def __getitem__(self, i):
+        return torch.tensor([i * i, torch.randint(0, 1000, ()).item()])
+
+
+def run(DataLoader, probe):
+    torch.manual_seed(3)
+    batches, context = [], None
+    for b in DataLoader(Squares(), batch_size=4, shuffle=True, num_workers=2):
+        batches.append(b.tolist())
+        if probe and len(batches) == 2:  # Ray's start begins as the second batch is asked for (NOTE [ raydl cold start ])
+            assert inside.wait(60), "raydl's background start never reached ray.init"
+            context = ray.get_runtime_context().gcs_address  # Ray auto-initializes here: raydl's start is under way
+    return batches, context
+
+
+expected, _ = run(torch.utils.data.DataLoader, probe=False)
+got, context = run(raydl.DataLoader, probe=True)
+print("FACTS " + json.dumps({"same": got == expected, "context": context,
+                            "loader_gcs": ray.get_runtime_context().gcs_address}))
+"""
+
+
+def test_scripts_own_ray_call_during_the_background_start_waits_for_it():
+    """The script's `ray.get_runtime_context()` while raydl's cold start is inside ray.init: one Ray, torch's batches."""
+    facts = read_facts(run_python(_RACE_SCRIPT, timeout_s=300))
+    assert facts["same"], facts
+    assert facts["context"] is not None and facts["context"] == facts["loader_gcs"], facts
 
 
 def test_ray_cold_start_must_be_a_bool():
@@ -137,7 +202,9 @@ def test_ray_cold_start_must_be_a_bool():
 
 def test_no_cold_start_once_ray_runs(ray_session):
     """With Ray up in this process, iter() is the Ray iterator as before."""
-    loader = raydl.DataLoader(D.RangeDataset(8), batch_size=2, num_workers=2, ray_remote_args={"num_cpus": 0})
+    loader = raydl.DataLoader(
+        D.RangeDataset(8), batch_size=2, num_workers=2, ray_remote_args={"num_cpus": 0}, ray_cold_start=True
+    )
     it = iter(loader)
     assert type(it) is _RayLoaderIter and not isinstance(it, ColdStartIter)
     assert [b.tolist() for b in it] == [

@@ -115,6 +115,9 @@ def test_lightning_ddp_two_processes_rebuild_raydl_loaders_on_one_ray(ray_sessio
     # RAY_AUTH_MODE=token (set by ray.init for its cluster) and the loopback flag are inherited.
     env.update(RAY_ADDRESS=gcs_address, PYTHONPATH=os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")])))
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # Every batch from the Ray workers (what this test checks): a cold start would make the first ones (here all
+    # 3 steps) in each rank. The ranks' Ray call during a cold start is tests/test_cold_start.py's.
+    env["RAYDL_COLD_START"] = "0"
     proc = subprocess.run(
         [sys.executable, os.path.join(REPO, "tests", "_lightning_ddp_main.py"), "--out", str(tmp_path)],
         cwd=REPO,

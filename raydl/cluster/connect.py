@@ -9,7 +9,8 @@ construction:
      them (NOTE [ raydl node Ray ] in cluster/node_ray.py),
   5. a local Ray started by raydl, listening on loopback only.
 
-The one private touch of Ray in raydl is here. Ray reads `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`
+The private touches of Ray in raydl are here: its loopback flag, the lock around its
+automatic init (`_init_unless_connected`) and the one around its shutdown (`ray_calls`). Ray reads `RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER`
 once, when `ray` is imported, into `ray._private.ray_constants.ENABLE_RAY_CLUSTER`; while it
 is False, a local Ray binds 127.0.0.1 instead of every interface. raydl sets it (and the
 environment variable, which Ray's own processes inherit) only around its own local start and
@@ -184,7 +185,7 @@ def _connect(address: str, source: str) -> None:
     logger.debug("raydl: connecting to Ray at %s (from %s)", address, source)
     _probe(address, source)
     try:
-        ray.init(address=address)
+        _init_unless_connected(ray, address=address)
     except (ConnectionError, TimeoutError, ValueError, RuntimeError) as e:
         raise ConnectionError(
             f"raydl could not connect to the Ray cluster at {address!r} (given by {source}): {e}. "
@@ -212,6 +213,22 @@ def _loopback() -> Iterator[None]:
             os.environ[_LOOPBACK_ENV_VAR] = saved_env
 
 
+def _init_unless_connected(ray: Any, **kwargs: Any) -> None:
+    """`ray.init(**kwargs)` under the lock Ray takes around its own automatic init (the second private touch of Ray
+    here, checked against Ray 2.60), unless this process connected meanwhile.
+
+    raydl may start Ray in a background thread (`raydl.start()`, a cold start: NOTE [ raydl cold start ] in
+    driver/coldstart.py) while the script's thread calls a Ray API that initializes Ray on first use
+    (`ray.get_runtime_context()`, `ray.get`, `.remote()`): Ray checks and inits under this lock, so the script's call
+    now waits for raydl's start and then uses that Ray, where two inits at once failed with Ray's "ray.init twice"
+    error. And if the script's call connected first, raydl uses its Ray."""
+    hook = getattr(getattr(ray, "_private", None), "auto_init_hook", None)
+    lock = getattr(hook, "auto_init_lock", None)
+    with lock if lock is not None else contextlib.nullcontext():
+        if not ray.is_initialized():
+            ray.init(**kwargs)
+
+
 def _connect_loopback(address: str) -> None:
     """Join a Ray on this node's loopback (it keeps 127.0.0.1, not a routable address)."""
     with _loopback():
@@ -233,7 +250,7 @@ def _start_local_ray() -> str:
             # run at the trainer's. On the Ray raydl starts for this process only, keep them there
             # too (NOTE [ raydl worker niceness ]); RAY_worker_niceness, if set, still wins.
             system_config["worker_niceness"] = 0
-        ray.init(address="local", include_dashboard=False, _system_config=system_config)
+        _init_unless_connected(ray, address="local", include_dashboard=False, _system_config=system_config)
         logger.debug("raydl: local Ray up in %.2f s", time.monotonic() - t0)
     return ray.get_runtime_context().gcs_address
 

@@ -36,11 +36,13 @@ first batches come sooner; the first epoch lasts at least Ray's and the workers'
 The batches are those of a loader whose workers made them all, batch for batch: torch's.
 Which batches the driver made depends only on timing; their content does not.
 Applies to: num_workers > 0, a map-style dataset, `ray_seed="worker"` without `ray_job`, no
-pinning or `ray_device`, no loaded state, `ray_cold_start=True` (or RAYDL_COLD_START=1 in the
-environment). It is off by default: while Ray starts in the background, a script's own Ray call
-(`ray.get_runtime_context()`, which auto-initializes Ray) races that start and fails with Ray's
-"ray.init twice" error (seen in tests/test_integrations.py's Lightning DDP ranks, which read
-their Ray context right after their first epoch). Otherwise the
+pinning or `ray_device`, no loaded state, `ray_cold_start` not False (the default: on unless
+RAYDL_COLD_START=0 in the environment). A script's own Ray call while Ray starts in the
+background (`ray.get_runtime_context()`, `ray.get`: Ray initializes itself on first use) waits for
+that start and then uses its Ray: raydl inits under the lock Ray's own automatic init takes
+(`_init_unless_connected` in cluster/connect.py); without it the two inits raced and one failed
+with Ray's "ray.init twice" error (seen in Lightning DDP ranks that read their Ray context before
+their first epoch ended; tests/test_cold_start.py repeats it). Otherwise the
 iterator is today's: IterableDataset streams stay in their workers (a stream's position cannot
 be handed from the driver to an actor unless it has a `state_dict()`).
 Costs and limits: each shadow holds a copy of the dataset (large arrays shared, see
