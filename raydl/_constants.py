@@ -81,3 +81,8 @@ AUTOSCALE_UNDO_WINDOWS = 2
 CALL_TARGET_S = 0.005
 # ... and never more than this many, nor more than the worker's share of the prefetch bound.
 MAX_BATCHES_PER_CALL = 8
+# NOTE [ raydl lane, driver ] in driver/lane.py: the longest a worker's lane may take to open (else Ray's calls) ...
+LANE_OPEN_S = 10.0
+# ... and the largest batch (bytes of its arrays) for which a worker gets a lane: above it, copying the batch
+# through a socket costs more than Ray's call, and Ray's object store maps it without a copy (NOTE [ raydl zero-copy ]).
+LANE_MAX_BATCH_BYTES = 256 * 1024

@@ -33,6 +33,7 @@ class RayOptions:
     job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
     batches_per_call: Optional[int] = None  # None ("auto"): adaptive (NOTE [ raydl calls ] in driver/schedule.py)
     cold_start: bool = True  # NOTE [ raydl cold start ] in driver/coldstart.py
+    lane: bool = True  # NOTE [ raydl lane ] in worker/lane.py
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -87,6 +88,8 @@ class RayOptions:
             )
         if not isinstance(self.cold_start, bool):
             raise TypeError(f"ray_cold_start should be True or False, got {self.cold_start!r}")
+        if not isinstance(self.lane, bool):
+            raise TypeError(f"ray_lane should be True or False, got {self.lane!r}")
         if not isinstance(self.stats, bool):
             raise TypeError(f"ray_stats should be True or False, got {self.stats!r}")
         if self.name is not None and (not isinstance(self.name, str) or not self.name.strip()):
@@ -114,6 +117,7 @@ class RayOptions:
             job=getattr(loader, "ray_job", defaults.job),
             batches_per_call=_batches_per_call(getattr(loader, "ray_batches_per_call", "auto")),
             cold_start=getattr(loader, "ray_cold_start", defaults.cold_start),
+            lane=getattr(loader, "ray_lane", defaults.lane),
         )
 
 

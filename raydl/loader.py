@@ -151,6 +151,13 @@ class DataLoader(_TorchDataLoader[T_co]):
             pinning, ray_device or ray_job (NOTE [ raydl cold start ]). ``False``: every batch is
             made in a worker, after Ray and the workers started. Defaults to ``None``: ``True``
             unless the environment sets ``RAYDL_COLD_START=0``.
+        ray_lane (bool): a worker on this process's node whose batches are small (at most
+            256 KiB of arrays: they travel pickled through the socket, where Ray's object store
+            maps large ones without a copy) gets its calls over a local socket (a "lane")
+            instead of one Ray actor call each, once it started: a batch then costs the trainer's
+            core a quarter as much (NOTE [ raydl lane ] in raydl/worker/lane.py). Workers on other
+            nodes, ``in_order=False``, ``ray_job`` and Ray Client keep Ray's calls. The batches are
+            the same either way. ``False``: every call through Ray. Defaults to ``True``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration
     (in the background on a cold start: see ``ray_cold_start``).
@@ -195,6 +202,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_job: Any = None,
         ray_batches_per_call: int | str = "auto",
         ray_cold_start: Optional[bool] = None,
+        ray_lane: bool = True,
     ) -> None:
         if ray_job is False:
             ray_job = None
@@ -217,6 +225,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             batches_per_call=None if ray_batches_per_call == "auto" else ray_batches_per_call,
             # None: the process-wide default, on unless RAYDL_COLD_START=0 (NOTE [ raydl cold start ])
             cold_start=os.environ.get("RAYDL_COLD_START", "1") != "0" if ray_cold_start is None else ray_cold_start,
+            lane=ray_lane,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -234,6 +243,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_max_workers = options.max_workers
         self.ray_batches_per_call = "auto" if options.batches_per_call is None else options.batches_per_call
         self.ray_cold_start = options.cold_start
+        self.ray_lane = options.lane
         self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
         self.ray_stats = options.stats
         self.ray_name = options.name

@@ -31,12 +31,20 @@ def pytest_addoption(parser):
         "(an int forces several batches per actor call; NOTE [ raydl calls ]): the parity and property tests "
         "must pass unchanged with it",
     )
+    parser.addoption(
+        "--no-ray-lane",
+        action="store_true",
+        help="run every raydl.DataLoader built in this process with ray_lane=False by default (every call through "
+        "Ray, NOTE [ raydl lane ]): the parity, property and recovery tests pass either way",
+    )
 
 
 def pytest_configure(config):
     from raydl.loader import DataLoader
 
     DataLoader.__init__.__kwdefaults__["ray_cold_start"] = False  # this process only (see above)
+    if config.getoption("--no-ray-lane"):
+        DataLoader.__init__.__kwdefaults__["ray_lane"] = False
     k = config.getoption("--ray-batches-per-call")
     if k is not None:
         DataLoader.__init__.__kwdefaults__["ray_batches_per_call"] = k if k == "auto" else int(k)

@@ -9,29 +9,65 @@ hands the calls whose results the driver no longer needs back to the pool, once 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
+
+from .lane import Lanes, LaneTicket
 
 __all__ = ["CallSender"]
 
 
 class CallSender:
-    """The calls of one iterator's pool; `driver_node_id`: the node this process runs on."""
+    """The calls of one iterator's pool; `driver_node_id`: the node this process runs on; `lanes`: local workers'
+    calls go over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py)."""
 
-    def __init__(self, pool: Any, driver_node_id: str) -> None:
+    def __init__(self, pool: Any, driver_node_id: str, lanes: bool = False) -> None:
         self._pool = pool
         self._driver_node_id = driver_node_id
         self._methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
+        self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id) if lanes else None
 
     def send(self, worker_id: int, epoch: int, tasks: list) -> tuple[Any, Any]:
-        """One call to a worker for `tasks` [(idx, work), ...]: (batches ref, metas ref)."""
+        """One call to a worker for `tasks` [(idx, work), ...]: (batches ref, metas ref), or (LaneTicket, None)."""
+        if self._lanes is not None:
+            lane = self._lanes.lane_for(worker_id)
+            if lane is not None:
+                return self._lanes.send(lane, worker_id, epoch, tasks), None
         actor = self._pool.actors[worker_id]
         cached = self._methods.get(worker_id)
         if cached is None or cached[0] is not actor:  # `.options()` once per actor: ~25 us a call (Ray 2.60)
             cached = self._methods[worker_id] = (actor, actor.fetch_many.options(num_returns=2))
         ref, meta_ref = cached[1].remote(epoch, tasks)
+        if self._lanes is not None:
+            self._lanes.note_ray_call(worker_id)
         if self.on_other_node(worker_id):
             self.prefetch([ref])
         return ref, meta_ref
+
+    def receive(self, call: Any, timeout_s: float) -> tuple[list, list]:
+        """A call's (batches, metas), waiting at most `timeout_s` (ray's GetTimeoutError); a lane's end raises
+        LaneLost, a Ray call's worker death Ray's errors."""
+        if type(call.ref) is LaneTicket:
+            assert self._lanes is not None
+            return self._lanes.receive(call.ref, timeout_s)
+        import ray
+
+        batches, metas = ray.get([call.ref, call.meta_ref], timeout=timeout_s)
+        return batches, metas
+
+    def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
+        """A batch is in hand: its size tells whether its worker may take a lane (NOTE [ raydl lane, driver ])."""
+        if self._lanes is not None:
+            self._lanes.on_batch(worker_id, nbytes, batch)
+
+    @property
+    def lane_calls(self) -> int:
+        """Calls sent over lanes so far (NOTE [ raydl lane, driver ])."""
+        return 0 if self._lanes is None else self._lanes.calls_sent
+
+    def close(self) -> None:
+        """The iterator lets its workers go: their lanes close."""
+        if self._lanes is not None:
+            self._lanes.close()
 
     @staticmethod
     def prefetch(refs: list) -> None:
@@ -50,9 +86,13 @@ class CallSender:
             call = task.call
             if call is not None and id(call) not in seen:
                 seen.add(id(call))
-                self._pool.abandon(task.worker_id, call.ref)
+                if type(call.ref) is LaneTicket:
+                    assert self._lanes is not None
+                    self._lanes.abandon(call.ref)
+                else:
+                    self._pool.abandon(task.worker_id, call.ref)
 
     def start_transfers(self, tasks: Any) -> None:
         """The workers just said where they run: calls already sent to other nodes start moving here."""
-        calls = {id(t.call): (t.call, t.worker_id) for t in tasks if t.call is not None}
+        calls = {id(t.call): (t.call, t.worker_id) for t in tasks if t.call is not None and t.call.meta_ref is not None}
         self.prefetch([c.ref for c, w in calls.values() if not c.received and self.on_other_node(w)])

@@ -74,6 +74,7 @@ from ..worker.transfer import decode
 from .calls import CallSender
 from .checkpoint import Tracker, iterator_base_seed
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
+from .lane import LaneLost
 from .pool_choice import make_pool, worker_payload
 from .recovery import Recovery
 from .schedule import Schedule, Task
@@ -185,7 +186,11 @@ class _RayLoaderIter(Iterator[Any]):
         self._pool, self._job_rank = make_pool(
             loader, options, payload, self._base_seed, self._ckpt, self._driver_node_id, self._epoch, actor_options
         )
-        self._calls = CallSender(self._pool, self._driver_node_id)  # NOTE [ raydl calls ]
+        self._calls = CallSender(  # NOTE [ raydl calls ]; a local worker's lane: NOTE [ raydl lane, driver ]
+            self._pool,
+            self._driver_node_id,
+            lanes=options.lane and self._in_order and self._job_rank is None and not self._via_client,
+        )
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
         self._sched = Schedule(
@@ -449,6 +454,8 @@ class _RayLoaderIter(Iterator[Any]):
     def _release_workers(self) -> None:
         """Steps 2 and 3 of NOTE [ raydl shutdown ]: drop buffered refs, kill the actors (or keep them warm)."""
         self._drop_all_tasks()
+        if hasattr(self, "_calls"):
+            self._calls.close()
         if getattr(self, "_feed", None) is not None:
             self._feed.close()
         self._release_pool.detach()
@@ -493,7 +500,6 @@ class _RayLoaderIter(Iterator[Any]):
             RuntimeError: torch's timeout error, with the batch and worker named.
             WorkerDiedError: the worker died and cannot be replaced (NOTE [ raydl recovery ]).
         """
-        import ray
         from ray.exceptions import ActorUnschedulableError, GetTimeoutError, ObjectLostError, RayActorError
 
         deadline = self._waits.deadline()
@@ -502,16 +508,17 @@ class _RayLoaderIter(Iterator[Any]):
                 call = task.call
                 assert call is not None, "raydl bug: waiting on a task no call carries"
                 if not call.received:  # one get for the whole call (NOTE [ raydl calls ])
-                    call.batches, call.metas = ray.get([call.ref, call.meta_ref], timeout=STATUS_CHECK_INTERVAL_S)
+                    call.batches, call.metas = self._calls.receive(call, STATUS_CHECK_INTERVAL_S)
                 data, meta = call.take(idx)
                 if isinstance(data, BatchFailed):
                     raise _Failed(data.error, data.traceback)
+                self._calls.on_batch(task.worker_id, meta.nbytes, data)
                 self._on_batch_made(idx, task, meta)
                 self._waits.on_batch(task)
                 return data
             except GetTimeoutError:
                 self._waits.after_slice(idx, task, deadline)  # torch's timeout error, or a stall warning
-            except (RayActorError, ObjectLostError, ActorUnschedulableError) as e:
+            except (RayActorError, ObjectLostError, ActorUnschedulableError, LaneLost) as e:
                 self._recover(task.worker_id, e)
                 task = self._sched.task_info[idx]
                 if task.held:  # in_order=False picked a later batch of the worker: it waits its turn

@@ -345,7 +345,8 @@ class StatsRecorder:
             return len(sched.task_info), 0
         ray = self._ray
         try:
-            meta_refs = [c.meta_ref for c in calls.values()]
+            # a lane's call (NOTE [ raydl lane, driver ]) has no metas to peek at before it is read
+            meta_refs = [c.meta_ref for c in calls.values() if c.meta_ref is not None]
             ready, _ = ray.wait(meta_refs, num_returns=len(meta_refs), timeout=0, fetch_local=False)
             made = dict(zip(ready, ray.get(ready, timeout=5))) if ready else {}
         except Exception:  # a dead worker's task: its figures are unknown, not an error here

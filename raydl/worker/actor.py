@@ -38,6 +38,7 @@ from .._errors import TRACEBACK_ATTR, annotate_traceback
 from .._measures import batch_nbytes, observe_batch_time
 from ..data.share import open_payload
 from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
+from .lane import Turns, serve_lane
 from .seeding import seed_batch, seed_sample
 from .state import (
     DATASET_ITER_STATE,
@@ -189,6 +190,8 @@ class Worker:
 
     def __init__(self) -> None:
         torch.set_num_threads(1)
+        # one fetch at a time and in the order sent, by a Ray call or over a lane (NOTE [ raydl lane ] in worker/lane.py)
+        self._turns = Turns()
         self._worker_id = -1
         self._payload: Optional[WorkerPayload] = None
         self._fetcher: MapFetcher | IterableFetcher | None = None
@@ -274,6 +277,7 @@ class Worker:
 
     def reset(self) -> None:
         """Forget the current loader (dataset, fetcher, worker info) so the process can serve another."""
+        self._turns.new_loader()  # after a lane's fetch in progress; its queued calls are not made (NOTE [ raydl lane ])
         self._payload = None
         self._fetcher = None
         self._init_error = None
@@ -294,6 +298,14 @@ class Worker:
         order, as `fetch` makes each. Called with `num_returns=2`: returns their batches (a batch, a signal, or a
         `BatchFailed` when user code raised: the next tasks are still made, as a torch worker goes on after an
         error) and their `BatchMeta`s."""
+        return self._turns.ray_call(lambda: self._fetch_many(epoch, tasks))
+
+    def open_lane(self, address: str, token: bytes) -> bool:
+        """Take this loader's calls over the driver's lane at `address` too (NOTE [ raydl lane ] in worker/lane.py)."""
+        serve_lane(address, token, self._turns, self._fetch_many)
+        return True
+
+    def _fetch_many(self, epoch: int, tasks: list) -> tuple[list, list]:
         batches, metas = [], []
         for idx, work in tasks:
             started_s, t0 = time.time(), time.perf_counter()

@@ -1,0 +1,165 @@
+"""Lanes (NOTE [ raydl lane ]): a local worker's calls over a socket instead of Ray calls; the batches stay torch's.
+
+Lanes are the default, so the whole suite runs on them where they apply; `pytest --no-ray-lane` runs it with every
+call through Ray.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+import torch
+
+import raydl
+from tests import _datasets as D
+from tests._parity import assert_batches_equal, run_epochs
+from tests._resume_parity import check_resume
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+TIMEOUT_S = 120
+
+
+@pytest.fixture
+def lanes_on():
+    """Every raydl.DataLoader built in the test has ray_lane=True by default (harnesses that build torchdata's loader
+    from the same kwargs need no raydl-only argument)."""
+    defaults = raydl.DataLoader.__init__.__kwdefaults__
+    old = defaults["ray_lane"]
+    defaults["ray_lane"] = True
+    yield
+    defaults["ray_lane"] = old
+
+
+def _lane_calls(it) -> int:
+    return it._calls.lane_calls
+
+
+def test_default_configuration_on_lanes_matches_torch(lanes_on):
+    """shuffle=True, no generator, persistent workers, 3 epochs: torch's batches, and the calls went over lanes."""
+    torch.manual_seed(7)
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+    expected = run_epochs(torch.utils.data.DataLoader(D.RandomAugmentDataset(160), **kwargs), 3)
+    torch.manual_seed(7)
+    with raydl.DataLoader(D.RandomAugmentDataset(160), **kwargs) as loader:
+        actual = run_epochs(loader, 3)
+        it = loader._iterator
+        # the first calls go through Ray while the workers start; then every call takes its worker's lane
+        assert _lane_calls(it) > 0.8 * it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
+    for e, (exp, act) in enumerate(zip(expected, actual)):
+        assert len(exp) == len(act)
+        for i, (x, y) in enumerate(zip(exp, act)):
+            assert_batches_equal(x, y, f"epoch {e} batch {i}")
+
+
+def test_worker_sigkilled_on_its_lane_is_recovered():
+    """SIGKILL of a worker whose calls go over its lane: the lane's end is its death; no batch lost or repeated."""
+    loader = raydl.DataLoader(
+        D.SlowDataset(64, {i: 0.01 for i in range(64)}), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_lane=True
+    )
+    it = iter(loader)
+    out = []
+    while _lane_calls(it) < 4:  # both workers on their lanes
+        out.append(next(it).flatten().tolist())
+    os.kill(it.worker_records[1].pid, signal.SIGKILL)
+    out += [b.flatten().tolist() for b in it]
+    assert out == [[i, i + 1] for i in range(0, 64, 2)]
+    assert it._pool.restarts == [0, 1]
+
+
+def test_state_taken_on_lanes_resumes_as_torchdata(lanes_on):
+    """States after 3 and 20 batches of a loader on lanes (shuffle=True, no generator; then random draws in the
+    workers): raydl and torchdata resume each other's states batch for batch."""
+    check_resume(
+        lambda: D.RangeDataset(64),
+        lambda: dict(batch_size=2, shuffle=True),
+        num_workers=2,
+        ks=(3, 20),
+        same_uninterrupted=False,  # torchdata's RandomSampler draws a permutation more (tests/_resume_parity.py)
+        next_from_state=False,
+    )
+    check_resume(
+        lambda: D.RandomAugmentDataset(64),
+        lambda: dict(batch_size=2),
+        num_workers=2,
+        ks=(3, 20),
+        td_resume_exact=False,
+    )
+
+
+def test_error_on_a_lane_is_raised_at_its_turn_and_the_epoch_goes_on():
+    """User code raising in a lane call: torch's error at that batch; the caller catches it and gets the rest."""
+    loader = raydl.DataLoader(D.KeyErrorDataset(40), batch_size=1, num_workers=2, timeout=TIMEOUT_S, ray_lane=True)
+    it = iter(loader)
+    got = []
+    with pytest.raises(KeyError, match="missing-key"):
+        while True:
+            got.append(next(it).item())
+    got += [b.item() for b in it]
+    assert got == [i for i in range(40) if i != 3]
+
+
+def test_timeout_on_a_lane_is_torchs_error():
+    """A batch slower than `timeout` on a lane raises torch's timeout error, naming the batch."""
+    delays = {i: 0.0 for i in range(40)}
+    delays[30] = 6.0
+    loader = raydl.DataLoader(D.SlowDataset(40, delays), batch_size=1, num_workers=2, timeout=2, ray_lane=True)
+    it = iter(loader)
+    with pytest.raises(RuntimeError, match=r"DataLoader timed out after 2 seconds"):
+        for _ in it:
+            pass
+    assert _lane_calls(it) > 0
+    it.shutdown()
+
+
+def test_warm_worker_reused_after_a_lane_makes_the_next_loaders_batches():
+    """A loader on lanes ends early; its workers go back to the warm pool and the next loader's batches are its own."""
+    first = raydl.DataLoader(D.RangeDataset(64), batch_size=2, num_workers=2, ray_lane=True)
+    it = iter(first)
+    for _ in range(12):
+        next(it)
+    assert _lane_calls(it) > 0
+    pids = {r.pid for r in it.worker_records}
+    del it
+    first.shutdown()
+    second = raydl.DataLoader(D.PidDataset(16), batch_size=2, num_workers=2, ray_lane=True)
+    rows = torch.cat(list(second))
+    assert rows[:, 0].tolist() == list(range(16))
+    assert set(rows[:, 1].tolist()) <= pids  # the same processes, now the second loader's workers
+
+
+def test_no_lane_for_in_order_false():
+    """in_order=False keeps Ray's calls (its readiness wait is Ray's): every call goes through Ray."""
+    loader = raydl.DataLoader(D.RangeDataset(40), batch_size=2, num_workers=2, in_order=False, ray_lane=True)
+    it = iter(loader)
+    assert sorted(b.flatten().tolist()[0] for b in it) == list(range(0, 40, 2))
+    assert _lane_calls(it) == 0
+
+
+def test_ray_lane_must_be_a_bool():
+    with pytest.raises(TypeError, match="ray_lane should be True or False"):
+        raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_lane="yes")
+
+
+class _Large(torch.utils.data.Dataset):
+    """Samples of 64 KiB: a batch of 8 is 512 KiB, above LANE_MAX_BATCH_BYTES."""
+
+    def __len__(self):
+        return 256
+
+    def __getitem__(self, i):
+        return torch.full((16384,), float(i))
+
+
+def test_large_batches_and_ray_lane_false_keep_rays_calls():
+    """Batches above LANE_MAX_BATCH_BYTES stay on Ray's zero-copy object store; ray_lane=False never opens a lane."""
+    large = raydl.DataLoader(_Large(), batch_size=8, num_workers=2, ray_lane=True)
+    it = iter(large)
+    assert [b[:, 0].tolist() for b in it] == [[float(i) for i in range(s, s + 8)] for s in range(0, 256, 8)]
+    assert _lane_calls(it) == 0
+    off = raydl.DataLoader(D.RangeDataset(64), batch_size=2, num_workers=2, ray_lane=False)
+    it = iter(off)
+    assert [b.flatten().tolist() for b in it] == [[i, i + 1] for i in range(0, 64, 2)]
+    assert _lane_calls(it) == 0
