@@ -5,10 +5,12 @@
     python benchmarks/bench_calls.py --quick    # ~1 min
 
 Overhead floor: a 16-float sample, batch 64, 2 workers, default prefetch_factor (2), the loop does nothing
-with a batch. For torch's DataLoader, raydl with one call per batch (`ray_batches_per_call=1`, the shape
-before NOTE [ raydl calls ]) and raydl's default (`"auto"`), in rotated order, per repetition:
-  * driver CPU per batch: this process's CPU time (every thread: Ray's own included) over a measured
-    epoch, divided by its batches (torch's figure leaves out its worker processes, raydl's its actors);
+with a batch. For torch's DataLoader; raydl with every call through Ray (`ray_lane=False`), one call per
+batch (`ray_batches_per_call=1`, the shape before NOTE [ raydl calls ]) and several (`"auto"`); and raydl's
+default (lanes: NOTE [ raydl lane ]), in rotated order, per repetition:
+  * driver CPU per batch: this process's CPU time (`time.process_time()`: every thread, Ray's own included)
+    over the measured epochs, divided by their batches (torch's figure leaves out its worker processes,
+    raydl's its actors);
   * samples/s over the same epoch, and the ratio to torch's in the same repetition.
 Each loader runs one unmeasured epoch first (start-up, warm-up), then `--epochs` measured ones.
 Prints a Markdown table (median and range over repetitions); writes JSON lines to benchmarks/results/.
@@ -25,48 +27,52 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-import psutil  # noqa: E402
 import torch  # noqa: E402
 import torch.utils.data  # noqa: E402
 
 import raydl  # noqa: E402
 
 WORKLOAD = C.Workload("trivial", "overhead floor: 16-float sample, batch 64", 64 * 400, 64, "trivial")
-NAMES = ("torch", "raydl k=1", "raydl auto")
+NAMES = ("torch", "raydl Ray calls, k=1", "raydl Ray calls, auto", "raydl default (lanes)")
 
 
 def make(name: str, ds: torch.utils.data.Dataset, prefetch_factor: int):
     kw = dict(batch_size=64, num_workers=2, persistent_workers=True, prefetch_factor=prefetch_factor)
     if name == "torch":
         return torch.utils.data.DataLoader(ds, **kw)
-    return raydl.DataLoader(ds, **kw, ray_batches_per_call=1 if name == "raydl k=1" else "auto")
+    if name == "raydl default (lanes)":
+        return raydl.DataLoader(ds, **kw)
+    return raydl.DataLoader(ds, **kw, ray_lane=False, ray_batches_per_call=1 if name.endswith("k=1") else "auto")
 
 
 def measure(name: str, epochs: int, n: int, prefetch_factor: int) -> dict:
     """One loader: a warm-up epoch, then `epochs` measured ones (driver CPU us per batch, samples/s)."""
-    me = psutil.Process()
     loader = make(name, C.WorkloadDataset(WORKLOAD, n), prefetch_factor)
     for _ in loader:  # start-up and warm-up
         pass
-    sched = getattr(getattr(loader, "_iterator", None), "_sched", None)
+    it = getattr(loader, "_iterator", None)
+    sched = getattr(it, "_sched", None)
     calls0 = sched.calls_sent if sched is not None else 0
+    lane0 = it._calls.lane_calls if sched is not None else 0
     batches = samples = 0
-    c0, t0 = me.cpu_times(), time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     for _ in range(epochs):
         for x, _y in loader:
             batches += 1
             samples += len(x)
-    c1, t1 = me.cpu_times(), time.perf_counter()
+    c1, t1 = time.process_time(), time.perf_counter()
     calls = (sched.calls_sent - calls0) if sched is not None else None
+    lane_calls = (it._calls.lane_calls - lane0) if sched is not None else None
     if hasattr(loader, "shutdown"):
         loader.shutdown()
     del loader
-    cpu_s = (c1.user + c1.system) - (c0.user + c0.system)
+    cpu_s = c1 - c0
     return {
         "loader": name,
         "driver_cpu_us_per_batch": cpu_s / batches * 1e6,
         "samples_per_s": samples / (t1 - t0),
         "batches_per_call": batches / calls if calls else None,
+        "lane_share": lane_calls / calls if calls else None,
     }
 
 
@@ -104,15 +110,16 @@ def main() -> None:
         f"\n{WORKLOAD.description}, 2 workers, prefetch_factor {args.prefetch_factor}; "
         f"{reps} repetitions x {epochs} epochs of {n} samples\n"
     )
-    print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call |")
-    print("|---|---|---|---|---|")
+    print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call | calls over lanes |")
+    print("|---|---|---|---|---|---|")
     for name in names:
         r = rows[name]
         per_call = [x["batches_per_call"] for x in r if x["batches_per_call"]]
+        lanes = [x["lane_share"] for x in r if x["lane_share"] is not None]
         print(
             f"| {name} | {fmt([x['driver_cpu_us_per_batch'] for x in r], '.0f')} | "
             f"{fmt([x['samples_per_s'] for x in r], ',.0f')} | {fmt([x['ratio_to_torch'] for x in r], '.2f')} | "
-            f"{fmt(per_call, '.2f') if per_call else '-'} |"
+            f"{fmt(per_call, '.2f') if per_call else '-'} | {fmt([100 * x for x in lanes], '.0f') + ' %' if lanes else '-'} |"
         )
     os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
     out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_calls.jsonl")

@@ -49,3 +49,19 @@ def test_py_typed_ships():
     """raydl/py.typed exists and pyproject.toml ships it as package data."""
     assert (RAYDL / "py.typed").exists()
     assert '"py.typed"' in (RAYDL.parent / "pyproject.toml").read_text()
+
+
+def test_importing_raydl_does_not_import_ray():
+    """Ray reads its auth mode and loopback flag once, when first imported: raydl imports it only when it connects
+    (NOTE [ raydl node Ray ]), so no module the driver imports may import Ray at import time (a worker module did:
+    torchrun ranks joining the node's Ray lost their token)."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raydl, raydl.driver.iter, raydl.driver.coldstart, raydl.worker.actor, raydl.worker.lane; "
+        "print('ray' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "False", "importing raydl imported Ray"

@@ -16,7 +16,8 @@ index and result queues:
     task `rcvd_idx`. With in_order=False, it hands out whichever outstanding batch is ready
     first;
   * results stay in Ray's object store until handed out: `ray.get` is only called on the call
-    whose batch is about to be returned (its other batches wait there for their turn).
+    whose batch is about to be returned (its other batches wait there for their turn); a local
+    worker's call over its lane is read from its socket likewise (NOTE [ raydl lane, driver ]).
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
 A batch made on another node starts moving to the driver's node as soon as it exists, so the
 transfer overlaps the training step: `ref.future()` registers Ray's asynchronous get, which asks

@@ -145,21 +145,26 @@ class Lanes:
         """The lane, if the actor has connected (never waits for it to: its queue may hold slow calls)."""
         import ray
 
-        try:
-            sock, _ = opening.listener.accept()
-        except BlockingIOError:
-            done, _ = ray.wait([opening.reply], timeout=0, fetch_local=False)
-            if done:  # open_lane ran but no connection came: it failed (or the actor died)
-                try:
+        for attempt in range(2):
+            try:
+                sock, _ = opening.listener.accept()
+                break
+            except BlockingIOError:
+                done, _ = ray.wait([opening.reply], timeout=0, fetch_local=False)
+                if not done:
+                    return None  # the actor has not reached open_lane yet
+                if attempt == 0:
+                    continue  # it connected between the accept and the wait
+                try:  # open_lane ran and no connection came: it failed (or the actor died)
                     ray.get(opening.reply, timeout=LANE_OPEN_S)
                     why: Any = "no connection"
                 except Exception as e:  # noqa: BLE001
                     why = e
                 self._refuse(worker_id, opening.actor, why)
-            return None
-        except OSError as e:
-            self._refuse(worker_id, opening.actor, e)
-            return None
+                return None
+            except OSError as e:
+                self._refuse(worker_id, opening.actor, e)
+                return None
         sock.setblocking(True)
         conn = Connection(sock.detach())
         try:

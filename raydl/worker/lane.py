@@ -35,8 +35,6 @@ import threading
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-from ray import cloudpickle
-
 __all__ = ["serve_lane", "dumps_reply", "Turns"]
 
 logger = logging.getLogger(__name__)
@@ -47,6 +45,8 @@ def dumps_reply(value: Any) -> bytes:
     try:
         return pickle.dumps(value, protocol=5)
     except Exception:  # a batch holding a lambda, a local class...: as Ray would, with cloudpickle
+        from ray import cloudpickle  # here, not at import: the driver imports Ray late (NOTE [ raydl node Ray ])
+
         return cloudpickle.dumps(value, protocol=5)
 
 
