@@ -155,7 +155,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             256 KiB of arrays: they travel pickled through the socket, where Ray's object store
             maps large ones without a copy) gets its calls over a local socket (a "lane")
             instead of one Ray actor call each, once it started: a batch then costs the trainer's
-            core a quarter as much (NOTE [ raydl lane ] in raydl/worker/lane.py). Workers on other
+            core under a third as much (NOTE [ raydl lane ] in raydl/worker/lane.py). Workers on other
             nodes, ``in_order=False``, ``ray_job`` and Ray Client keep Ray's calls. The batches are
             the same either way. ``False``: every call through Ray. Defaults to ``True``.
 
