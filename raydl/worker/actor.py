@@ -301,8 +301,12 @@ class Worker:
         return self._turns.ray_call(lambda: self._fetch_many(epoch, tasks))
 
     def open_lane(self, address: str, token: bytes) -> bool:
-        """Take this loader's calls over the driver's lane at `address` too (NOTE [ raydl lane ] in worker/lane.py)."""
-        serve_lane(address, token, self._turns, self._fetch_many)
+        """Take this loader's calls over the driver's lane at `address` too (NOTE [ raydl lane ] in worker/lane.py);
+        False when the driver no longer listens there (its iterator ended before this call's turn came)."""
+        try:
+            serve_lane(address, token, self._turns, self._fetch_many)
+        except OSError:
+            return False
         return True
 
     def _fetch_many(self, epoch: int, tasks: list) -> tuple[list, list]:
