@@ -28,6 +28,11 @@ process (so its CPU and memory, Ray's processes included, are its own):
   nodes           torchdata.nodes as its DataLoader-migration guide builds it: SamplerWrapper ->
                   Batcher(64) -> ParallelMapper(load + collate, num_workers=2, method="process",
                   fork) -> Prefetcher -> Loader
+  ceiling         the machine's ceiling, no loader: one fresh (spawned) process per worker, side by
+                  side, each decoding, augmenting and collating batches of 64 from its own share of
+                  a shuffled epoch; images/s = all their images over the span of their steady epochs
+                  (after a first epoch each, started together at a barrier). What a loader adds on
+                  top (handing batches to a consumer, its own processes) is what it loses to this.
 
 Per loader and repetition: steady images/s (the epochs after the first: their images over the time
 from the end of epoch 1 to the end of the last), time to first batch cold (fresh process: from
@@ -58,7 +63,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(REPO, "examples"))
 from _child import RESULT_PREFIX, child_result  # noqa: E402 - no torch, no Ray
 
-LOADERS = ("torch", "raydl", "raydl-threads2", "raydata", "spdl", "spdl-io", "nodes")
+LOADERS = ("torch", "raydl", "raydl-threads2", "raydata", "spdl", "spdl-io", "nodes", "ceiling")
 PEERS = ("torch", "raydata", "spdl", "spdl-io", "nodes")
 MIB = 2**20
 
@@ -380,6 +385,9 @@ class _Marks(logging.Handler):
 
 def child(kind: str, args) -> None:
     """Measure one loader in this (fresh) process; print `RESULT {json}`."""
+    if kind == "ceiling":
+        print(RESULT_PREFIX + json.dumps(ceiling_child(args)), flush=True)
+        return
     import _common as C  # sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and usage stats off before Ray is imported
     import psutil
     import torch  # noqa: F401
@@ -469,6 +477,82 @@ def child(kind: str, args) -> None:
                 pass
             ray.shutdown()
     print(RESULT_PREFIX + json.dumps(rec), flush=True)
+
+
+def _ceiling_part(part: int, args, barrier, results) -> None:
+    """One process of the ceiling: its share of each epoch's shuffled order, batch by batch, no loader."""
+    import torch
+    from torch.utils.data import default_collate
+    from train_image_classifier import JpegFolder, TrainTransform
+
+    torch.set_num_threads(1)  # as torch's and raydl's workers do
+    ds = JpegFolder(args.data_dir, TrainTransform(224), limit=args.images)
+    g = torch.Generator()
+    g.manual_seed(1000 + part)
+
+    def epoch() -> int:
+        order = torch.randperm(len(ds), generator=g)[part :: args.num_workers].tolist()
+        n = 0
+        for s in range(0, len(order), args.batch_size):
+            images, labels = default_collate([ds[i] for i in order[s : s + args.batch_size]])
+            n += len(labels)
+            del images, labels
+        return n
+
+    epoch()  # a first epoch, as the loaders' first (files in the page cache, allocator warm)
+    barrier.wait(timeout=600)
+    t1, c1 = time.perf_counter(), time.process_time()
+    n = sum(epoch() for _ in range(args.epochs))
+    results.put((part, n, t1, time.perf_counter(), time.process_time() - c1))
+    barrier.wait(timeout=600)
+
+
+def ceiling_child(args) -> dict:
+    """The machine's ceiling for this pipeline (the `ceiling` loader of the module's docstring)."""
+    import multiprocessing as mp
+
+    import _common as C
+
+    ctx = mp.get_context("spawn")  # fresh interpreters, as a loader's workers are fresh processes
+    parties = args.num_workers
+    barrier, results = ctx.Barrier(parties + 1), ctx.Queue()
+    procs = [ctx.Process(target=_ceiling_part, args=(i, args, barrier, results)) for i in range(parties)]
+    for p in procs:
+        p.start()
+    try:
+        barrier.wait(timeout=600)  # every part finished its first epoch
+        with C.LoadMonitor() as mon:
+            barrier.wait(timeout=600)  # and its steady epochs
+        parts = [results.get(timeout=60) for _ in procs]
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    images = sum(n for _, n, _, _, _ in parts)
+    span = max(t2 for _, _, _, t2, _ in parts) - min(t1 for _, _, t1, _, _ in parts)
+    cpu = sum(c for *_, c in parts)
+    nan = float("nan")
+    return {
+        "loader": "ceiling",
+        "images_per_epoch": args.images,
+        "measured_epochs": args.epochs,
+        "images_per_s": images / span,
+        "steady_s": span,
+        "ttfb_cold_s": nan,
+        "ttfb_warm_s": nan,
+        "next_epoch_ttfb_s": nan,
+        "first_epoch_s": nan,
+        "foreign_cores_startup": 0.0,
+        "cpu_s_per_image": cpu / images,
+        "cpu_s_per_image_by_kind": {"workers": cpu / images},
+        "processes_by_kind": {"workers": parties},
+        "cores_used": cpu / span,
+        "foreign_cores": round(mon.foreign_cores, 3),
+        "loadavg1": round(os.getloadavg()[0], 2),
+        "worker_pids": [p.pid for p in procs],
+        "ray_workers_are_workers": False,
+    }
 
 
 # =========================================================================== parent
@@ -704,6 +788,7 @@ def fastest_peer_in_rep(runs: dict, peers: list, quiet_only: bool = False) -> Ca
 
 
 def fmt_range(xs: list, f: str = "{:,.0f}") -> str:
+    xs = [x for x in xs if x == x]  # the ceiling has no first batch (NaN)
     if not xs:
         return "—"
     return f"{f.format(med(xs))} ({f.format(min(xs))}–{f.format(max(xs))})"
@@ -773,6 +858,9 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
             ):
                 xs = paired(runs, k, other, quiet)
                 cells.append(f"{fmt_range(xs, '{:.2f}×')} [{len(xs)}]")
+            if "ceiling" in runs:
+                xs = paired(runs, k, rate_in_rep(runs, "ceiling", quiet), quiet)
+                cells.append(f"{fmt_range(xs, '{:.2f}')} [{len(xs)}]")
             rrows.append([k] + cells)
         if rrows:
             lines.append(
@@ -792,11 +880,27 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
                         "/ torch (target ≥ 1.1×)",
                         "/ Ray Data (target ≥ 1.5×)",
                         "/ fastest peer in the same repetition (target ≥ 0.9×)",
-                    ],
+                    ]
+                    + (["of the machine's ceiling (target ≥ 0.90)"] if "ceiling" in runs else []),
                     rrows,
                 )
             )
             lines.append("")
+    if "ceiling" in runs:
+        crows = []
+        for k in loaders:
+            if k == "ceiling" or k not in runs:
+                continue
+            xs = paired(runs, k, rate_in_rep(runs, "ceiling"))
+            qs = paired(runs, k, rate_in_rep(runs, "ceiling", True), True)
+            crows.append([k, f"{fmt_range(xs, '{:.2f}')} [{len(xs)}]", f"{fmt_range(qs, '{:.2f}')} [{len(qs)}]"])
+        lines.append(
+            "Share of the machine's ceiling (the same decode + augment + collate in one fresh process per worker, "
+            "side by side, no loader), paired per repetition:"
+        )
+        lines.append("")
+        lines.append(C.md_table(["loader", "all repetitions", "undisturbed"], crows))
+        lines.append("")
     if "raydl" in runs and "raydata" in runs:
         ratio_cold = med([r["ttfb_cold_s"] for r in runs["raydl"]]) / med([r["ttfb_cold_s"] for r in runs["raydata"]])
         ratio_warm = med([r["ttfb_warm_s"] for r in runs["raydl"]]) / med([r["ttfb_warm_s"] for r in runs["raydata"]])
@@ -877,7 +981,7 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    ks = [k for k in loaders if runs.get(k)]
+    ks_all = [k for k in loaders if runs.get(k)]
     colors = {
         "torch": "#4c72b0",
         "raydl": "#dd8452",
@@ -886,6 +990,7 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
         "spdl": "#8172b3",
         "spdl-io": "#937860",
         "nodes": "#da8bc3",
+        "ceiling": "#bbbbbb",
     }
     panels = [
         ("images_per_s", "steady images/s", 1.0),
@@ -895,6 +1000,7 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
     ]
     fig, axes = plt.subplots(1, 4, figsize=(16, 4.2))
     for ax, (key, label, scale) in zip(axes, panels):
+        ks = [k for k in ks_all if runs[k][0][key] == runs[k][0][key]]  # the ceiling has no first batch
         ys = [med([r[key] * scale for r in runs[k]]) for k in ks]
         lo = [y - min(r[key] * scale for r in runs[k]) for y, k in zip(ys, ks)]
         hi = [max(r[key] * scale for r in runs[k]) - y for y, k in zip(ys, ks)]

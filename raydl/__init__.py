@@ -5,10 +5,12 @@ actors instead of worker processes: on a laptop with no set-up, or across a Ray 
 
 Reuse policy: raydl subclasses the public `torch.utils.data.DataLoader` (trainers check
 `isinstance` and re-instantiate it; torch's constructor also gives its argument checks and
-messages). It uses public torch APIs otherwise, with two private touches, each confined to one
-module and checked against torch 2.13: torch's pin helper (`driver/device.py`) and torch's worker-info
-global (`worker/actor.py`). The epoch iterator is raydl's own; nothing builds on torch's private
-iterator classes. One private Ray constant is touched, in `cluster/connect.py` (loopback start-up).
+messages). It uses public torch APIs otherwise, with three private touches, each confined and checked
+against torch 2.13: torch's pin helper (`driver/device.py`), torch's worker-info global
+(`worker/actor.py`, cleared around a collate in `worker/collate.py`) and the count of a storage's
+holders (`worker/collate.py`, before a batch buffer is reused). The epoch iterator is raydl's own;
+nothing builds on torch's private iterator classes. Ray's private parts are touched in
+`cluster/connect.py` only (the loopback start-up flag, the locks around its init and shutdown).
 """
 
 from __future__ import annotations

@@ -86,3 +86,10 @@ LANE_OPEN_S = 10.0
 # ... and the largest batch (bytes of its arrays) for which a worker gets a lane: above it, copying the batch
 # through a socket costs more than Ray's call, and Ray's object store maps it without a copy (NOTE [ raydl zero-copy ]).
 LANE_MAX_BATCH_BYTES = 256 * 1024
+# NOTE [ raydl collate buffers ] in worker/collate.py: a worker stacks a batch tensor of at least this many bytes
+# into memory it keeps and reuses (fresh memory costs a page fault per 4 KiB page) ...
+REUSE_MIN_BYTES = 1024 * 1024
+# ... keeping at most this many buffers of one dtype and shape ...
+REUSE_KEEP = 2
+# ... for at most this many shapes (the last used; an epoch's last batch is often smaller).
+REUSE_SHAPES = 2

@@ -338,3 +338,19 @@ class WorkerTaggedDataset(RangeDataset):
         time.sleep(self.delays_s.get(i, 0.0))
         info = get_worker_info()
         return (-1 if info is None else info.id, i)
+
+
+def note_init_thread(worker_id: int) -> None:
+    """A worker_init_fn that records whether it ran on its process's main thread (ThreadReportDataset reports it)."""
+    info = torch.utils.data.get_worker_info()
+    info.dataset.init_on_main_thread = threading.current_thread() is threading.main_thread()
+
+
+class ThreadReportDataset(RangeDataset):
+    """Item i is [i, made on the main thread?, worker_init_fn ran on the main thread? (-1: it did not run)]."""
+
+    init_on_main_thread: bool | None = None
+
+    def __getitem__(self, i):
+        init = -1 if self.init_on_main_thread is None else int(self.init_on_main_thread)
+        return torch.tensor([i, int(threading.current_thread() is threading.main_thread()), init])

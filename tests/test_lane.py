@@ -163,3 +163,28 @@ def test_large_batches_and_ray_lane_false_keep_rays_calls():
     it = iter(off)
     assert [b.flatten().tolist() for b in it] == [[i, i + 1] for i in range(0, 64, 2)]
     assert _lane_calls(it) == 0
+
+
+@pytest.mark.parametrize("lane", [True, False])
+def test_on_a_lane_batches_are_made_off_the_main_thread_and_worker_init_fn_on_it(lane):
+    """What docs/usage.md says of `ray_lane`: worker_init_fn runs on the worker's main thread either way; batches made
+    over a lane are made in another thread, with ray_lane=False every batch on the main thread."""
+    loader = raydl.DataLoader(
+        D.ThreadReportDataset(400),
+        batch_size=2,
+        num_workers=2,
+        timeout=TIMEOUT_S,
+        worker_init_fn=D.note_init_thread,
+        ray_lane=lane,
+    )
+    it = iter(loader)
+    rows = torch.cat(list(it))
+    assert rows[:, 0].tolist() == list(range(400))
+    assert set(rows[:, 2].tolist()) == {1}, "worker_init_fn ran off the main thread"
+    on_main = rows[:, 1].tolist()
+    if lane:
+        assert it._calls.lane_calls > 0 and 0 in on_main, "no batch was made on a lane"
+        assert on_main[:2] == [1, 1], "the first calls (through Ray) run on the main thread"
+    else:
+        assert it._calls.lane_calls == 0 and set(on_main) == {1}
+    loader.shutdown()

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .lane import Lanes, LaneTicket
+from .lane import Lanes, LaneTicket, worker_node
 
 __all__ = ["CallSender"]
 
@@ -76,8 +76,8 @@ class CallSender:
             ref.future()
 
     def on_other_node(self, worker_id: int) -> bool:
-        record = self._pool.records[worker_id]
-        return record is not None and record.node_id != self._driver_node_id
+        node = worker_node(self._pool, worker_id)
+        return node is not None and node != self._driver_node_id
 
     def abandon(self, tasks: list) -> None:
         """Forget these tasks' results: each call carrying one of them goes back to the pool once."""

@@ -34,9 +34,15 @@ from typing import Any, Optional
 from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S
 from .._measures import batch_nbytes
 
-__all__ = ["Lanes", "LaneTicket", "LaneLost"]
+__all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node"]
 
 logger = logging.getLogger(__name__)
+
+
+def worker_node(pool: Any, worker_id: int) -> Optional[str]:
+    """The node a pool's worker runs on; None until its actor reported where it runs (it has not started)."""
+    record = pool.records[worker_id]
+    return None if record is None else record.node_id
 
 
 class LaneLost(Exception):
@@ -103,7 +109,11 @@ class Lanes:
             self._opening.pop(worker_id).listener.close()
             opening = None
         if opening is None:
-            if not self._small.get(worker_id) or any(a is actor for a in self._refused) or not self._local(worker_id):
+            if (
+                not self._small.get(worker_id)
+                or any(a is actor for a in self._refused)
+                or worker_node(self._pool, worker_id) != self._driver_node_id
+            ):
                 return None
             opening = self._ask(worker_id, actor)
             if opening is None:
@@ -112,10 +122,6 @@ class Lanes:
         if lane is not None:
             self._lanes[worker_id] = lane
         return lane
-
-    def _local(self, worker_id: int) -> bool:
-        record = self._pool.records[worker_id]
-        return record is not None and record.node_id == self._driver_node_id
 
     def _refuse(self, worker_id: int, actor: Any, why: Any) -> None:
         logger.debug("raydl: worker %d keeps Ray's calls: its lane did not open (%s)", worker_id, why)

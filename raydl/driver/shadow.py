@@ -35,7 +35,8 @@ import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
 from .._thread_random import only_this_thread_draws
-from ..worker.actor import BatchMeta, _private_memory_collate, numpy_seed_state
+from ..worker.actor import BatchMeta, numpy_seed_state
+from ..worker.collate import private_memory_collate
 from ..worker.fetch import MapFetcher
 from ..worker.seeding import _SavedRNG
 from ..worker.state import RngTracker, make_worker_snapshot
@@ -133,7 +134,7 @@ class ShadowWorker:
         with only_this_thread_draws():  # NOTE [ raydl random and threads ]
             self.dataset = dataset
             if collate is default_collate:  # the worker's collate (worker/actor.py)
-                collate = _private_memory_collate
+                collate = private_memory_collate
             self._fetcher = MapFetcher(dataset, auto_collation, collate, threads)
             self._info = _torch_worker.WorkerInfo(id=worker_id, num_workers=num_workers, seed=seed, dataset=dataset)
             # As Worker.configure: seed, worker info, then worker_init_fn (CPU generator only, see the module).

@@ -14,9 +14,12 @@ depend on its position in the epoch, not on the worker (NOTE [ raydl batch seedi
 worker/seeding.py). The per-worker seeding above still runs first (worker_init_fn and `iter(dataset)`
 see torch's seeds), and `get_worker_info().seed` is still `base_seed + worker_id`.
 
-The one private touch of torch in raydl is here: `get_worker_info()` reads the module global
-`torch.utils.data._utils.worker._worker_info` (checked against torch 2.13), which this module
-sets inside the actor so datasets that shard with torch's own function work unchanged.
+raydl touches torch's private parts in two places, both checked against torch 2.13. Here:
+`get_worker_info()` reads the module global `torch.utils.data._utils.worker._worker_info`, which
+this module sets inside the actor so datasets that shard with torch's own function work unchanged
+(worker/collate.py clears it around a collate). And worker/collate.py asks how many hold a
+storage (`torch._C._storage_Use_Count`) before it reuses a batch buffer; without that call it
+reuses none (NOTE [ raydl collate buffers ]).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from torch.utils.data import default_collate
 from .._errors import TRACEBACK_ATTR, annotate_traceback
 from .._measures import batch_nbytes, observe_batch_time
 from ..data.share import open_payload
+from .collate import BatchBuffers
 from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
 from .lane import Turns, serve_lane
 from .seeding import seed_batch, seed_sample
@@ -140,21 +144,6 @@ def get_worker_info() -> Optional[Any]:
     return torch.utils.data.get_worker_info()
 
 
-def _private_memory_collate(batch: Any) -> Any:
-    """torch's default_collate, without its shared-memory output.
-
-    Inside a worker (get_worker_info() is not None) default_collate allocates its output in
-    shared memory, which torch's queues hand to the main process; raydl ships batches through
-    Ray's object store instead, so that allocation only costs time. The batch is the same.
-    """
-    info = _torch_worker._worker_info
-    _torch_worker._worker_info = None
-    try:
-        return default_collate(batch)
-    finally:
-        _torch_worker._worker_info = info
-
-
 def _describe_process() -> dict:
     import ray
 
@@ -200,6 +189,7 @@ class Worker:
         self._base_seed = 0
         self._rng = RngTracker()
         self._track_rng = True
+        self._buffers = BatchBuffers()
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this.
@@ -280,6 +270,7 @@ class Worker:
         self._turns.new_loader()  # after a lane's fetch in progress; its queued calls are not made (NOTE [ raydl lane ])
         self._payload = None
         self._fetcher = None
+        self._buffers.clear()
         self._init_error = None
         self._epoch = 0
         self._rng.reset()
@@ -288,7 +279,8 @@ class Worker:
     def _make_fetcher(self) -> MapFetcher | IterableFetcher:
         p = self._payload
         assert p is not None
-        collate = _private_memory_collate if p.collate_fn is default_collate else p.collate_fn
+        # torch's default_collate into buffers this worker reuses (NOTE [ raydl collate buffers ] in worker/collate.py)
+        collate = self._buffers if p.collate_fn is default_collate else p.collate_fn
         if p.is_iterable:
             return IterableFetcher(p.dataset, p.auto_collation, collate, p.drop_last)
         return MapFetcher(p.dataset, p.auto_collation, collate, p.threads_per_worker)
