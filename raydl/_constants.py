@@ -84,8 +84,11 @@ MAX_BATCHES_PER_CALL = 8
 # NOTE [ raydl lane, driver ] in driver/lane.py: the longest a worker's lane may take to open (else Ray's calls) ...
 LANE_OPEN_S = 10.0
 # ... and the largest batch (bytes of its arrays) for which a worker gets a lane: above it, copying the batch
-# through a socket costs more than Ray's call, and Ray's object store maps it without a copy (NOTE [ raydl zero-copy ]).
-LANE_MAX_BATCH_BYTES = 256 * 1024
+# through a socket costs the trainer more than Ray's call, and Ray's object store maps it without a copy
+# (NOTE [ raydl zero-copy ]) ...
+LANE_MAX_BATCH_BYTES = 4 * 1024 * 1024
+# ... and the smallest array a lane's reply carries out of band (its own write and read; smaller ones in the pickle).
+LANE_OUT_OF_BAND_BYTES = 64 * 1024
 # NOTE [ raydl collate buffers ] in worker/collate.py: a worker stacks a batch tensor of at least this many bytes
 # into memory it keeps and reuses (fresh memory costs a page fault per 4 KiB page) ...
 REUSE_MIN_BYTES = 1024 * 1024

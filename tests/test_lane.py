@@ -13,6 +13,9 @@ import pytest
 import torch
 
 import raydl
+from raydl._constants import LANE_MAX_BATCH_BYTES, LANE_OUT_OF_BAND_BYTES
+from raydl.worker.lane import recv_reply, send_reply
+from raydl.worker.transfer import decode, encode
 from tests import _datasets as D
 from tests._parity import assert_batches_equal, run_epochs
 from tests._resume_parity import check_resume
@@ -144,20 +147,20 @@ def test_ray_lane_must_be_a_bool():
 
 
 class _Large(torch.utils.data.Dataset):
-    """Samples of 64 KiB: a batch of 8 is 512 KiB, above LANE_MAX_BATCH_BYTES."""
+    """Samples of a quarter of LANE_MAX_BATCH_BYTES: a batch of 8 is twice the limit."""
 
     def __len__(self):
-        return 256
+        return 64
 
     def __getitem__(self, i):
-        return torch.full((16384,), float(i))
+        return torch.full((LANE_MAX_BATCH_BYTES // 16,), float(i))
 
 
 def test_large_batches_and_ray_lane_false_keep_rays_calls():
     """Batches above LANE_MAX_BATCH_BYTES stay on Ray's zero-copy object store; ray_lane=False never opens a lane."""
     large = raydl.DataLoader(_Large(), batch_size=8, num_workers=2, ray_lane=True)
     it = iter(large)
-    assert [b[:, 0].tolist() for b in it] == [[float(i) for i in range(s, s + 8)] for s in range(0, 256, 8)]
+    assert [b[:, 0].tolist() for b in it] == [[float(i) for i in range(s, s + 8)] for s in range(0, 64, 8)]
     assert _lane_calls(it) == 0
     off = raydl.DataLoader(D.RangeDataset(64), batch_size=2, num_workers=2, ray_lane=False)
     it = iter(off)
@@ -188,3 +191,65 @@ def test_on_a_lane_batches_are_made_off_the_main_thread_and_worker_init_fn_on_it
     else:
         assert it._calls.lane_calls == 0 and set(on_main) == {1}
     loader.shutdown()
+
+
+class _MidSize(D.RangeDataset):
+    """1 MiB batches of 8 (above the in-band size, under LANE_MAX_BATCH_BYTES) with a random draw in the worker."""
+
+    def __getitem__(self, i):
+        g = torch.Generator().manual_seed(i)
+        return {"x": torch.rand(32768, generator=g) + torch.rand(1), "i": i}
+
+
+def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on):
+    """Batches of 1 MiB (their arrays out of band on the lane): shuffle=True, no generator, persistent workers, two
+    epochs equal torch's, most calls on lanes, and the tensors are writable."""
+    assert LANE_OUT_OF_BAND_BYTES < 32768 * 4 * 8 <= LANE_MAX_BATCH_BYTES
+    kwargs = dict(batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)
+    torch.manual_seed(11)
+    expected = run_epochs(torch.utils.data.DataLoader(_MidSize(320), **kwargs), 2)
+    torch.manual_seed(11)
+    with raydl.DataLoader(_MidSize(320), timeout=TIMEOUT_S, **kwargs) as loader:
+        actual = run_epochs(loader, 2)
+        it = loader._iterator
+        assert _lane_calls(it) > 0.5 * it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
+    for e, (exp, act) in enumerate(zip(expected, actual)):
+        assert len(exp) == len(act)
+        for i, (x, y) in enumerate(zip(exp, act)):
+            assert_batches_equal(x, y, f"epoch {e} batch {i}")
+    actual[1][-1]["x"].add_(1)  # writable, as torch's
+
+
+def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle():
+    """send_reply / recv_reply over a socket pair: values, dtypes and shapes as sent, large arrays writable, and a
+    lane that ends in the middle of a reply is EOFError (the driver's LaneLost)."""
+    import socket
+    import threading
+    from multiprocessing.connection import Connection
+
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    batch = {
+        "big": torch.arange(300_000, dtype=torch.float32).view(600, 500),
+        "small": torch.ones(3, dtype=torch.int64),
+        "half": torch.rand(70_000).half(),
+        "text": ["a", "b"],
+    }
+    reply = ([encode(batch)], [("meta", 1)])
+    writer = threading.Thread(target=send_reply, args=(sender, reply))
+    writer.start()  # a thread: the reply is larger than the socket's buffer
+    got_batches, metas = recv_reply(receiver)
+    writer.join(timeout=TIMEOUT_S)
+    got = decode(got_batches[0])
+    assert metas == [("meta", 1)] and got["text"] == ["a", "b"]
+    for key in ("big", "small", "half"):
+        assert got[key].dtype == batch[key].dtype and torch.equal(got[key], batch[key])
+    got["big"][0, 0] = -1.0
+    # a reply cut short: its head promises 1 MiB, the sender goes away after a part of it
+    head = b"\x01\x00\x00\x00" + (1 << 20).to_bytes(8, "little") + b"x"
+    sender.send_bytes(head)
+    sender._send(b"\x00" * 1000)  # noqa: SLF001 - raw bytes of the buffer, as send_reply writes them
+    sender.close()
+    with pytest.raises(EOFError):
+        recv_reply(receiver)
+    receiver.close()

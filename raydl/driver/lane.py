@@ -33,6 +33,7 @@ from typing import Any, Optional
 
 from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S
 from .._measures import batch_nbytes
+from ..worker.lane import recv_reply
 
 __all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node"]
 
@@ -223,7 +224,7 @@ class Lanes:
         while True:
             try:
                 ready = lane.conn.poll(timeout_s)
-                reply = pickle.loads(lane.conn.recv_bytes()) if ready else None
+                reply = recv_reply(lane.conn) if ready else None
             except (EOFError, OSError) as e:
                 self._lost(ticket.worker_id)
                 raise LaneLost(f"the lane of worker {ticket.worker_id} ended: its process died ({e!r})") from None

@@ -18,10 +18,12 @@ proves itself with a random token the driver gave it through Ray):
     while Ray calls sent before it may still wait in the actor's queue, so each lane call carries
     how many Ray calls of this loader the driver had sent to the worker, and waits until the
     worker has made that many (the actor counts them; `reset` starts the count anew);
-  * batches travel pickled in the reply (protocol 5, their arrays in band): one copy through the
-    kernel, which for the small batches the lane is for costs far less than Ray's call. Only
-    workers on the driver's node get a lane; the others keep Ray's calls (and Ray's zero-copy
-    object store, NOTE [ raydl zero-copy ]).
+  * batches travel pickled in the reply (protocol 5): arrays under LANE_OUT_OF_BAND_BYTES inside
+    the pickle, larger ones out of band, written from their own memory and read straight into
+    the memory the driver's arrays then use (`send_reply` / `recv_reply`): one copy into the
+    kernel, one out of it, which for batches up to LANE_MAX_BATCH_BYTES costs less of the
+    trainer's CPU than Ray's call. Only workers on the driver's node get a lane; the others, and
+    larger batches, keep Ray's calls (and Ray's zero-copy object store, NOTE [ raydl zero-copy ]).
 The driver's side (driver/lane.py) says when a worker's calls move to its lane and what happens
 when the lane breaks (a dead worker: the socket's end, as Ray's actor death).
 """
@@ -29,25 +31,76 @@ when the lane breaks (a dead worker: the socket's end, as Ray's actor death).
 from __future__ import annotations
 
 import logging
+import os
 import pickle
 import socket
+import struct
 import threading
 from multiprocessing.connection import Connection
 from typing import Any, Callable
 
-__all__ = ["serve_lane", "dumps_reply", "Turns"]
+from .._constants import LANE_OUT_OF_BAND_BYTES
+
+__all__ = ["serve_lane", "dumps_reply", "send_reply", "recv_reply", "Turns"]
 
 logger = logging.getLogger(__name__)
 
 
-def dumps_reply(value: Any) -> bytes:
-    """A call's reply for the lane: pickle's protocol 5 (NumPy arrays in band), cloudpickle for what pickle refuses."""
+def dumps_reply(value: Any) -> tuple[bytes, list[memoryview]]:
+    """A call's reply for the lane: pickle's protocol 5, arrays of LANE_OUT_OF_BAND_BYTES or more out of band (their
+    memory, not copied), smaller ones in the pickle; cloudpickle for what pickle refuses (a lambda, a local class)."""
+    buffers: list[memoryview] = []
+
+    def out_of_band(buf: pickle.PickleBuffer) -> bool:
+        raw = buf.raw()
+        if raw.nbytes < LANE_OUT_OF_BAND_BYTES:
+            return True  # in band
+        buffers.append(raw)
+        return False
+
     try:
-        return pickle.dumps(value, protocol=5)
-    except Exception:  # a batch holding a lambda, a local class...: as Ray would, with cloudpickle
+        return pickle.dumps(value, protocol=5, buffer_callback=out_of_band), buffers
+    except Exception:
         from ray import cloudpickle  # here, not at import: the driver imports Ray late (NOTE [ raydl node Ray ])
 
-        return cloudpickle.dumps(value, protocol=5)
+        buffers.clear()
+        return cloudpickle.dumps(value, protocol=5, buffer_callback=out_of_band), buffers
+
+
+def send_reply(conn: Connection, value: Any) -> None:
+    """Write a reply: one message (the buffers' sizes, then the pickle), then each out-of-band buffer's bytes as they
+    are (one copy, into the kernel)."""
+    data, buffers = dumps_reply(value)
+    sizes = [b.nbytes for b in buffers]
+    conn.send_bytes(struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + data)
+    fd = conn.fileno()
+    for buf in buffers:
+        sent = 0
+        while sent < buf.nbytes:
+            sent += os.write(fd, buf[sent:])
+
+
+def recv_reply(conn: Connection) -> Any:
+    """Read a reply `send_reply` wrote: each out-of-band buffer straight into fresh memory (one copy, out of the
+    kernel) that the unpickled arrays then use (writable, as torch's batches are). EOFError when the lane ends."""
+    import numpy as np
+
+    head = conn.recv_bytes()
+    (count,) = struct.unpack_from("<I", head)
+    sizes = struct.unpack_from(f"<{count}Q", head, 4)
+    buffers = []
+    fd = conn.fileno()
+    for size in sizes:
+        buf = np.empty(size, dtype=np.uint8)
+        view = memoryview(buf).cast("B")
+        got = 0
+        while got < size:
+            n = os.readv(fd, [view[got:]])
+            if n == 0:
+                raise EOFError("the lane ended in the middle of a reply")
+            got += n
+        buffers.append(buf)
+    return pickle.loads(memoryview(head)[4 + 8 * count :], buffers=buffers)
 
 
 class Turns:
@@ -102,7 +155,7 @@ def serve_lane(address: str, token: bytes, turns: Turns, make_call: Callable[[in
                 go_on, reply = turns.lane_call(born, after, lambda: make_call(epoch, tasks))
                 if not go_on:  # the actor serves another loader now: nothing more from this lane
                     return
-                conn.send_bytes(dumps_reply(reply))
+                send_reply(conn, reply)
         except (EOFError, OSError):  # the driver closed the lane (epoch over, loader shut down) or went away
             return
         finally:
