@@ -151,9 +151,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             pinning, ray_device or ray_job (NOTE [ raydl cold start ]). ``False``: every batch is
             made in a worker, after Ray and the workers started. Defaults to ``None``: ``True``
             unless the environment sets ``RAYDL_COLD_START=0``.
-        ray_lane (bool): a worker on this process's node whose batches are small (at most
-            256 KiB of arrays: they travel pickled through the socket, where Ray's object store
-            maps large ones without a copy) gets its calls over a local socket (a "lane")
+        ray_lane (bool): a worker on this process's node whose batches are at most 4 MiB of
+            arrays (they are copied through the socket, where Ray's object store maps larger
+            ones without a copy) gets its calls over a local socket (a "lane")
             instead of one Ray actor call each, once it started: a batch then costs the trainer's
             core under a third as much (NOTE [ raydl lane ] in raydl/worker/lane.py). Workers on other
             nodes, ``in_order=False``, ``ray_job`` and Ray Client keep Ray's calls. The batches are
