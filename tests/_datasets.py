@@ -354,3 +354,14 @@ class ThreadReportDataset(RangeDataset):
     def __getitem__(self, i):
         init = -1 if self.init_on_main_thread is None else int(self.init_on_main_thread)
         return torch.tensor([i, int(threading.current_thread() is threading.main_thread()), init])
+
+
+class LockAtDataset(RangeDataset):
+    """Item i is (i, 0), except item `at`, which holds a threading.Lock (no pickle can carry it)."""
+
+    def __init__(self, n: int, at: int) -> None:
+        super().__init__(n)
+        self.at = at
+
+    def __getitem__(self, i):
+        return (i, threading.Lock() if i == self.at else 0)

@@ -253,3 +253,19 @@ def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle()
     with pytest.raises(EOFError):
         recv_reply(receiver)
     receiver.close()
+
+
+def test_a_batch_no_pickle_can_carry_is_an_error_at_its_turn_not_a_hang():
+    """A lane's batch holding a lock (collate_fn=list keeps it): its batch raises the pickling error when its turn
+    comes, the batches before it are the dataset's, and the epoch goes on after it, as after any worker error."""
+    loader = raydl.DataLoader(
+        D.LockAtDataset(200, at=150), batch_size=2, num_workers=2, collate_fn=list, timeout=TIMEOUT_S, ray_lane=True
+    )
+    it = iter(loader)
+    got = [[x for x, _ in next(it)] for _ in range(75)]
+    assert got == [[i, i + 1] for i in range(0, 150, 2)]
+    assert _lane_calls(it) > 0
+    with pytest.raises(TypeError, match="could not be sent to your process"):
+        next(it)
+    rest = [[x for x, _ in b] for b in it]
+    assert rest == [[i, i + 1] for i in range(152, 200, 2)]

@@ -144,6 +144,24 @@ def get_worker_info() -> Optional[Any]:
     return torch.utils.data.get_worker_info()
 
 
+def _sendable_reply(reply: tuple[list, list], error: BaseException) -> tuple[list, list]:
+    """A lane reply that could not be pickled (`error`): each batch that cannot be becomes a `BatchFailed` carrying
+    its pickling error, raised in the driver at its turn (as Ray's call raises a return it cannot serialize)."""
+    from .lane import dumps_reply
+
+    batches, metas = reply
+    out = []
+    for batch in batches:
+        try:
+            dumps_reply(batch)
+            out.append(batch)
+        except Exception as e:  # noqa: BLE001 - the batch's own pickling error, for the user
+            why = f"the batch could not be sent to your process: {e} (a batch must be picklable to leave its worker)"
+            tb = "".join(traceback.format_exception(type(e), e, e.__traceback__, chain=False))
+            out.append(BatchFailed(_portable_error(TypeError(why)), f"{tb}TypeError: {why}\n"))
+    return out, metas
+
+
 def _describe_process() -> dict:
     import ray
 
@@ -296,7 +314,7 @@ class Worker:
         """Take this loader's calls over the driver's lane at `address` too (NOTE [ raydl lane ] in worker/lane.py);
         False when the driver no longer listens there (its iterator ended before this call's turn came)."""
         try:
-            serve_lane(address, token, self._turns, self._fetch_many)
+            serve_lane(address, token, self._turns, self._fetch_many, _sendable_reply)
         except OSError:
             return False
         return True

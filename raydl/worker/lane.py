@@ -70,7 +70,12 @@ def dumps_reply(value: Any) -> tuple[bytes, list[memoryview]]:
 def send_reply(conn: Connection, value: Any) -> None:
     """Write a reply: one message (the buffers' sizes, then the pickle), then each out-of-band buffer's bytes as they
     are (one copy, into the kernel)."""
-    data, buffers = dumps_reply(value)
+    write_reply(conn, dumps_reply(value))
+
+
+def write_reply(conn: Connection, dumped: tuple[bytes, list[memoryview]]) -> None:
+    """Write a reply `dumps_reply` made (see `send_reply`)."""
+    data, buffers = dumped
     sizes = [b.nbytes for b in buffers]
     conn.send_bytes(struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + data)
     fd = conn.fileno()
@@ -137,9 +142,17 @@ class Turns:
             return True, make()
 
 
-def serve_lane(address: str, token: bytes, turns: Turns, make_call: Callable[[int, list], Any]) -> None:
+def serve_lane(
+    address: str,
+    token: bytes,
+    turns: Turns,
+    make_call: Callable[[int, list], Any],
+    sendable: Callable[[Any, BaseException], Any],
+) -> None:
     """Connect to the driver's lane at `address` and, in a daemon thread, make each call it sends with `make_call`
-    in its turn (`turns`) while the actor serves this loader. Raises OSError when the driver's lane is not there."""
+    in its turn (`turns`) while the actor serves this loader; a reply that cannot be pickled is sent as
+    `sendable(reply, error)` makes it (its unpicklable batches as errors). Raises OSError when the driver's lane is
+    not there."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.settimeout(10.0)
     sock.connect(address)
@@ -155,7 +168,11 @@ def serve_lane(address: str, token: bytes, turns: Turns, make_call: Callable[[in
                 go_on, reply = turns.lane_call(born, after, lambda: make_call(epoch, tasks))
                 if not go_on:  # the actor serves another loader now: nothing more from this lane
                     return
-                send_reply(conn, reply)
+                try:
+                    data = dumps_reply(reply)
+                except Exception as e:  # noqa: BLE001 - a batch pickle refuses: an error for the driver, not a hang
+                    data = dumps_reply(sendable(reply, e))
+                write_reply(conn, data)
         except (EOFError, OSError):  # the driver closed the lane (epoch over, loader shut down) or went away
             return
         finally:
