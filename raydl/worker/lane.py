@@ -23,7 +23,10 @@ proves itself with a random token the driver gave it through Ray):
     the memory the driver's arrays then use (`send_reply` / `recv_reply`): one copy into the
     kernel, one out of it, which for batches up to LANE_MAX_BATCH_BYTES costs less of the
     trainer's CPU than Ray's call. Only workers on the driver's node get a lane; the others, and
-    larger batches, keep Ray's calls (and Ray's zero-copy object store, NOTE [ raydl zero-copy ]).
+    larger batches, keep Ray's calls (and Ray's zero-copy object store, NOTE [ raydl zero-copy ]);
+  * a reply no pickle can carry (a batch holding a lock) goes with each such batch replaced by its
+    pickling error (`sendable`), raised in the driver at that batch's turn: never a lane thread
+    gone and a driver waiting for its reply.
 The driver's side (driver/lane.py) says when a worker's calls move to its lane and what happens
 when the lane breaks (a dead worker: the socket's end, as Ray's actor death).
 """
