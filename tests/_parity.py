@@ -38,6 +38,15 @@ def assert_batches_equal(a: Any, b: Any, where: str = "batch") -> None:
         assert a == b, f"{where}: {a!r} != {b!r}"
 
 
+def assert_epochs_equal(expected: list, actual: list) -> None:
+    """Two loaders' epochs (run_epochs' lists of batches) equal batch for batch, in order."""
+    assert len(expected) == len(actual), f"{len(expected)} epochs against {len(actual)}"
+    for e, (exp, act) in enumerate(zip(expected, actual)):
+        assert len(exp) == len(act), f"epoch {e}: {len(exp)} batches against {len(act)}"
+        for i, (x, y) in enumerate(zip(exp, act)):
+            assert_batches_equal(x, y, f"epoch {e} batch {i}")
+
+
 def _key(batch: Any) -> str:
     """A canonical text of a batch, for multiset comparison."""
     if isinstance(batch, torch.Tensor):

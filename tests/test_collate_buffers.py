@@ -12,7 +12,7 @@ import raydl
 from raydl._constants import REUSE_KEEP, REUSE_MIN_BYTES, REUSE_SHAPES
 from raydl.worker.collate import BatchBuffers
 from tests import _datasets as D
-from tests._parity import assert_batches_equal, run_epochs
+from tests._parity import assert_batches_equal, assert_epochs_equal, run_epochs
 
 TIMEOUT_S = 120
 
@@ -24,14 +24,6 @@ class BigSampleDataset(D.RangeDataset):
         g = torch.Generator().manual_seed(i)
         image = torch.rand(3, 64, 64, generator=g) + torch.rand(1)  # torch.rand(1): the worker's seeded RNG
         return {"image": image, "ids": np.arange(i, i + 8), "label": i}
-
-
-def _assert_epochs_equal(expected: list, actual: list) -> None:
-    assert len(expected) == len(actual)
-    for e, (exp, act) in enumerate(zip(expected, actual)):
-        assert len(exp) == len(act), f"epoch {e}: torch gave {len(exp)} batches, raydl {len(act)}"
-        for i, (x, y) in enumerate(zip(exp, act)):
-            assert_batches_equal(x, y, f"epoch {e} batch {i}")
 
 
 def _reused(loader) -> list[int]:
@@ -53,7 +45,7 @@ def test_default_configuration_reuses_buffers_and_matches_torch():
     with raydl.DataLoader(BigSampleDataset(240), timeout=TIMEOUT_S, **kwargs) as loader:
         actual = run_epochs(loader, 3)
         reused = _reused(loader)
-    _assert_epochs_equal(expected, actual)
+    assert_epochs_equal(expected, actual)
     assert sum(reused) >= 20, f"30 batches, yet only {reused} were stacked into a kept buffer"
 
 
@@ -69,7 +61,7 @@ def test_batches_of_one_call_never_share_a_buffer():
     with raydl.DataLoader(BigSampleDataset(480), timeout=TIMEOUT_S, ray_batches_per_call=4, **kwargs) as loader:
         actual = run_epochs(loader, 2)
         reused = _reused(loader)
-    _assert_epochs_equal(expected, actual)
+    assert_epochs_equal(expected, actual)
     assert sum(reused) > 0, reused
 
 

@@ -17,7 +17,7 @@ from raydl._constants import LANE_MAX_BATCH_BYTES, LANE_OUT_OF_BAND_BYTES
 from raydl.worker.lane import recv_reply, send_reply
 from raydl.worker.transfer import decode, encode
 from tests import _datasets as D
-from tests._parity import assert_batches_equal, run_epochs
+from tests._parity import assert_epochs_equal, run_epochs
 from tests._resume_parity import check_resume
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -51,10 +51,7 @@ def test_default_configuration_on_lanes_matches_torch(lanes_on):
         it = loader._iterator
         # the first calls go through Ray while the workers start; then every call takes its worker's lane
         assert _lane_calls(it) > 0.8 * it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
-    for e, (exp, act) in enumerate(zip(expected, actual)):
-        assert len(exp) == len(act)
-        for i, (x, y) in enumerate(zip(exp, act)):
-            assert_batches_equal(x, y, f"epoch {e} batch {i}")
+    assert_epochs_equal(expected, actual)
 
 
 def test_worker_sigkilled_on_its_lane_is_recovered():
@@ -213,10 +210,7 @@ def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on):
         actual = run_epochs(loader, 2)
         it = loader._iterator
         assert _lane_calls(it) > 0.5 * it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
-    for e, (exp, act) in enumerate(zip(expected, actual)):
-        assert len(exp) == len(act)
-        for i, (x, y) in enumerate(zip(exp, act)):
-            assert_batches_equal(x, y, f"epoch {e} batch {i}")
+    assert_epochs_equal(expected, actual)
     actual[1][-1]["x"].add_(1)  # writable, as torch's
 
 
