@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import sys
 from collections import OrderedDict
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.utils.data._utils.worker as _torch_worker
@@ -42,14 +42,19 @@ from .._constants import REUSE_KEEP, REUSE_MIN_BYTES, REUSE_SHAPES
 __all__ = ["private_memory_collate", "BatchBuffers"]
 
 
-def private_memory_collate(batch: Any) -> Any:
-    """torch's default_collate, without its shared-memory output (NOTE [ raydl collate buffers ])."""
+def _outside_worker(collate_fn: Callable[..., Any], batch: Any, **kwargs: Any) -> Any:
+    """`collate_fn(batch)` with torch's worker info cleared: torch's tensor collate then takes private memory."""
     info = _torch_worker._worker_info
     _torch_worker._worker_info = None
     try:
-        return default_collate(batch)
+        return collate_fn(batch, **kwargs)
     finally:
         _torch_worker._worker_info = info
+
+
+def private_memory_collate(batch: Any) -> Any:
+    """torch's default_collate, without its shared-memory output (NOTE [ raydl collate buffers ])."""
+    return _outside_worker(default_collate, batch)
 
 
 _storage_use_count = getattr(torch._C, "_storage_Use_Count", None)  # private; without it, no reuse
@@ -79,12 +84,7 @@ class BatchBuffers:
         self.reused = 0  # batch tensors stacked into a kept buffer (tests)
 
     def __call__(self, batch: Any) -> Any:
-        info = _torch_worker._worker_info
-        _torch_worker._worker_info = None  # torch's own tensor collate (small ones) in private memory
-        try:
-            return collate(batch, collate_fn_map=self._fn_map)
-        finally:
-            _torch_worker._worker_info = info
+        return _outside_worker(collate, batch, collate_fn_map=self._fn_map)  # small tensors: torch's own, private
 
     def clear(self) -> None:
         self._pools.clear()

@@ -40,7 +40,7 @@ import socket
 import struct
 import threading
 from multiprocessing.connection import Connection
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from .._constants import LANE_OUT_OF_BAND_BYTES
 
@@ -70,15 +70,15 @@ def dumps_reply(value: Any) -> tuple[bytes, list[memoryview]]:
         return cloudpickle.dumps(value, protocol=5, buffer_callback=out_of_band), buffers
 
 
-def send_reply(conn: Connection, value: Any) -> None:
+def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, BaseException], Any]] = None) -> None:
     """Write a reply: one message (the buffers' sizes, then the pickle), then each out-of-band buffer's bytes as they
-    are (one copy, into the kernel)."""
-    write_reply(conn, dumps_reply(value))
-
-
-def write_reply(conn: Connection, dumped: tuple[bytes, list[memoryview]]) -> None:
-    """Write a reply `dumps_reply` made (see `send_reply`)."""
-    data, buffers = dumped
+    are (one copy, into the kernel). A value pickle refuses is sent as `sendable(value, error)` makes it, if given."""
+    try:
+        data, buffers = dumps_reply(value)
+    except Exception as e:  # noqa: BLE001 - a batch pickle refuses: an error for the driver, not a hang
+        if sendable is None:
+            raise
+        data, buffers = dumps_reply(sendable(value, e))
     sizes = [b.nbytes for b in buffers]
     conn.send_bytes(struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + data)
     fd = conn.fileno()
@@ -171,11 +171,7 @@ def serve_lane(
                 go_on, reply = turns.lane_call(born, after, lambda: make_call(epoch, tasks))
                 if not go_on:  # the actor serves another loader now: nothing more from this lane
                     return
-                try:
-                    data = dumps_reply(reply)
-                except Exception as e:  # noqa: BLE001 - a batch pickle refuses: an error for the driver, not a hang
-                    data = dumps_reply(sendable(reply, e))
-                write_reply(conn, data)
+                send_reply(conn, reply, sendable)
         except (EOFError, OSError):  # the driver closed the lane (epoch over, loader shut down) or went away
             return
         finally:
