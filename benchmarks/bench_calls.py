@@ -3,6 +3,7 @@
 
     python benchmarks/bench_calls.py            # ~3 min on 2 cores
     python benchmarks/bench_calls.py --quick    # ~1 min
+    python benchmarks/bench_calls.py --unordered  # every loader with in_order=False
 
 Overhead floor: a 16-float sample, batch 64, 2 workers, default prefetch_factor (2), the loop does nothing
 with a batch. For torch's DataLoader; raydl with every call through Ray (`ray_lane=False`), one call per
@@ -36,8 +37,8 @@ WORKLOAD = C.Workload("trivial", "overhead floor: 16-float sample, batch 64", 64
 NAMES = ("torch", "raydl Ray calls, k=1", "raydl Ray calls, auto", "raydl default (lanes)")
 
 
-def make(name: str, ds: torch.utils.data.Dataset, prefetch_factor: int):
-    kw = dict(batch_size=64, num_workers=2, persistent_workers=True, prefetch_factor=prefetch_factor)
+def make(name: str, ds: torch.utils.data.Dataset, prefetch_factor: int, in_order: bool = True):
+    kw = dict(batch_size=64, num_workers=2, persistent_workers=True, prefetch_factor=prefetch_factor, in_order=in_order)
     if name == "torch":
         return torch.utils.data.DataLoader(ds, **kw)
     if name == "raydl default (lanes)":
@@ -45,9 +46,9 @@ def make(name: str, ds: torch.utils.data.Dataset, prefetch_factor: int):
     return raydl.DataLoader(ds, **kw, ray_lane=False, ray_batches_per_call=1 if name.endswith("k=1") else "auto")
 
 
-def measure(name: str, epochs: int, n: int, prefetch_factor: int) -> dict:
+def measure(name: str, epochs: int, n: int, prefetch_factor: int, in_order: bool = True) -> dict:
     """One loader: a warm-up epoch, then `epochs` measured ones (driver CPU us per batch, samples/s)."""
-    loader = make(name, C.WorkloadDataset(WORKLOAD, n), prefetch_factor)
+    loader = make(name, C.WorkloadDataset(WORKLOAD, n), prefetch_factor, in_order)
     for _ in loader:  # start-up and warm-up
         pass
     it = getattr(loader, "_iterator", None)
@@ -82,6 +83,7 @@ def main() -> None:
     p.add_argument("--reps", type=int, default=None, help="repetitions (default 5; quick 2)")
     p.add_argument("--epochs", type=int, default=None, help="measured epochs per repetition (default 3; quick 1)")
     p.add_argument("--prefetch-factor", type=int, default=2, help="every loader's prefetch_factor (torch's default 2)")
+    p.add_argument("--unordered", action="store_true", help="every loader with in_order=False (torch's too)")
     args = p.parse_args()
     reps = args.reps or (2 if args.quick else 5)
     epochs = args.epochs or (1 if args.quick else 3)
@@ -93,7 +95,7 @@ def main() -> None:
     names = list(NAMES)
     for rep in range(reps):
         order = names[rep % len(names) :] + names[: rep % len(names)]
-        got = {name: measure(name, epochs, n, args.prefetch_factor) for name in order}
+        got = {name: measure(name, epochs, n, args.prefetch_factor, not args.unordered) for name in order}
         for name in names:
             got[name]["ratio_to_torch"] = got[name]["samples_per_s"] / got["torch"]["samples_per_s"]
             got[name]["rep"] = rep
@@ -107,7 +109,8 @@ def main() -> None:
         return f"{statistics.median(values):{spec}} ({min(values):{spec}}–{max(values):{spec}})"
 
     print(
-        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor {args.prefetch_factor}; "
+        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor {args.prefetch_factor}"
+        f"{', in_order=False' if args.unordered else ''}; "
         f"{reps} repetitions x {epochs} epochs of {n} samples\n"
     )
     print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call | calls over lanes |")
@@ -126,7 +129,8 @@ def main() -> None:
     with open(out, "a") as f:
         for name in names:
             for x in rows[name]:
-                f.write(json.dumps({"time": time.time(), "prefetch_factor": args.prefetch_factor, **x}) + "\n")
+                fields = {"time": time.time(), "prefetch_factor": args.prefetch_factor, "in_order": not args.unordered}
+                f.write(json.dumps({**fields, **x}) + "\n")
 
 
 if __name__ == "__main__":

@@ -56,6 +56,13 @@ torch.set_num_threads(1)  # one core for the trainer
 warnings.filterwarnings("ignore", message="This DataLoader will create")
 
 
+# The step's matmuls keep their values near 0.5 (gain 1.4 over 192 terms of N(0, 1) weights). A smaller gain
+# (0.01, before 2026-11-26) shrank them into denormal floats within ~40 matmuls: x86 cores compute those in
+# microcode, ~10x slower, and a busy hyperthread sibling slowed that 2.3-2.5x on an Intel host, so the step's
+# cost per matmul and its contention depended on how many matmuls it ran.
+STEP_GAIN = 0.1
+
+
 class TrainStep:
     """A fixed amount of single-threaded work per batch (calibrated once to about `ms` on an idle core)."""
 
@@ -74,7 +81,7 @@ class TrainStep:
     def __call__(self, batch) -> None:
         x = self.a
         for _ in range(self.reps):
-            x = np.tanh(x @ self.a * 0.01)
+            x = np.tanh(x @ self.a * STEP_GAIN)
 
 
 def _busy_other_core(code: str):
@@ -141,7 +148,7 @@ def measure_contention(
 
     matmul = (
         "import numpy as np\na = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)\n"
-        "while True: a = np.tanh(a @ a * 0.01)"
+        f"b = a.copy()\nwhile True: a = np.tanh(a @ b * {STEP_GAIN})"
     )
     samples = sample_code or f"i = 0\nwhile True:\n    C.cpu_sample(i, {iters}); i += 1"
     data_f, step_f = [], []

@@ -89,6 +89,10 @@ LANE_OPEN_S = 10.0
 LANE_MAX_BATCH_BYTES = 4 * 1024 * 1024
 # ... and the smallest array a lane's reply carries out of band (its own write and read; smaller ones in the pickle).
 LANE_OUT_OF_BAND_BYTES = 64 * 1024
+# ... and, with in_order=False while some workers have lanes and others Ray's calls, the slices the driver waits
+# on the lanes between looks at Ray's refs: from the first, doubling up to the last (a Ray batch waits at most one).
+MIXED_WAIT_FIRST_S = 0.001
+MIXED_WAIT_MAX_S = 0.016
 # NOTE [ raydl collate buffers ] in worker/collate.py: a worker stacks a batch tensor of at least this many bytes
 # into memory it keeps and reuses (fresh memory costs a page fault per 4 KiB page) ...
 REUSE_MIN_BYTES = 1024 * 1024

@@ -130,12 +130,66 @@ def test_warm_worker_reused_after_a_lane_makes_the_next_loaders_batches():
     assert set(rows[:, 1].tolist()) <= pids  # the same processes, now the second loader's workers
 
 
-def test_no_lane_for_in_order_false():
-    """in_order=False keeps Ray's calls (its readiness wait is Ray's): every call goes through Ray."""
-    loader = raydl.DataLoader(D.RangeDataset(40), batch_size=2, num_workers=2, in_order=False, ray_lane=True)
+def test_in_order_false_on_lanes_hands_out_batches_as_they_arrive():
+    """in_order=False: once the lanes are open, a slow batch of one worker holds back none of the other's; every
+    batch comes out once."""
+    loader = raydl.DataLoader(
+        D.SlowDataset(48, {24: 1.5}), batch_size=1, num_workers=2, in_order=False, timeout=TIMEOUT_S, ray_lane=True
+    )
     it = iter(loader)
-    assert sorted(b.flatten().tolist()[0] for b in it) == list(range(0, 40, 2))
-    assert _lane_calls(it) == 0
+    out = [int(b) for b in it]
+    assert sorted(out) == list(range(48))
+    assert out.index(24) > 24, out  # batches sent after it came out first
+    assert _lane_calls(it) > 0
+
+
+class _SizeByWorker(torch.utils.data.Dataset):
+    """Worker 0's samples are tiny (its batches take a lane); worker 1's are a quarter of LANE_MAX_BATCH_BYTES
+    (a batch of 8 keeps Ray's calls). A sample takes 25 ms; each worker sleeps 1.5 s once, at its first sample made
+    `SLOW_AFTER_S[worker]` seconds after its first: worker 1 early, worker 0 once worker 1 is back."""
+
+    SLOW_AFTER_S = {1: 0.3, 0: 2.2}
+
+    def __init__(self, n: int) -> None:
+        self.n, self.t0, self.slept = n, None, False
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        import time
+
+        w = torch.utils.data.get_worker_info().id
+        now = time.monotonic()
+        self.t0 = now if self.t0 is None else self.t0
+        slow = not self.slept and now - self.t0 >= self.SLOW_AFTER_S[w]
+        if slow:
+            self.slept = True
+            time.sleep(1.5)
+        time.sleep(0.025)
+        size = LANE_MAX_BATCH_BYTES // 16 if w == 1 else 1
+        return {"i": torch.tensor([i]), "w": torch.tensor([w]), "slow": torch.tensor([slow]), "x": torch.zeros(size)}
+
+
+def test_in_order_false_with_lanes_and_ray_calls_mixed_hands_out_batches_as_they_arrive():
+    """in_order=False with one worker on its lane and one on Ray's calls: a slow batch on either side holds back
+    none of the other's batches; every batch comes out once, with its own content."""
+    loader = raydl.DataLoader(
+        _SizeByWorker(240), batch_size=8, num_workers=2, in_order=False, timeout=TIMEOUT_S, ray_lane=True
+    )
+    it = iter(loader)
+    out = []  # (batch's place in the sampler's order, its worker, whether it was slow), as handed out
+    for b in it:
+        first = int(b["i"][0])
+        assert b["i"].flatten().tolist() == list(range(first, first + 8))
+        assert len(set(b["w"].flatten().tolist())) == 1
+        out.append((first // 8, int(b["w"][0]), bool(b["slow"].any())))
+    assert sorted(o[0] for o in out) == list(range(30))
+    slow = [(pos, o) for pos, o in enumerate(out) if o[2]]
+    assert sorted(o[1] for _, o in slow) == [0, 1], out  # one slow batch on each side
+    for pos, (idx, w, _) in slow:
+        assert any(later > idx and lw != w for later, lw, _ in out[:pos]), (idx, out)  # overtaken by the other
+    assert 0 < _lane_calls(it) < it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
 
 
 def test_ray_lane_must_be_a_bool():

@@ -9,8 +9,10 @@ hands the calls whose results the driver no longer needs back to the pool, once 
 
 from __future__ import annotations
 
+import time
 from typing import Any, Optional
 
+from .._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S
 from .lane import Lanes, LaneTicket, worker_node
 
 __all__ = ["CallSender"]
@@ -53,6 +55,32 @@ class CallSender:
 
         batches, metas = ray.get([call.ref, call.meta_ref], timeout=timeout_s)
         return batches, metas
+
+    def first_ready(self, refs: list, timeout_s: float) -> Optional[Any]:
+        """in_order=False: one of `refs` (calls' ObjectRefs or LaneTickets) whose batches are in, waiting at most
+        `timeout_s`; None when none is by then. With both kinds, the lanes are waited on in slices growing from
+        MIXED_WAIT_FIRST_S to MIXED_WAIT_MAX_S and Ray's refs looked at between them (never waited on)."""
+        import ray
+
+        tickets = [r for r in refs if type(r) is LaneTicket]
+        if not tickets:
+            ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s, fetch_local=True)
+            return ready[0] if ready else None
+        assert self._lanes is not None
+        others = [r for r in refs if type(r) is not LaneTicket]
+        if not others:
+            return self._lanes.first_ready(tickets, timeout_s)
+        deadline = time.monotonic() + timeout_s
+        slice_s = MIXED_WAIT_FIRST_S
+        while True:
+            ready, _ = ray.wait(others, num_returns=1, timeout=0, fetch_local=True)
+            if ready:
+                return ready[0]
+            left = deadline - time.monotonic()
+            ticket = self._lanes.first_ready(tickets, max(0.0, min(slice_s, left)))
+            if ticket is not None or left <= slice_s:
+                return ticket
+            slice_s = min(2 * slice_s, MIXED_WAIT_MAX_S)
 
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
         """A batch is in hand: its size tells whether its worker may take a lane (NOTE [ raydl lane, driver ])."""

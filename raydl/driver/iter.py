@@ -190,7 +190,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._calls = CallSender(  # NOTE [ raydl calls ]; a local worker's lane: NOTE [ raydl lane, driver ]
             self._pool,
             self._driver_node_id,
-            lanes=options.lane and self._in_order and self._job_rank is None and not self._via_client,
+            lanes=options.lane and self._job_rank is None and not self._via_client,
         )
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
@@ -482,14 +482,16 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _first_ready_idx(self) -> int:
         """in_order=False: the idx of whichever worker's oldest task finishes first (bounded by timeout)."""
-        import ray
-
         deadline = self._waits.deadline()
         by_ref = self._sched.unordered_candidates()
+        for idx in by_ref.values():
+            call = self._sched.task_info[idx].call
+            if call is not None and call.received:  # a later batch of a call already read
+                return idx
         while True:
-            ready, _ = ray.wait(list(by_ref), num_returns=1, timeout=STATUS_CHECK_INTERVAL_S, fetch_local=True)
-            if ready:
-                return by_ref[ready[0]]
+            ready = self._calls.first_ready(list(by_ref), STATUS_CHECK_INTERVAL_S)
+            if ready is not None:
+                return by_ref[ready]
             if deadline is not None and time.monotonic() >= deadline:
                 self._waits.raise_timeout(self._rcvd_idx, self._sched.task_info.get(self._rcvd_idx))
 

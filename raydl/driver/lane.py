@@ -15,7 +15,11 @@ A lane call is a `LaneTicket` in the `Call` where a Ray call has its ObjectRef. 
 worker's replies in order until the ticket's, keeping those of earlier calls for their turn and
 dropping those of abandoned ones; it waits in slices (Ray's `GetTimeoutError` when the slice ends,
 as `ray.get`'s timeout) and raises `LaneLost` when the socket ends: the worker died, which
-recovery treats as Ray's actor death (NOTE [ raydl recovery ] in driver/recovery.py). A replaced
+recovery treats as Ray's actor death (NOTE [ raydl recovery ] in driver/recovery.py). With
+in_order=False the driver waits on the sockets of the workers' oldest calls at once (`first_ready`:
+the first reply in is handed out first, as `ray.wait` does for Ray's calls); while some of those
+calls went through Ray, `CallSender.first_ready` waits on the lanes in short slices and looks at the
+Ray refs between them. A replaced
 worker is a new actor: its calls go through Ray until its own lane opens. The lanes close with the
 iterator's workers (`close`), or with the actor's next loader (its generation).
 """
@@ -235,6 +239,48 @@ class Lanes:
                 return reply
             if not first.abandoned:
                 first.reply = reply  # an earlier call of the worker: kept for its turn
+
+    def first_ready(self, tickets: list, timeout_s: float) -> Optional[LaneTicket]:
+        """in_order=False: one of `tickets` (each its worker's oldest call in flight) whose reply is in (or whose
+        lane ended: `receive` then raises LaneLost), waiting at most `timeout_s`; None when none is ready by then.
+        A reply read here waits in its ticket; replies of abandoned calls before it are dropped."""
+        from multiprocessing.connection import wait
+
+        by_conn: dict[Any, LaneTicket] = {}
+        for ticket in tickets:
+            if ticket.reply is not None:
+                return ticket
+            lane = self._lanes.get(ticket.worker_id)
+            if lane is None or ticket not in lane.unread:
+                return ticket
+            by_conn[lane.conn] = ticket
+        try:
+            readable = wait(list(by_conn), timeout_s)
+        except OSError:  # a lane closed under the wait: its worker died
+            readable = list(by_conn)
+        for conn in readable:
+            ticket = by_conn[conn]
+            if self._read_until(ticket):
+                return ticket
+        return None
+
+    def _read_until(self, ticket: LaneTicket) -> bool:
+        """Read the replies already arriving on the ticket's lane, up to its own; whether it is ready (or the
+        lane ended)."""
+        lane = self._lanes[ticket.worker_id]
+        try:
+            while lane.conn.poll(0):
+                reply = recv_reply(lane.conn)
+                first = lane.unread.popleft()
+                if first is ticket:
+                    ticket.reply = reply
+                    return True
+                if not first.abandoned:
+                    first.reply = reply
+        except (EOFError, OSError):
+            self._lost(ticket.worker_id)
+            return True
+        return False
 
     def abandon(self, ticket: LaneTicket) -> None:
         """The call's batches are not needed: its reply is dropped when it arrives."""
