@@ -59,7 +59,10 @@ warnings.filterwarnings("ignore", message="This DataLoader will create")
 # The step's matmuls keep their values near 0.5 (gain 1.4 over 192 terms of N(0, 1) weights). A smaller gain
 # (0.01, before 2026-11-26) shrank them into denormal floats within ~40 matmuls: x86 cores compute those in
 # microcode, ~10x slower, and a busy hyperthread sibling slowed that 2.3-2.5x on an Intel host, so the step's
-# cost per matmul and its contention depended on how many matmuls it ran.
+# cost per matmul and its contention depended on how many matmuls it ran. The step is torch's matmul on torch's
+# one thread (set above): NumPy's BLAS starts a thread per CPU it saw at its import, and when it was imported
+# before this process was pinned (`bench_images.py --offload` imports it first) two BLAS threads shared the
+# trainer's core, spinning for each other (a 192 x 192 matmul took 1-7 ms instead of 0.12).
 STEP_GAIN = 0.1
 
 
@@ -68,7 +71,7 @@ class TrainStep:
 
     def __init__(self, ms: float) -> None:
         self.ms = ms
-        self.a = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)
+        self.a = torch.from_numpy(np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32))
         self.reps = 0
         if ms > 0:
             self.reps = 1
@@ -81,7 +84,7 @@ class TrainStep:
     def __call__(self, batch) -> None:
         x = self.a
         for _ in range(self.reps):
-            x = np.tanh(x @ self.a * STEP_GAIN)
+            x = torch.tanh(x @ self.a * STEP_GAIN)
 
 
 def _busy_other_core(code: str):
@@ -146,9 +149,10 @@ def measure_contention(
             other.kill()
             other.wait()
 
-    matmul = (
-        "import numpy as np\na = np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32)\n"
-        f"b = a.copy()\nwhile True: a = np.tanh(a @ b * {STEP_GAIN})"
+    matmul = (  # the train step's work, forever
+        "import numpy as np, torch\ntorch.set_num_threads(1)\n"
+        "a = torch.from_numpy(np.random.default_rng(0).standard_normal((192, 192)).astype(np.float32))\n"
+        f"b = a.clone()\nwhile True: a = torch.tanh(a @ b * {STEP_GAIN})"
     )
     samples = sample_code or f"i = 0\nwhile True:\n    C.cpu_sample(i, {iters}); i += 1"
     data_f, step_f = [], []
