@@ -107,9 +107,13 @@ def test_interrupted_driver_leaves_no_actor(ray_session):
                 proc.kill()
     for how, proc in procs.items():
         stdout, stderr = outs[how]
-        assert "batch 2" in stdout, (how, stdout[-2000:] + stderr[-3000:])
-        assert proc.returncode != 0, how
-    assert "KeyboardInterrupt" in outs["sigint"][1]
+        detail = (how, proc.returncode, stdout[-2000:] + stderr[-3000:])
+        assert "batch 2" in stdout and "batch 3" not in stdout, detail  # each stopped where it was told to
+    # The interrupted one ended with its KeyboardInterrupt, the other with its own status. The first's exit status is
+    # not asserted: after a KeyboardInterrupt it depends on Ray's exit hooks (-2 or 1 seen; 0 once in a full suite
+    # run, whose output this test did not keep — "batch 3" above now tells a swallowed interrupt apart).
+    assert "KeyboardInterrupt" in outs["sigint"][1], outs["sigint"][1][-3000:]
+    assert procs["exit"].returncode == 3, outs["exit"][1][-3000:]
     assert _wait_until(lambda: _alive_workers() <= base, timeout_s=45)
 
 
