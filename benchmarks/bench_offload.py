@@ -58,8 +58,9 @@ warnings.filterwarnings("ignore", message="This DataLoader will create")
 
 # The step's matmuls keep their values near 0.5 (gain 1.4 over 192 terms of N(0, 1) weights). A smaller gain
 # (0.01, before 2026-11-26) shrank them into denormal floats within ~40 matmuls: x86 cores compute those in
-# microcode, ~10x slower, and a busy hyperthread sibling slowed that 2.3-2.5x on an Intel host, so the step's
-# cost per matmul and its contention depended on how many matmuls it ran. The step is torch's matmul on torch's
+# microcode, ~10x slower, and the contention probe measured that 2.3-2.5x slower beside a busy other core on an
+# Intel host (a sound step: 1.00-1.14x), so the step's cost per matmul and its contention depended on how many
+# matmuls it ran. The step is torch's matmul on torch's
 # one thread (set above): NumPy's BLAS starts a thread per CPU it saw at its import, and when it was imported
 # before this process was pinned (`bench_images.py --offload` imports it first) two BLAS threads shared the
 # trainer's core, spinning for each other (a 192 x 192 matmul took 1-7 ms instead of 0.12).
