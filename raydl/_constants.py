@@ -93,6 +93,13 @@ LANE_OUT_OF_BAND_BYTES = 64 * 1024
 # on the lanes between looks at Ray's refs: from the first, doubling up to the last (a Ray batch waits at most one).
 MIXED_WAIT_FIRST_S = 0.001
 MIXED_WAIT_MAX_S = 0.016
+# ... and, for a TCP lane to a worker on another node (NOTE [ raydl lane ]), when a silent peer ends it: keepalive
+# probes after this long idle, this often, this many unanswered; or this long with data unacknowledged. About Ray's
+# own time to declare a silent node dead (its health checks), so a vanished node ends the lane no later.
+LANE_TCP_KEEPALIVE_IDLE_S = 10
+LANE_TCP_KEEPALIVE_INTERVAL_S = 5
+LANE_TCP_KEEPALIVE_COUNT = 3
+LANE_TCP_USER_TIMEOUT_S = 30
 # NOTE [ raydl collate buffers ] in worker/collate.py: a worker stacks a batch tensor of at least this many bytes
 # into memory it keeps and reuses (fresh memory costs a page fault per 4 KiB page) ...
 REUSE_MIN_BYTES = 1024 * 1024

@@ -122,13 +122,15 @@ def main() -> None:
         del it, loader
 
         # 1b. Batches made on other nodes move to the driver's node while the caller is busy
-        # (NOTE [ raydl ordering ]): after a pause, every finished batch is already local.
+        # (NOTE [ raydl ordering ]): after a pause, every finished batch is already local. Ray's calls here
+        # (ray_lane=False); the lanes' own reader threads are checked after.
         loader = raydl.DataLoader(
             D.ImageDataset(48),
             batch_size=8,
             num_workers=2,
             timeout=60,
             ray_remote_args={"num_cpus": 0.25, "resources": {"data": 1}},
+            ray_lane=False,
         )  # ~0.3 MB per batch: in the object store, not inlined
         it = iter(loader)
         next(it)
@@ -140,6 +142,25 @@ def main() -> None:
         facts["prefetch_outstanding"] = len(refs)
         facts["prefetch_local_before_next"] = sum(head_id in loc["node_ids"] for loc in locations.values())
         facts["prefetch_rest_complete"] = 1 + len(list(it)) == 6
+        del it, loader
+
+        # 1b'. The default: workers on other nodes take TCP lanes once started (NOTE [ raydl lane, driver ]); their
+        # replies are read as they arrive, so after a pause every finished batch is already in the driver's memory.
+        expected = [b["ids"].tolist() for b in torch.utils.data.DataLoader(D.ImageDataset(160), batch_size=8)]
+        loader = raydl.DataLoader(
+            D.ImageDataset(160), batch_size=8, num_workers=2, timeout=60, ray_remote_args={"resources": {"data": 1}}
+        )
+        it = iter(loader)
+        got = [next(it)["ids"].tolist() for _ in range(4)]  # the lanes open meanwhile
+        time.sleep(2.0)
+        calls = [t.call for t in it._sched.task_info.values()]
+        on_lanes = [c for c in calls if type(c.ref).__name__ == "LaneTicket"]
+        facts["lane_outstanding"] = [len(calls), len(on_lanes)]
+        facts["lane_read_before_next"] = sum(c.received or c.ref.reply is not None for c in on_lanes)
+        got += [b["ids"].tolist() for b in it]
+        facts["lane_same_as_torch"] = got == expected
+        facts["lane_remote_calls"] = it._calls._lanes.remote_calls_sent
+        facts["lane_calls_of"] = [it._calls.lane_calls, it._sched.calls_sent]
         del it, loader
 
         # 1c. Run after run, after other loaders (hinted ones above, default ones here) came and went:
@@ -183,6 +204,9 @@ def main() -> None:
         placed = {r.node_id for r in it.worker_records}
         facts["data_nodes_used"] = len(placed)
         facts["on_trainer_node"] = head_id in placed
+        while it._calls.lane_calls < 4 and it._rcvd_idx < 8:  # the workers' calls move to their TCP lanes
+            out.append(next(it).flatten().tolist())
+        facts["lane_calls_before_removal"] = it._calls.lane_calls
         victim = next(n for n in data_nodes if n.node_id == it.worker_records[1].node_id)
         t0 = time.monotonic()
         cluster.remove_node(victim)

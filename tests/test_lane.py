@@ -40,7 +40,26 @@ def _lane_calls(it) -> int:
     return it._calls.lane_calls
 
 
-def test_default_configuration_on_lanes_matches_torch(lanes_on):
+@pytest.fixture(params=["unix", "tcp"])
+def kind(request, monkeypatch):
+    """The test twice: on the Unix-socket lanes of workers on the driver's node, then on the TCP lanes of workers on
+    other nodes (the driver is told each started worker runs elsewhere: the same code a multi-node cluster runs,
+    here on one node; tests/test_multinode.py runs it across nodes)."""
+    if request.param == "tcp":
+        from raydl.driver import lane as L
+
+        real = L.worker_node
+        monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")
+    return request.param
+
+
+def _check_kind(it, kind: str) -> None:
+    """The lane calls went the way `kind` says."""
+    remote = it._calls._lanes.remote_calls_sent
+    assert remote == (_lane_calls(it) if kind == "tcp" else 0), (kind, remote, _lane_calls(it))
+
+
+def test_default_configuration_on_lanes_matches_torch(lanes_on, kind):
     """shuffle=True, no generator, persistent workers, 3 epochs: torch's batches, and the calls went over lanes."""
     torch.manual_seed(7)
     kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
@@ -51,10 +70,11 @@ def test_default_configuration_on_lanes_matches_torch(lanes_on):
         it = loader._iterator
         # the first calls go through Ray while the workers start; then every call takes its worker's lane
         assert _lane_calls(it) > 0.8 * it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
+        _check_kind(it, kind)
     assert_epochs_equal(expected, actual)
 
 
-def test_worker_sigkilled_on_its_lane_is_recovered():
+def test_worker_sigkilled_on_its_lane_is_recovered(kind):
     """SIGKILL of a worker whose calls go over its lane: the lane's end is its death; no batch lost or repeated."""
     loader = raydl.DataLoader(
         D.SlowDataset(64, {i: 0.01 for i in range(64)}), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_lane=True
@@ -67,9 +87,10 @@ def test_worker_sigkilled_on_its_lane_is_recovered():
     out += [b.flatten().tolist() for b in it]
     assert out == [[i, i + 1] for i in range(0, 64, 2)]
     assert it._pool.restarts == [0, 1]
+    _check_kind(it, kind)
 
 
-def test_state_taken_on_lanes_resumes_as_torchdata(lanes_on):
+def test_state_taken_on_lanes_resumes_as_torchdata(lanes_on, kind):
     """States after 3 and 20 batches of a loader on lanes (shuffle=True, no generator; then random draws in the
     workers): raydl and torchdata resume each other's states batch for batch."""
     check_resume(
@@ -89,7 +110,7 @@ def test_state_taken_on_lanes_resumes_as_torchdata(lanes_on):
     )
 
 
-def test_error_on_a_lane_is_raised_at_its_turn_and_the_epoch_goes_on():
+def test_error_on_a_lane_is_raised_at_its_turn_and_the_epoch_goes_on(kind):
     """User code raising in a lane call: torch's error at that batch; the caller catches it and gets the rest."""
     loader = raydl.DataLoader(D.KeyErrorDataset(40), batch_size=1, num_workers=2, timeout=TIMEOUT_S, ray_lane=True)
     it = iter(loader)
@@ -99,9 +120,10 @@ def test_error_on_a_lane_is_raised_at_its_turn_and_the_epoch_goes_on():
             got.append(next(it).item())
     got += [b.item() for b in it]
     assert got == [i for i in range(40) if i != 3]
+    _check_kind(it, kind)
 
 
-def test_timeout_on_a_lane_is_torchs_error():
+def test_timeout_on_a_lane_is_torchs_error(kind):
     """A batch slower than `timeout` on a lane raises torch's timeout error, naming the batch."""
     delays = {i: 0.0 for i in range(40)}
     delays[30] = 6.0
@@ -111,6 +133,7 @@ def test_timeout_on_a_lane_is_torchs_error():
         for _ in it:
             pass
     assert _lane_calls(it) > 0
+    _check_kind(it, kind)
     it.shutdown()
 
 
@@ -130,7 +153,7 @@ def test_warm_worker_reused_after_a_lane_makes_the_next_loaders_batches():
     assert set(rows[:, 1].tolist()) <= pids  # the same processes, now the second loader's workers
 
 
-def test_in_order_false_on_lanes_hands_out_batches_as_they_arrive():
+def test_in_order_false_on_lanes_hands_out_batches_as_they_arrive(kind):
     """in_order=False: once the lanes are open, a slow batch of one worker holds back none of the other's; every
     batch comes out once."""
     loader = raydl.DataLoader(
@@ -141,6 +164,7 @@ def test_in_order_false_on_lanes_hands_out_batches_as_they_arrive():
     assert sorted(out) == list(range(48))
     assert out.index(24) > 24, out  # batches sent after it came out first
     assert _lane_calls(it) > 0
+    _check_kind(it, kind)
 
 
 class _SizeByWorker(torch.utils.data.Dataset):
@@ -207,6 +231,40 @@ class _Large(torch.utils.data.Dataset):
         return torch.full((LANE_MAX_BATCH_BYTES // 16,), float(i))
 
 
+def test_large_batches_of_workers_on_other_nodes_take_tcp_lanes(kind):
+    """Batches above LANE_MAX_BATCH_BYTES: a worker on the driver's node keeps Ray's calls (its zero-copy object
+    store); a worker on another node takes a TCP lane (Ray would copy them through two raylets)."""
+    loader = raydl.DataLoader(_Large(), batch_size=8, num_workers=2, timeout=TIMEOUT_S, ray_lane=True)
+    it = iter(loader)
+    assert [b[:, 0].tolist() for b in it] == [[float(i) for i in range(s, s + 8)] for s in range(0, 64, 8)]
+    assert (_lane_calls(it) > 0) == (kind == "tcp")
+    _check_kind(it, kind)
+    loader.shutdown()
+
+
+def test_tcp_lane_sockets_end_a_silent_peer():
+    """A TCP lane's socket (either end) sends at once and ends within LANE_TCP_USER_TIMEOUT_S when its peer's node goes
+    silent: keepalive probes and a user timeout are set (a vanished node must not hang the loader)."""
+    import socket
+
+    from raydl import _constants as K
+    from raydl.worker.lane import tune_tcp
+
+    sock = socket.socket()
+    try:
+        tune_tcp(sock)
+        get = lambda level, opt: sock.getsockopt(level, opt)  # noqa: E731
+        assert get(socket.IPPROTO_TCP, socket.TCP_NODELAY) and get(socket.SOL_SOCKET, socket.SO_KEEPALIVE)
+        assert get(socket.IPPROTO_TCP, socket.TCP_KEEPIDLE) == K.LANE_TCP_KEEPALIVE_IDLE_S
+        assert get(socket.IPPROTO_TCP, socket.TCP_KEEPINTVL) == K.LANE_TCP_KEEPALIVE_INTERVAL_S
+        assert get(socket.IPPROTO_TCP, socket.TCP_KEEPCNT) == K.LANE_TCP_KEEPALIVE_COUNT
+        assert get(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT) == K.LANE_TCP_USER_TIMEOUT_S * 1000
+        idle = K.LANE_TCP_KEEPALIVE_IDLE_S + K.LANE_TCP_KEEPALIVE_INTERVAL_S * K.LANE_TCP_KEEPALIVE_COUNT
+        assert max(idle, K.LANE_TCP_USER_TIMEOUT_S) <= 60
+    finally:
+        sock.close()
+
+
 def test_large_batches_and_ray_lane_false_keep_rays_calls():
     """Batches above LANE_MAX_BATCH_BYTES stay on Ray's zero-copy object store; ray_lane=False never opens a lane."""
     large = raydl.DataLoader(_Large(), batch_size=8, num_workers=2, ray_lane=True)
@@ -252,7 +310,7 @@ class _MidSize(D.RangeDataset):
         return {"x": torch.rand(32768, generator=g) + torch.rand(1), "i": i}
 
 
-def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on):
+def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on, kind):
     """Batches of 1 MiB (their arrays out of band on the lane): shuffle=True, no generator, persistent workers, two
     epochs equal torch's, most calls on lanes, and the tensors are writable."""
     assert LANE_OUT_OF_BAND_BYTES < 32768 * 4 * 8 <= LANE_MAX_BATCH_BYTES
@@ -264,6 +322,7 @@ def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on):
         actual = run_epochs(loader, 2)
         it = loader._iterator
         assert _lane_calls(it) > 0.5 * it._sched.calls_sent, (_lane_calls(it), it._sched.calls_sent)
+        _check_kind(it, kind)
     assert_epochs_equal(expected, actual)
     actual[1][-1]["x"].add_(1)  # writable, as torch's
 
@@ -303,7 +362,7 @@ def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle()
     receiver.close()
 
 
-def test_a_batch_no_pickle_can_carry_is_an_error_at_its_turn_not_a_hang():
+def test_a_batch_no_pickle_can_carry_is_an_error_at_its_turn_not_a_hang(kind):
     """A lane's batch holding a lock (collate_fn=list keeps it): its batch raises the pickling error when its turn
     comes, the batches before it are the dataset's, and the epoch goes on after it, as after any worker error."""
     loader = raydl.DataLoader(
@@ -313,6 +372,7 @@ def test_a_batch_no_pickle_can_carry_is_an_error_at_its_turn_not_a_hang():
     got = [[x for x, _ in next(it)] for _ in range(75)]
     assert got == [[i, i + 1] for i in range(0, 150, 2)]
     assert _lane_calls(it) > 0
+    _check_kind(it, kind)
     with pytest.raises(TypeError, match="could not be sent to your process"):
         next(it)
     rest = [[x for x, _ in b] for b in it]

@@ -66,8 +66,21 @@ def test_batches_from_other_nodes_are_pulled_ahead(facts):
     assert facts["prefetch_rest_complete"]
 
 
+def test_workers_on_other_nodes_take_tcp_lanes_read_ahead_and_match_torch(facts):
+    """By default a worker on another node gets its calls over a TCP lane once started; its replies are read while
+    the caller is busy (every outstanding lane call's batches in hand after a pause); batches equal torch's."""
+    assert facts["lane_same_as_torch"]
+    outstanding, on_lanes = facts["lane_outstanding"]
+    assert outstanding == 4 and on_lanes >= 2, facts["lane_outstanding"]
+    assert facts["lane_read_before_next"] == on_lanes
+    lane_calls, calls = facts["lane_calls_of"]
+    assert facts["lane_remote_calls"] == lane_calls and lane_calls > calls / 2, facts["lane_calls_of"]
+
+
 def test_node_removed_mid_epoch_is_recovered(facts):
-    """A data node removed mid-epoch: its workers are replaced on the survivor; all batches once, in order."""
+    """A data node removed mid-epoch, its workers on their TCP lanes: they are replaced on the survivor; all batches
+    once, in order."""
+    assert facts["lane_calls_before_removal"] >= 4
     assert facts["after_removal_complete_in_order"]
     assert facts["restarts"] >= 1
     assert facts["survivor_node_only"]

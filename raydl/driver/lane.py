@@ -1,19 +1,24 @@
 """The driver's end of the lanes: a local worker's calls over a socket (NOTE [ raydl lane ] in worker/lane.py).
 
 NOTE [ raydl lane, driver ]
-`Lanes` belongs to one iterator's `CallSender`. For a worker that runs on the driver's node, has
-started (its record says where it runs) and whose first batch was small (LANE_MAX_BATCH_BYTES of
-arrays at most), the driver asks for a lane at its next call: it
-listens on a fresh abstract Unix socket and asks the actor through Ray (`Worker.open_lane`, queued
-behind the calls already sent) to connect with a random token. Calls go through Ray until the
+`Lanes` belongs to one iterator's `CallSender`. For a worker that has started (its record says
+where it runs) and either runs on the driver's node with a small first batch (LANE_MAX_BATCH_BYTES
+of arrays at most) or runs on another node (any size), the driver asks for a lane at its next
+call: it listens on a fresh abstract Unix socket (same node) or a TCP port on its node's IP
+(another node) and asks the actor through Ray (`Worker.open_lane`, queued behind the calls already
+sent) to connect with a random token. Calls go through Ray until the
 connection is there (checked without waiting at each call: the actor's queue may hold slow
 calls), then over the lane for good. Each lane call carries how many Ray calls the worker was
 sent, and the worker makes it only after those (NOTE [ raydl lane ]): the order of a worker's
 calls is the order they were sent, whichever way they went. An actor whose lane did not open
 keeps Ray's calls (logged at debug level).
-A lane call is a `LaneTicket` in the `Call` where a Ray call has its ObjectRef. `receive` reads the
-worker's replies in order until the ticket's, keeping those of earlier calls for their turn and
-dropping those of abandoned ones; it waits in slices (Ray's `GetTimeoutError` when the slice ends,
+A lane call is a `LaneTicket` in the `Call` where a Ray call has its ObjectRef. On the driver's
+node `receive` reads the worker's replies in order until the ticket's, keeping those of earlier
+calls for their turn and dropping those of abandoned ones. A lane to another node has a thread of
+its own that reads each reply as it arrives into its ticket and rings the lane's bell (a socket
+pair `receive` and `first_ready` wait on): a large batch crosses the network while the trainer
+steps, as Ray's pull of a remote batch does (NOTE [ raydl ordering ] in driver/iter.py), and the
+bytes are copied once, by that thread, instead of through two raylets. Either way `receive` waits in slices (Ray's `GetTimeoutError` when the slice ends,
 as `ray.get`'s timeout) and raises `LaneLost` when the socket ends: the worker died, which
 recovery treats as Ray's actor death (NOTE [ raydl recovery ] in driver/recovery.py). With
 in_order=False the driver waits on the sockets of the workers' oldest calls at once (`first_ready`:
@@ -31,13 +36,15 @@ import os
 import pickle
 import secrets
 import socket
+import threading
+import time
 from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
 from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S
 from .._measures import batch_nbytes
-from ..worker.lane import recv_reply
+from ..worker.lane import recv_reply, tune_tcp
 
 __all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node"]
 
@@ -68,6 +75,8 @@ class LaneTicket:
 class _Lane:
     """One worker's socket: its actor, the connection, the tickets in send order whose replies are not read yet."""
 
+    remote = False
+
     def __init__(self, actor: Any, conn: Connection) -> None:
         self.actor = actor
         self.conn = conn
@@ -80,11 +89,89 @@ class _Lane:
             pass
 
 
+class _RemoteLane(_Lane):
+    """A lane to a worker on another node: its thread reads each reply as it arrives into its ticket and rings `bell`
+    (NOTE [ raydl lane, driver ]). `lost` holds why the lane ended, once it did."""
+
+    remote = True
+
+    def __init__(self, actor: Any, conn: Connection, worker_id: int) -> None:
+        super().__init__(actor, conn)
+        self.lock = threading.Lock()
+        self.lost: Optional[BaseException] = None
+        self.bell, self._ring = socket.socketpair()
+        self.bell.setblocking(False)
+        self._ring.setblocking(False)
+        self._reader = threading.Thread(target=self._read, name=f"raydl-lane-{worker_id}", daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        try:
+            while True:
+                reply = recv_reply(self.conn)
+                with self.lock:
+                    ticket = self.unread.popleft()
+                    if not ticket.abandoned:
+                        ticket.reply = reply
+                del reply, ticket
+                self._ring_bell()
+        except (EOFError, OSError, IndexError) as e:  # IndexError: a reply no call was sent for (never by raydl)
+            with self.lock:
+                self.lost = e
+            self._ring_bell()
+        finally:
+            with self.lock:  # this thread closes the connection; `close` only shuts it down, under the same lock
+                self.conn.close()
+
+    def _ring_bell(self) -> None:
+        try:
+            self._ring.send(b"\0")
+        except OSError:  # full (a ring is pending anyway), or the lane was closed
+            pass
+
+    def silence(self) -> None:
+        """Drain the bell before looking at the tickets: a reply set after this rings again."""
+        try:
+            while self.bell.recv(4096):
+                pass
+        except OSError:
+            pass
+
+    def take(self, ticket: LaneTicket) -> Optional[tuple]:
+        """The ticket's reply if in; LaneLost if the lane ended before it came; None while it is on its way."""
+        with self.lock:
+            reply = ticket.reply
+            if reply is not None:
+                ticket.reply = None
+                return reply
+            if self.lost is not None or ticket not in self.unread:
+                raise LaneLost(f"the lane of worker {ticket.worker_id} ended: its process died ({self.lost!r})")
+        return None
+
+    def ready(self, ticket: LaneTicket) -> bool:
+        with self.lock:
+            return ticket.reply is not None or self.lost is not None or ticket not in self.unread
+
+    def close(self) -> None:
+        """Shut the connection down (its reader sees the end and closes it) and the bell."""
+        with self.lock:
+            if not self.conn.closed:
+                sock = socket.socket(fileno=self.conn.fileno())
+                try:
+                    sock.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+                finally:
+                    sock.detach()
+        self.bell.close()
+        self._ring.close()
+
+
 class _Opening:
     """A lane asked for: the driver listens, the actor connects when its queue reaches `open_lane`."""
 
-    def __init__(self, actor: Any, listener: socket.socket, token: bytes, reply: Any) -> None:
-        self.actor, self.listener, self.token, self.reply = actor, listener, token, reply
+    def __init__(self, actor: Any, listener: socket.socket, token: bytes, reply: Any, remote: bool) -> None:
+        self.actor, self.listener, self.token, self.reply, self.remote = actor, listener, token, reply, remote
 
 
 class Lanes:
@@ -98,7 +185,9 @@ class Lanes:
         self._ray_sent: dict[int, tuple[Any, int]] = {}  # worker id -> (its actor, Ray calls sent to it)
         self._refused: list[Any] = []  # actors whose lane did not open: they keep Ray's calls
         self._small: dict[int, bool] = {}  # worker id -> whether its first batch was small enough for a lane
-        self.calls_sent = 0  # calls that went over a lane (stats and tests)
+        self._ip: Optional[str] = None  # this node's IP, where lanes to other nodes listen (asked of Ray once)
+        self.calls_sent = 0  # calls that went over a lane (stats and tests) ...
+        self.remote_calls_sent = 0  # ... of which to workers on other nodes
 
     def lane_for(self, worker_id: int) -> Optional[_Lane]:
         """The worker's lane if its next call goes over it, else None (Ray's call; a lane is asked for meanwhile)."""
@@ -114,13 +203,13 @@ class Lanes:
             self._opening.pop(worker_id).listener.close()
             opening = None
         if opening is None:
-            if (
-                not self._small.get(worker_id)
-                or any(a is actor for a in self._refused)
-                or worker_node(self._pool, worker_id) != self._driver_node_id
-            ):
+            node = worker_node(self._pool, worker_id)
+            if node is None or any(a is actor for a in self._refused):
                 return None
-            opening = self._ask(worker_id, actor)
+            remote = node != self._driver_node_id
+            if not remote and not self._small.get(worker_id):
+                return None
+            opening = self._ask(worker_id, actor, remote)
             if opening is None:
                 return None
         lane = self._accept(worker_id, opening)
@@ -135,13 +224,25 @@ class Lanes:
         if opening is not None:
             opening.listener.close()
 
-    def _ask(self, worker_id: int, actor: Any) -> Optional[_Opening]:
-        """Listen on a fresh abstract socket and ask the actor (through Ray, after its queued calls) to connect."""
+    def _ask(self, worker_id: int, actor: Any, remote: bool) -> Optional[_Opening]:
+        """Listen on a fresh abstract socket (or, for a worker on another node, a TCP port on this node's IP) and ask
+        the actor (through Ray, after its queued calls) to connect."""
         token = secrets.token_bytes(16)
-        address = f"\0raydl-lane-{os.getpid()}-{secrets.token_hex(8)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        address: Any
         try:
-            listener.bind(address)
+            if remote:
+                ip = self._node_ip()
+                listener = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+                listener.bind((ip, 0))
+                address = listener.getsockname()[:2]
+            else:
+                address = f"\0raydl-lane-{os.getpid()}-{secrets.token_hex(8)}"
+                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                listener.bind(address)
+        except OSError as e:
+            self._refuse(worker_id, actor, e)
+            return None
+        try:
             listener.listen(1)
             listener.setblocking(False)
             reply = actor.open_lane.remote(address, token)
@@ -149,8 +250,15 @@ class Lanes:
             listener.close()
             self._refuse(worker_id, actor, e)
             return None
-        opening = self._opening[worker_id] = _Opening(actor, listener, token, reply)
+        opening = self._opening[worker_id] = _Opening(actor, listener, token, reply, remote)
         return opening
+
+    def _node_ip(self) -> str:
+        if self._ip is None:
+            import ray
+
+            self._ip = ray.util.get_node_ip_address()
+        return self._ip
 
     def _accept(self, worker_id: int, opening: _Opening) -> Optional[_Lane]:
         """The lane, if the actor has connected (never waits for it to: its queue may hold slow calls)."""
@@ -177,9 +285,11 @@ class Lanes:
                 self._refuse(worker_id, opening.actor, e)
                 return None
         sock.setblocking(True)
+        if opening.remote:
+            tune_tcp(sock)
         conn = Connection(sock.detach())
         try:
-            ok = conn.poll(LANE_OPEN_S) and conn.recv_bytes() == opening.token
+            ok = conn.poll(LANE_OPEN_S) and conn.recv_bytes(maxlength=len(opening.token)) == opening.token
         except (EOFError, OSError):
             ok = False
         if not ok:
@@ -188,7 +298,7 @@ class Lanes:
             return None
         opening.listener.close()
         del self._opening[worker_id]
-        return _Lane(opening.actor, conn)
+        return _RemoteLane(opening.actor, conn, worker_id) if opening.remote else _Lane(opening.actor, conn)
 
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
         """A batch of the worker is in hand (`nbytes` from its meta, 0 when stats are off): the first one decides
@@ -207,11 +317,16 @@ class Lanes:
         ticket = LaneTicket(worker_id)
         known = self._ray_sent.get(worker_id)
         after = known[1] if known is not None and known[0] is lane.actor else 0
+        if lane.remote:
+            with lane.lock:  # its reader pops the tickets
+                lane.unread.append(ticket)
+            self.remote_calls_sent += 1
+        else:
+            lane.unread.append(ticket)
         try:
             lane.conn.send_bytes(pickle.dumps((after, epoch, tasks), protocol=5))
         except OSError:
             pass  # the worker is gone: `receive` reports it when the driver waits on this call
-        lane.unread.append(ticket)
         self.calls_sent += 1
         return ticket
 
@@ -223,7 +338,11 @@ class Lanes:
             reply, ticket.reply = ticket.reply, None
             return reply
         lane = self._lanes.get(ticket.worker_id)
-        if lane is None or ticket not in lane.unread:
+        if lane is None:
+            raise LaneLost(f"the lane of worker {ticket.worker_id} is closed")
+        if lane.remote:
+            return self._receive_remote(lane, ticket, timeout_s)
+        if ticket not in lane.unread:
             raise LaneLost(f"the lane of worker {ticket.worker_id} is closed")
         while True:
             try:
@@ -240,29 +359,69 @@ class Lanes:
             if not first.abandoned:
                 first.reply = reply  # an earlier call of the worker: kept for its turn
 
+    def _receive_remote(self, lane: Any, ticket: LaneTicket, timeout_s: float) -> tuple:
+        """`receive` on a lane to another node: its reader thread puts the reply in the ticket and rings the bell."""
+        from multiprocessing.connection import wait
+
+        from ray.exceptions import GetTimeoutError
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            lane.silence()
+            try:
+                reply = lane.take(ticket)
+            except LaneLost:
+                self._lost(ticket.worker_id)
+                raise
+            if reply is not None:
+                return reply
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise GetTimeoutError(f"no reply on worker {ticket.worker_id}'s lane within {timeout_s} s")
+            try:
+                wait([lane.bell], left)
+            except OSError:  # the bell closed under the wait: the lane was closed
+                pass
+
     def first_ready(self, tickets: list, timeout_s: float) -> Optional[LaneTicket]:
         """in_order=False: one of `tickets` (each its worker's oldest call in flight) whose reply is in (or whose
         lane ended: `receive` then raises LaneLost), waiting at most `timeout_s`; None when none is ready by then.
         A reply read here waits in its ticket; replies of abandoned calls before it are dropped."""
         from multiprocessing.connection import wait
 
-        by_conn: dict[Any, LaneTicket] = {}
-        for ticket in tickets:
-            if ticket.reply is not None:
-                return ticket
-            lane = self._lanes.get(ticket.worker_id)
-            if lane is None or ticket not in lane.unread:
-                return ticket
-            by_conn[lane.conn] = ticket
-        try:
-            readable = wait(list(by_conn), timeout_s)
-        except OSError:  # a lane closed under the wait: its worker died
-            readable = list(by_conn)
-        for conn in readable:
-            ticket = by_conn[conn]
-            if self._read_until(ticket):
-                return ticket
-        return None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            by_conn: dict[Any, LaneTicket] = {}  # a local lane's connection, or a remote lane's bell -> its ticket
+            for ticket in tickets:
+                if ticket.reply is not None:
+                    return ticket
+                lane = self._lanes.get(ticket.worker_id)
+                if lane is None:
+                    return ticket
+                if lane.remote:
+                    lane.silence()
+                    if lane.ready(ticket):
+                        return ticket
+                    by_conn[lane.bell] = ticket
+                elif ticket not in lane.unread:
+                    return ticket
+                else:
+                    by_conn[lane.conn] = ticket
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            try:
+                readable = wait(list(by_conn), left)
+            except OSError:  # a lane closed under the wait: its worker died
+                readable = list(by_conn)
+            if not readable:
+                return None
+            for conn in readable:
+                ticket = by_conn[conn]
+                lane = self._lanes.get(ticket.worker_id)
+                if lane is None or (not lane.remote and self._read_until(ticket)):
+                    return ticket
+            # a remote lane rang (for a later call of its worker, or this ticket's reply: the loop looks again)
 
     def _read_until(self, ticket: LaneTicket) -> bool:
         """Read the replies already arriving on the ticket's lane, up to its own; whether it is ready (or the

@@ -22,8 +22,17 @@ proves itself with a random token the driver gave it through Ray):
     the pickle, larger ones out of band, written from their own memory and read straight into
     the memory the driver's arrays then use (`send_reply` / `recv_reply`): one copy into the
     kernel, one out of it, which for batches up to LANE_MAX_BATCH_BYTES costs less of the
-    trainer's CPU than Ray's call. Only workers on the driver's node get a lane; the others, and
-    larger batches, keep Ray's calls (and Ray's zero-copy object store, NOTE [ raydl zero-copy ]);
+    trainer's CPU than Ray's call. On the driver's node, larger batches keep Ray's calls (and Ray's
+    zero-copy object store, NOTE [ raydl zero-copy ]);
+  * a worker on another node gets a TCP lane instead (the driver listens on its node's IP; the
+    same token), whatever its batches' size: Ray would move each batch through both nodes'
+    raylets (into the object store in gRPC chunks: ~1 ms of the receiving node's CPU a MB, the
+    offload benchmark's head raylet in benchmarks/README), where the socket costs the driver one
+    copy out of the kernel (~0.35 ms a MB on loopback here). A driver thread reads its replies
+    as they arrive (NOTE [ raydl lane, driver ]), so the network's time is not the trainer's;
+    in the worker a second thread writes them, so the worker makes its next call while a large
+    reply is still on the wire. Both ends keep the connection under TCP keepalive and a user
+    timeout (LANE_TCP_*), so a node gone without a word ends the lane instead of hanging it;
   * a reply no pickle can carry (a batch holding a lock) goes with each such batch replaced by its
     pickling error (`sendable`), raised in the driver at that batch's turn: never a lane thread
     gone and a driver waiting for its reply.
@@ -36,15 +45,22 @@ from __future__ import annotations
 import logging
 import os
 import pickle
+import queue
 import socket
 import struct
 import threading
 from multiprocessing.connection import Connection
 from typing import Any, Callable, Optional
 
-from .._constants import LANE_OUT_OF_BAND_BYTES
+from .._constants import (
+    LANE_OUT_OF_BAND_BYTES,
+    LANE_TCP_KEEPALIVE_COUNT,
+    LANE_TCP_KEEPALIVE_IDLE_S,
+    LANE_TCP_KEEPALIVE_INTERVAL_S,
+    LANE_TCP_USER_TIMEOUT_S,
+)
 
-__all__ = ["serve_lane", "dumps_reply", "send_reply", "recv_reply", "Turns"]
+__all__ = ["serve_lane", "dumps_reply", "send_reply", "recv_reply", "Turns", "tune_tcp"]
 
 logger = logging.getLogger(__name__)
 
@@ -145,36 +161,84 @@ class Turns:
             return True, make()
 
 
+def tune_tcp(sock: socket.socket) -> None:
+    """A TCP lane's socket, on either end: calls and small replies go at once (no Nagle delay), and a peer whose node
+    vanished without closing the connection ends it within about LANE_TCP_USER_TIMEOUT_S (keepalive probes while it
+    is idle, the user timeout while data waits unacknowledged) instead of leaving a reader blocked for good."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_KEEPALIVE, 1)
+    for name, value in (
+        ("TCP_KEEPIDLE", LANE_TCP_KEEPALIVE_IDLE_S),
+        ("TCP_KEEPINTVL", LANE_TCP_KEEPALIVE_INTERVAL_S),
+        ("TCP_KEEPCNT", LANE_TCP_KEEPALIVE_COUNT),
+        ("TCP_USER_TIMEOUT", LANE_TCP_USER_TIMEOUT_S * 1000),
+    ):
+        option = getattr(socket, name, None)
+        if option is not None:  # Linux has them all; elsewhere the system's keepalive defaults apply
+            sock.setsockopt(socket.IPPROTO_TCP, option, int(value))
+
+
 def serve_lane(
-    address: str,
+    address: Any,
     token: bytes,
     turns: Turns,
     make_call: Callable[[int, list], Any],
     sendable: Callable[[Any, BaseException], Any],
 ) -> None:
-    """Connect to the driver's lane at `address` and, in a daemon thread, make each call it sends with `make_call`
-    in its turn (`turns`) while the actor serves this loader; a reply that cannot be pickled is sent as
-    `sendable(reply, error)` makes it (its unpicklable batches as errors). Raises OSError when the driver's lane is
-    not there."""
-    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.settimeout(10.0)
-    sock.connect(address)
+    """Connect to the driver's lane at `address` (an abstract Unix socket's name, or a (host, port) on another node)
+    and, in a daemon thread, make each call it sends with `make_call` in its turn (`turns`) while the actor serves
+    this loader; a reply that cannot be pickled is sent as `sendable(reply, error)` makes it (its unpicklable
+    batches as errors). Over TCP a second thread writes the replies. Raises OSError when the driver's lane is not
+    there."""
+    if isinstance(address, str):
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10.0)
+        sock.connect(address)
+    else:
+        sock = socket.create_connection(tuple(address), timeout=10.0)
+        tune_tcp(sock)
     sock.settimeout(None)
     conn = Connection(sock.detach())
     conn.send_bytes(token)
     born = turns.generation
+    replies: Optional[queue.SimpleQueue] = None if isinstance(address, str) else queue.SimpleQueue()
+
+    def send_behind() -> None:
+        """Write the replies `loop` made, in order; after a failed write only drain them (the driver is gone)."""
+        assert replies is not None
+        failed = False
+        while True:
+            reply = replies.get()
+            if reply is None:
+                return
+            if not failed:
+                try:
+                    send_reply(conn, reply, sendable)
+                except OSError:
+                    failed = True
 
     def loop() -> None:
+        writer = None
+        if replies is not None:
+            writer = threading.Thread(target=send_behind, name="raydl-lane-send", daemon=True)
+            writer.start()
         try:
             while True:
                 after, epoch, tasks = pickle.loads(conn.recv_bytes())
                 go_on, reply = turns.lane_call(born, after, lambda: make_call(epoch, tasks))
                 if not go_on:  # the actor serves another loader now: nothing more from this lane
                     return
-                send_reply(conn, reply, sendable)
+                if replies is not None:
+                    replies.put(reply)
+                else:
+                    send_reply(conn, reply, sendable)
         except (EOFError, OSError):  # the driver closed the lane (epoch over, loader shut down) or went away
             return
         finally:
+            if writer is not None:
+                assert replies is not None
+                replies.put(None)
+                writer.join()
             conn.close()
 
     threading.Thread(target=loop, name="raydl-lane", daemon=True).start()
