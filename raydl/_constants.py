@@ -100,6 +100,9 @@ LANE_TCP_KEEPALIVE_IDLE_S = 10
 LANE_TCP_KEEPALIVE_INTERVAL_S = 5
 LANE_TCP_KEEPALIVE_COUNT = 3
 LANE_TCP_USER_TIMEOUT_S = 30
+# ... and the longest a worker tries to connect to it (a worker's calls wait meanwhile; a node that cannot reach the
+# driver's, behind a firewall, keeps Ray's calls and is not asked again by this process).
+LANE_TCP_CONNECT_S = 3.0
 # NOTE [ raydl collate buffers ] in worker/collate.py: a worker stacks a batch tensor of at least this many bytes
 # into memory it keeps and reuses (fresh memory costs a page fault per 4 KiB page) ...
 REUSE_MIN_BYTES = 1024 * 1024

@@ -155,9 +155,11 @@ class DataLoader(_TorchDataLoader[T_co]):
             arrays (they are copied through the socket, where Ray's object store maps larger
             ones without a copy) gets its calls over a local socket (a "lane")
             instead of one Ray actor call each, once it started: a batch then costs the trainer's
-            core under a third as much (NOTE [ raydl lane ] in raydl/worker/lane.py). Workers on other
-            nodes, ``in_order=False``, ``ray_job`` and Ray Client keep Ray's calls. The batches are
-            the same either way. ``False``: every call through Ray. Defaults to ``True``.
+            core under a third as much (NOTE [ raydl lane ] in raydl/worker/lane.py). A worker on
+            another node gets a TCP lane to this process's node whatever its batches' size (a
+            thread here reads each batch as it arrives: one copy, where Ray's transfer costs both
+            nodes' raylets). ``ray_job`` and Ray Client keep Ray's calls. The batches are the same
+            either way. ``False``: every call through Ray. Defaults to ``True``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration
     (in the background on a cold start: see ``ray_cold_start``).

@@ -265,6 +265,34 @@ def test_tcp_lane_sockets_end_a_silent_peer():
         sock.close()
 
 
+def test_a_tcp_lane_the_worker_cannot_reach_leaves_its_node_on_rays_calls(monkeypatch):
+    """A worker on another node that cannot connect to the driver's TCP lane (a firewall: here the port is closed
+    before it connects) keeps Ray's calls; its node is not asked again by this process; the batches are the same."""
+    from raydl.driver import lane as L
+
+    real_node, real_ask = L.worker_node, L.Lanes._ask
+    asked = []
+
+    def ask_then_close(self, worker_id, actor, remote):
+        opening = real_ask(self, worker_id, actor, remote)
+        if opening is not None:
+            asked.append(worker_id)
+            opening.listener.close()  # the connection is refused, as a firewall's would be
+        return opening
+
+    monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real_node(pool, w) is None else "walled-node")
+    monkeypatch.setattr(L.Lanes, "_ask", ask_then_close)
+    monkeypatch.setattr(L, "_UNREACHED", set())
+    for _ in range(2):  # a second loader in the same process does not ask again
+        loader = raydl.DataLoader(D.RangeDataset(64), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_lane=True)
+        it = iter(loader)
+        assert [b.flatten().tolist() for b in it] == [[i, i + 1] for i in range(0, 64, 2)]
+        assert _lane_calls(it) == 0
+        loader.shutdown()
+    assert L._UNREACHED == {"walled-node"}
+    assert 1 <= len(asked) <= 2, asked  # at most the two workers asked before the first refusal was known
+
+
 def test_large_batches_and_ray_lane_false_keep_rays_calls():
     """Batches above LANE_MAX_BATCH_BYTES stay on Ray's zero-copy object store; ray_lane=False never opens a lane."""
     large = raydl.DataLoader(_Large(), batch_size=8, num_workers=2, ray_lane=True)

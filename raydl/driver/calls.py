@@ -19,8 +19,8 @@ __all__ = ["CallSender"]
 
 
 class CallSender:
-    """The calls of one iterator's pool; `driver_node_id`: the node this process runs on; `lanes`: local workers'
-    calls go over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py)."""
+    """The calls of one iterator's pool; `driver_node_id`: the node this process runs on; `lanes`: workers' calls go
+    over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py)."""
 
     def __init__(self, pool: Any, driver_node_id: str, lanes: bool = False) -> None:
         self._pool = pool

@@ -17,7 +17,8 @@ index and result queues:
     first;
   * results stay in Ray's object store until handed out: `ray.get` is only called on the call
     whose batch is about to be returned (its other batches wait there for their turn); a local
-    worker's call over its lane is read from its socket likewise (NOTE [ raydl lane, driver ]).
+    worker's call over its lane is read from its socket likewise, a remote worker's lane by its
+    reader thread as the reply arrives (NOTE [ raydl lane, driver ]).
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
 A batch made on another node starts moving to the driver's node as soon as it exists, so the
 transfer overlaps the training step: `ref.future()` registers Ray's asynchronous get, which asks
@@ -187,7 +188,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._pool, self._job_rank = make_pool(
             loader, options, payload, self._base_seed, self._ckpt, self._driver_node_id, self._epoch, actor_options
         )
-        self._calls = CallSender(  # NOTE [ raydl calls ]; a local worker's lane: NOTE [ raydl lane, driver ]
+        self._calls = CallSender(  # NOTE [ raydl calls ]; a worker's lane: NOTE [ raydl lane, driver ]
             self._pool,
             self._driver_node_id,
             lanes=options.lane and self._job_rank is None and not self._via_client,

@@ -57,6 +57,10 @@ def worker_node(pool: Any, worker_id: int) -> Optional[str]:
     return None if record is None else record.node_id
 
 
+# nodes whose workers could not connect to a TCP lane of this process (a firewall): not asked again
+_UNREACHED: set[str] = set()
+
+
 class LaneLost(Exception):
     """The lane of a worker ended while the driver waited on it: its process died (NOTE [ raydl lane, driver ])."""
 
@@ -170,8 +174,11 @@ class _RemoteLane(_Lane):
 class _Opening:
     """A lane asked for: the driver listens, the actor connects when its queue reaches `open_lane`."""
 
-    def __init__(self, actor: Any, listener: socket.socket, token: bytes, reply: Any, remote: bool) -> None:
-        self.actor, self.listener, self.token, self.reply, self.remote = actor, listener, token, reply, remote
+    def __init__(self, actor: Any, listener: socket.socket, address: Any, token: bytes, reply: Any, node: Any) -> None:
+        self.actor, self.listener, self.token, self.reply = actor, listener, token, reply
+        self.listener_address = address
+        self.node: Optional[str] = node  # the worker's node, for a TCP lane to another node; else None
+        self.remote = node is not None
 
 
 class Lanes:
@@ -207,7 +214,7 @@ class Lanes:
             if node is None or any(a is actor for a in self._refused):
                 return None
             remote = node != self._driver_node_id
-            if not remote and not self._small.get(worker_id):
+            if (not remote and not self._small.get(worker_id)) or (remote and node in _UNREACHED):
                 return None
             opening = self._ask(worker_id, actor, remote)
             if opening is None:
@@ -223,6 +230,15 @@ class Lanes:
         opening = self._opening.pop(worker_id, None)
         if opening is not None:
             opening.listener.close()
+            if opening.node is not None and opening.node not in _UNREACHED:
+                _UNREACHED.add(opening.node)
+                logger.info(
+                    "raydl: workers on node %s could not open a TCP lane to this process at %s (%s): they keep "
+                    "Ray's calls (a firewall between the nodes? ray_lane=False skips the attempt)",
+                    opening.node,
+                    opening.listener_address,
+                    why,
+                )
 
     def _ask(self, worker_id: int, actor: Any, remote: bool) -> Optional[_Opening]:
         """Listen on a fresh abstract socket (or, for a worker on another node, a TCP port on this node's IP) and ask
@@ -250,7 +266,8 @@ class Lanes:
             listener.close()
             self._refuse(worker_id, actor, e)
             return None
-        opening = self._opening[worker_id] = _Opening(actor, listener, token, reply, remote)
+        node = worker_node(self._pool, worker_id) if remote else None
+        opening = self._opening[worker_id] = _Opening(actor, listener, address, token, reply, node)
         return opening
 
     def _node_ip(self) -> str:

@@ -54,6 +54,7 @@ from typing import Any, Callable, Optional
 
 from .._constants import (
     LANE_OUT_OF_BAND_BYTES,
+    LANE_TCP_CONNECT_S,
     LANE_TCP_KEEPALIVE_COUNT,
     LANE_TCP_KEEPALIVE_IDLE_S,
     LANE_TCP_KEEPALIVE_INTERVAL_S,
@@ -195,7 +196,7 @@ def serve_lane(
         sock.settimeout(10.0)
         sock.connect(address)
     else:
-        sock = socket.create_connection(tuple(address), timeout=10.0)
+        sock = socket.create_connection(tuple(address), timeout=LANE_TCP_CONNECT_S)
         tune_tcp(sock)
     sock.settimeout(None)
     conn = Connection(sock.detach())
