@@ -266,22 +266,25 @@ def test_tcp_lane_sockets_end_a_silent_peer():
 
 
 def test_a_tcp_lane_the_worker_cannot_reach_leaves_its_node_on_rays_calls(monkeypatch):
-    """A worker on another node that cannot connect to the driver's TCP lane (a firewall: here the port is closed
-    before it connects) keeps Ray's calls; its node is not asked again by this process; the batches are the same."""
+    """A worker on another node that cannot connect to the driver's TCP lane (a firewall: here it is sent a port
+    nobody listens on) keeps Ray's calls; its node is not asked again by this process; the batches are the same."""
+    import socket
+
     from raydl.driver import lane as L
 
-    real_node, real_ask = L.worker_node, L.Lanes._ask
+    real_node, real_listen = L.worker_node, L.Lanes._listen
     asked = []
 
-    def ask_then_close(self, worker_id, actor, remote):
-        opening = real_ask(self, worker_id, actor, remote)
-        if opening is not None:
-            asked.append(worker_id)
-            opening.listener.close()  # the connection is refused, as a firewall's would be
-        return opening
+    def listen_behind_a_wall(self, remote):
+        listener, address = real_listen(self, remote)
+        closed = socket.socket()
+        closed.bind(("127.0.0.1", 0))
+        asked.append(closed.getsockname())
+        closed.close()  # the worker is sent a port nobody listens on: its connection is refused
+        return listener, asked[-1]
 
     monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real_node(pool, w) is None else "walled-node")
-    monkeypatch.setattr(L.Lanes, "_ask", ask_then_close)
+    monkeypatch.setattr(L.Lanes, "_listen", listen_behind_a_wall)
     monkeypatch.setattr(L, "_UNREACHED", set())
     for _ in range(2):  # a second loader in the same process does not ask again
         loader = raydl.DataLoader(D.RangeDataset(64), batch_size=2, num_workers=2, timeout=TIMEOUT_S, ray_lane=True)

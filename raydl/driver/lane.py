@@ -1,4 +1,4 @@
-"""The driver's end of the lanes: a local worker's calls over a socket (NOTE [ raydl lane ] in worker/lane.py).
+"""The driver's end of the lanes: a worker's calls over a socket (NOTE [ raydl lane ] in worker/lane.py).
 
 NOTE [ raydl lane, driver ]
 `Lanes` belongs to one iterator's `CallSender`. For a worker that has started (its record says
@@ -11,17 +11,19 @@ connection is there (checked without waiting at each call: the actor's queue may
 calls), then over the lane for good. Each lane call carries how many Ray calls the worker was
 sent, and the worker makes it only after those (NOTE [ raydl lane ]): the order of a worker's
 calls is the order they were sent, whichever way they went. An actor whose lane did not open
-keeps Ray's calls (logged at debug level).
+keeps Ray's calls (logged at debug level); a node whose workers could not connect to a TCP lane
+(a firewall) is not asked again by this process (logged at info level).
 A lane call is a `LaneTicket` in the `Call` where a Ray call has its ObjectRef. On the driver's
 node `receive` reads the worker's replies in order until the ticket's, keeping those of earlier
 calls for their turn and dropping those of abandoned ones. A lane to another node has a thread of
 its own that reads each reply as it arrives into its ticket and rings the lane's bell (a socket
 pair `receive` and `first_ready` wait on): a large batch crosses the network while the trainer
 steps, as Ray's pull of a remote batch does (NOTE [ raydl ordering ] in driver/iter.py), and the
-bytes are copied once, by that thread, instead of through two raylets. Either way `receive` waits in slices (Ray's `GetTimeoutError` when the slice ends,
-as `ray.get`'s timeout) and raises `LaneLost` when the socket ends: the worker died, which
-recovery treats as Ray's actor death (NOTE [ raydl recovery ] in driver/recovery.py). With
-in_order=False the driver waits on the sockets of the workers' oldest calls at once (`first_ready`:
+bytes are copied once, by that thread, instead of through two raylets. Either way `receive`
+waits in slices (Ray's `GetTimeoutError` when the slice ends, as `ray.get`'s timeout) and raises
+`LaneLost` when the socket ends: the worker died (or its node went silent: keepalive and a user
+timeout end a TCP lane, LANE_TCP_*), which recovery treats as Ray's actor death (NOTE [ raydl
+recovery ] in driver/recovery.py). With in_order=False the driver waits on the sockets of the workers' oldest calls at once (`first_ready`:
 the first reply in is handed out first, as `ray.wait` does for Ray's calls); while some of those
 calls went through Ray, `CallSender.first_ready` waits on the lanes in short slices and looks at the
 Ray refs between them. A replaced
@@ -224,13 +226,14 @@ class Lanes:
             self._lanes[worker_id] = lane
         return lane
 
-    def _refuse(self, worker_id: int, actor: Any, why: Any) -> None:
+    def _refuse(self, worker_id: int, actor: Any, why: Any, unreached: bool = False) -> None:
+        """The actor keeps Ray's calls; `unreached`: it could not connect to its lane (its node is not asked again)."""
         logger.debug("raydl: worker %d keeps Ray's calls: its lane did not open (%s)", worker_id, why)
         self._refused.append(actor)
         opening = self._opening.pop(worker_id, None)
         if opening is not None:
             opening.listener.close()
-            if opening.node is not None and opening.node not in _UNREACHED:
+            if unreached and opening.node is not None and opening.node not in _UNREACHED:
                 _UNREACHED.add(opening.node)
                 logger.info(
                     "raydl: workers on node %s could not open a TCP lane to this process at %s (%s): they keep "
@@ -241,20 +244,10 @@ class Lanes:
                 )
 
     def _ask(self, worker_id: int, actor: Any, remote: bool) -> Optional[_Opening]:
-        """Listen on a fresh abstract socket (or, for a worker on another node, a TCP port on this node's IP) and ask
-        the actor (through Ray, after its queued calls) to connect."""
+        """Listen (`_listen`) and ask the actor (through Ray, after its queued calls) to connect."""
         token = secrets.token_bytes(16)
-        address: Any
         try:
-            if remote:
-                ip = self._node_ip()
-                listener = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-                listener.bind((ip, 0))
-                address = listener.getsockname()[:2]
-            else:
-                address = f"\0raydl-lane-{os.getpid()}-{secrets.token_hex(8)}"
-                listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-                listener.bind(address)
+            listener, address = self._listen(remote)
         except OSError as e:
             self._refuse(worker_id, actor, e)
             return None
@@ -269,6 +262,27 @@ class Lanes:
         node = worker_node(self._pool, worker_id) if remote else None
         opening = self._opening[worker_id] = _Opening(actor, listener, address, token, reply, node)
         return opening
+
+    def _listen(self, remote: bool) -> tuple[socket.socket, Any]:
+        """A fresh abstract Unix socket, or for a worker on another node a TCP port on this node's IP (the one Ray
+        uses): (the bound socket, the address the worker connects to)."""
+        if remote:
+            ip = self._node_ip()
+            listener = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                listener.bind((ip, 0))
+            except OSError:
+                listener.close()
+                raise
+            return listener, listener.getsockname()[:2]
+        address = f"\0raydl-lane-{os.getpid()}-{secrets.token_hex(8)}"
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            listener.bind(address)
+        except OSError:
+            listener.close()
+            raise
+        return listener, address
 
     def _node_ip(self) -> str:
         if self._ip is None:
@@ -291,12 +305,12 @@ class Lanes:
                     return None  # the actor has not reached open_lane yet
                 if attempt == 0:
                     continue  # it connected between the accept and the wait
-                try:  # open_lane ran and no connection came: it failed (or the actor died)
-                    ray.get(opening.reply, timeout=LANE_OPEN_S)
+                try:  # open_lane ran and no connection came: it could not connect (or the actor died)
+                    connected = ray.get(opening.reply, timeout=LANE_OPEN_S)
                     why: Any = "no connection"
                 except Exception as e:  # noqa: BLE001
-                    why = e
-                self._refuse(worker_id, opening.actor, why)
+                    connected, why = None, e
+                self._refuse(worker_id, opening.actor, why, unreached=connected is False)
                 return None
             except OSError as e:
                 self._refuse(worker_id, opening.actor, e)
