@@ -8,8 +8,11 @@ A local multi-node cluster (cluster/local_cluster.sh: a head node with the drive
 nodes with resource "data", every node its own raylet and object store, all on 127.0.0.1; own
 directory and ports: RAYDL_CLUSTER_DIR=/tmp/raydl-bench-mn, port 6690, dashboard 8690). For batch
 sizes from 64 KB to 64 MB, the same raydl loader runs with its workers
-  * remote: on the worker nodes (ray_remote_args={"resources": {"data": 1}}): every batch is
-    copied from the worker node's object store to the head's by Ray's object manager;
+  * remote: on the worker nodes (ray_remote_args={"resources": {"data": 1}}), raydl's default:
+    once started, each worker's batches come over its TCP lane (NOTE [ raydl lane ]), read by a
+    thread of the driver as they arrive;
+  * remote-ray: the same with ray_lane=False: every batch is copied from the worker node's object
+    store to the head's by Ray's object manager;
   * local: on the driver's node (NodeAffinitySchedulingStrategy): the batch only goes through
     the local object store;
 and, for reference, torch's DataLoader (forked workers, shared memory). A batch is 16 samples of
@@ -67,6 +70,9 @@ class BlobDataset(Dataset):
         return {"nbytes": self.nbytes, "n": self.n, "_sample": None}
 
 
+WHERE = ("remote", "remote-ray", "local", "torch")
+
+
 def human(nbytes: int) -> str:
     return f"{nbytes >> 20} MB" if nbytes >= 1 << 20 else f"{nbytes >> 10} KB"
 
@@ -116,6 +122,7 @@ def main() -> int:
         C.log(f"cluster up in {cluster_start_s:.1f} s; driver on node {driver_node[:8]}")
         remote_args = {
             "remote": {"resources": {"data": 1}},
+            "remote-ray": {"resources": {"data": 1}},
             "local": {"scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=driver_node, soft=False)},
         }
 
@@ -125,7 +132,7 @@ def main() -> int:
             )
             if where == "torch":
                 return torch.utils.data.DataLoader(ds, **kw)
-            return raydl.DataLoader(ds, **kw, ray_remote_args=remote_args[where])
+            return raydl.DataLoader(ds, **kw, ray_remote_args=remote_args[where], ray_lane=where != "remote-ray")
 
         def latency(where: str, size: int, n: int) -> dict:
             loader = make(where, BlobDataset(size, n), 1, 1)
@@ -158,16 +165,24 @@ def main() -> int:
             loader = make(where, BlobDataset(size, n), 2, 2)
             for _ in loader:
                 pass
-            t = time.perf_counter()
-            total = 0
+            t, cpu = time.perf_counter(), time.process_time()
+            total = batches = 0
             for b in loader:
                 total += b.numel()
+                batches += 1
                 del b
             dt = time.perf_counter() - t
+            cpu_ms = (time.process_time() - cpu) / batches * 1e3
             nodes = sorted({r.node_id[:8] for r in loader.worker_records}) if where != "torch" else ["driver's host"]
             if hasattr(loader, "shutdown"):
                 loader.shutdown()
-            return {"mb_per_s": total / dt / 1e6, "bytes": total, "seconds": dt, "worker_nodes": nodes}
+            return {
+                "mb_per_s": total / dt / 1e6,
+                "bytes": total,
+                "seconds": dt,
+                "driver_cpu_ms_per_batch": cpu_ms,
+                "worker_nodes": nodes,
+            }
 
         gate = C.QuietGate(
             args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 5), 90, cluster.pids
@@ -176,7 +191,11 @@ def main() -> int:
             n_lat = max(16, min(200, budget // 4 // size))
             n_bw = max(16, min(400, budget // size))
             for rep in range(reps):
-                order = ("remote", "local", "torch") if rep % 2 == 0 else ("local", "remote", "torch")
+                order = (
+                    ("remote", "remote-ray", "local", "torch")
+                    if rep % 2 == 0
+                    else ("local", "remote-ray", "remote", "torch")
+                )
                 for where in order:
                     gc.collect()
                     gate.wait()
@@ -197,8 +216,9 @@ def main() -> int:
                     results.setdefault((size, where), []).append(rec)
                     placement_seen.setdefault(where, set()).update(lat["worker_nodes"] + bw["worker_nodes"])
                     C.log(
-                        f"{human(size):>6s} {where:6s} rep {rep}: p50 {lat['p50_ms']:8.2f} ms  p95 {lat['p95_ms']:8.2f} ms  "
-                        f"{bw['mb_per_s']:8.0f} MB/s  (workers on {bw['worker_nodes']}; foreign load {mon.foreign_cores:.2f})"
+                        f"{human(size):>6s} {where:10s} rep {rep}: p50 {lat['p50_ms']:8.2f} ms  p95 {lat['p95_ms']:8.2f} ms  "
+                        f"{bw['mb_per_s']:8.0f} MB/s  driver CPU {bw['driver_cpu_ms_per_batch']:7.2f} ms/batch  "
+                        f"(workers on {bw['worker_nodes']}; foreign load {mon.foreign_cores:.2f})"
                     )
     finally:
         C.disconnect_and_stop(cluster)
@@ -210,13 +230,16 @@ def main() -> int:
             [
                 human(size),
                 f"{get('remote', 'lat_p50_ms'):.2f} / {get('remote', 'lat_p95_ms'):.2f}",
+                f"{get('remote-ray', 'lat_p50_ms'):.2f} / {get('remote-ray', 'lat_p95_ms'):.2f}",
                 f"{get('local', 'lat_p50_ms'):.2f} / {get('local', 'lat_p95_ms'):.2f}",
                 f"{get('torch', 'lat_p50_ms'):.2f} / {get('torch', 'lat_p95_ms'):.2f}",
                 f"{get('remote', 'bw_mb_per_s'):,.0f}",
+                f"{get('remote-ray', 'bw_mb_per_s'):,.0f}",
                 f"{get('local', 'bw_mb_per_s'):,.0f}",
                 f"{get('torch', 'bw_mb_per_s'):,.0f}",
                 f"{get('remote', 'bw_mb_per_s') / get('local', 'bw_mb_per_s'):.2f}×",
-                f"{C.median([r['foreign_cores'] for w in ('remote', 'local', 'torch') for r in results[(size, w)]]):.2f}",
+                f"{get('remote', 'bw_driver_cpu_ms_per_batch'):.2f} / {get('remote-ray', 'bw_driver_cpu_ms_per_batch'):.2f}",
+                f"{C.median([r['foreign_cores'] for w in WHERE for r in results[(size, w)]]):.2f}",
             ]
         )
     lines = [
@@ -226,7 +249,9 @@ def main() -> int:
         "",
         'Local cluster: head (driver, {"trainer": 1}, 1 CPU) + 2 worker nodes ({"data": 4}, 2 CPUs each), every '
         f"node its own raylet and object store ({args.object_store_bytes / 1e9:g} GB), all on 127.0.0.1 of this one "
-        "machine: 'remote' transfers cross Ray's object manager over loopback TCP, not a real network. A batch = 16 "
+        "machine: 'remote' batches cross a TCP lane, 'remote-ray' ones Ray's object manager, both over loopback, not a "
+        "real network. Driver CPU: this process's CPU time (its threads included, the head raylet's not) per batch "
+        "in the bandwidth epoch. A batch = 16 "
         "cached samples collated by default_collate (one copy; no sample work). Latency: 1 worker, prefetch_factor=1, time of each next() "
         "(p50 / p95, ms). Bandwidth: 2 workers, prefetch_factor=2, MB/s (10^6 B/s) over an epoch after a warm-up "
         f"epoch. Median of {reps} alternating repetitions; before each, the run waited up to {gate.max_wait_s:g} s for a "
@@ -240,12 +265,15 @@ def main() -> int:
             [
                 "batch",
                 "remote p50/p95 ms",
+                "remote-ray p50/p95 ms",
                 "local p50/p95 ms",
                 "torch p50/p95 ms",
                 "remote MB/s",
+                "remote-ray MB/s",
                 "local MB/s",
                 "torch MB/s",
                 "remote / local",
+                "driver CPU ms/batch, remote / remote-ray",
                 "foreign load (cores)",
             ],
             rows,
