@@ -452,7 +452,7 @@ class Lanes:
                 lane = self._lanes.get(ticket.worker_id)
                 if lane is None or (not lane.remote and self._read_until(ticket)):
                     return ticket
-            # a remote lane rang (for a later call of its worker, or this ticket's reply: the loop looks again)
+            # a remote lane rang (this ticket's reply, its end, or an abandoned call's reply): the loop looks again
 
     def _read_until(self, ticket: LaneTicket) -> bool:
         """Read the replies already arriving on the ticket's lane, up to its own; whether it is ready (or the
