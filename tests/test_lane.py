@@ -358,14 +358,26 @@ def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on, kind)
     actual[1][-1]["x"].add_(1)  # writable, as torch's
 
 
-def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle():
-    """send_reply / recv_reply over a socket pair: values, dtypes and shapes as sent, large arrays writable, and a
-    lane that ends in the middle of a reply is EOFError (the driver's LaneLost)."""
+@pytest.mark.parametrize("transport", ["unix", "tcp"])
+def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle(transport):
+    """send_reply / recv_reply over a socket pair (a local lane) or a TCP connection read as a TCP lane's reader
+    reads (woken per LANE_TCP_WAKE_BYTES): values, dtypes and shapes as sent, large arrays writable, and a lane that
+    ends in the middle of a reply is EOFError (the driver's LaneLost)."""
     import socket
     import threading
     from multiprocessing.connection import Connection
 
-    a, b = socket.socketpair()
+    from raydl._constants import LANE_TCP_WAKE_BYTES
+
+    wake = 0
+    if transport == "unix":
+        a, b = socket.socketpair()
+    else:
+        listener = socket.create_server(("127.0.0.1", 0))
+        a = socket.create_connection(listener.getsockname())
+        b, _ = listener.accept()
+        listener.close()
+        wake = LANE_TCP_WAKE_BYTES // 4  # the 1.2 MB array arrives in several wakes
     sender, receiver = Connection(a.detach()), Connection(b.detach())
     batch = {
         "big": torch.arange(300_000, dtype=torch.float32).view(600, 500),
@@ -376,7 +388,7 @@ def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle()
     reply = ([encode(batch)], [("meta", 1)])
     writer = threading.Thread(target=send_reply, args=(sender, reply))
     writer.start()  # a thread: the reply is larger than the socket's buffer
-    got_batches, metas = recv_reply(receiver)
+    got_batches, metas = recv_reply(receiver, wake)
     writer.join(timeout=TIMEOUT_S)
     got = decode(got_batches[0])
     assert metas == [("meta", 1)] and got["text"] == ["a", "b"]
@@ -389,7 +401,7 @@ def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle()
     sender._send(b"\x00" * 1000)  # noqa: SLF001 - raw bytes of the buffer, as send_reply writes them
     sender.close()
     with pytest.raises(EOFError):
-        recv_reply(receiver)
+        recv_reply(receiver, wake)
     receiver.close()
 
 

