@@ -27,6 +27,8 @@ Loaders (--loaders, torch first):
   torch         torch.utils.data.DataLoader: 2 workers forked on the trainer's core
   raydl-auto    raydl.DataLoader, no ray_remote_args: raydl's own placement must pick the data node
   raydl-hinted  raydl.DataLoader(ray_remote_args={"resources": {"data": 1}, "num_cpus": 0.5})
+  raydl-ray     raydl-auto with ray_lane=False: each batch through Ray's object transfer instead of the
+                workers' TCP lanes (not run unless listed: --loaders torch,raydl-auto,raydl-ray)
   raydata       Ray Data as bench_images.py builds it, its shuffle and map tasks with the same
                 remote args (on the data node); iter_torch_batches assembles batches in the driver
 SPDL and torchdata.nodes are not in this shape: SPDL's pipeline runs in the trainer's own threads
@@ -62,7 +64,7 @@ import torch  # noqa: E402
 import train_image_classifier as T  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
 
-LOADERS = ("torch", "raydl-auto", "raydl-hinted", "raydata")
+LOADERS = ("torch", "raydl-auto", "raydl-hinted", "raydl-ray", "raydata")
 TARGET = 1.7  # issue 20: with the offload node, at least 1.7x torch at S = D
 
 
@@ -122,7 +124,11 @@ def _where(row: dict) -> dict:
 def main(argv: list | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true", help="smoke run: 256 images, 1 measured epoch, 1 repetition")
-    p.add_argument("--loaders", default=",".join(LOADERS), help=f"comma list from {','.join(LOADERS)}; torch first")
+    p.add_argument(
+        "--loaders",
+        default=",".join(n for n in LOADERS if n != "raydl-ray"),
+        help=f"comma list from {','.join(LOADERS)}; torch first",
+    )
     p.add_argument(
         "--train-ms",
         default="0,D",
@@ -259,6 +265,8 @@ def main(argv: list | None = None) -> int:
                 return B.TorchLike("raydl", ds, args)
             if name == "raydl-hinted":
                 return B.TorchLike("raydl", ds, args, raydl_kwargs={"ray_remote_args": hint})
+            if name == "raydl-ray":
+                return B.TorchLike("raydl", ds, args, raydl_kwargs={"ray_lane": False})
             return B.RayDataLoader(ds, args, remote_args=hint)
 
         # Where everything runs: checked, not assumed.
@@ -395,7 +403,9 @@ def main(argv: list | None = None) -> int:
         f"torch.set_num_threads(1)) pinned to CPU {O.TRAINER_CPU} with the head node (GCS, its raylet and object "
         f"store); torch's {W} forked workers inherit CPU {O.TRAINER_CPU}. A second Ray node (1 CPU, "
         f"{{'data': {W}}}) under `taskset -c {O.DATA_CPU}`. raydl-auto: no ray_remote_args (raydl's own "
-        f"placement); raydl-hinted: ray_remote_args={hint}; raydata: Ray Data's shuffle and map tasks with the "
+        f"placement; its workers' batches come over TCP lanes); raydl-hinted: ray_remote_args={hint}; raydl-ray: "
+        "raydl-auto with ray_lane=False (each batch through Ray's object transfer); raydata: Ray Data's shuffle "
+        "and map tasks with the "
         f"same remote args, batches assembled in the driver by iter_torch_batches. SPDL and torchdata.nodes are "
         "not in this shape: SPDL runs in the trainer's threads and torchdata.nodes forks its workers from the "
         "trainer, so neither can put its work on another node.",
