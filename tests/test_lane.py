@@ -405,6 +405,45 @@ def test_a_reply_carries_large_arrays_out_of_band_and_small_ones_in_the_pickle(t
     receiver.close()
 
 
+def test_a_tcp_reply_whose_last_chunk_comes_in_parts_is_read_whole():
+    """A TCP lane's reader, woken per `wake` bytes of a large buffer: a buffer of 1.25 `wake` whose first half
+    `wake` arrives, then after a pause the rest (less than `wake`), is read whole and soon (a blocking read under
+    SO_RCVLOWAT that took the first part would wait for `wake` more bytes, which never come)."""
+    import pickle
+    import socket
+    import struct
+    import threading
+    import time
+    from multiprocessing.connection import Connection
+
+    import numpy as np
+
+    wake = 256 * 1024
+    size = wake + wake // 4
+    listener = socket.create_server(("127.0.0.1", 0))
+    a = socket.create_connection(listener.getsockname())
+    b, _ = listener.accept()
+    listener.close()
+    a.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    payload = np.arange(size, dtype=np.uint8)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(recv_reply(receiver, wake)), daemon=True)
+    reader.start()
+    pickled = pickle.dumps(pickle.PickleBuffer(payload), protocol=5, buffer_callback=lambda _: False)
+    sender.send_bytes(struct.pack("<IQ", 1, size) + pickled)  # the head send_reply writes: one buffer, out of band
+    sender._send(payload[: wake // 2].tobytes())  # noqa: SLF001 - raw bytes of the buffer, as send_reply writes them
+    time.sleep(0.5)  # the reader is waiting on the first part
+    sender._send(payload[wake // 2 :].tobytes())  # noqa: SLF001
+    reader.join(timeout=10)
+    try:
+        assert not reader.is_alive(), "the reader stalled on the last part of the buffer"
+        assert np.array_equal(np.asarray(got[0]), payload)
+    finally:
+        sender.close()
+        receiver.close()
+
+
 def test_a_batch_no_pickle_can_carry_is_an_error_at_its_turn_not_a_hang(kind):
     """A lane's batch holding a lock (collate_fn=list keeps it): its batch raises the pickling error when its turn
     comes, the batches before it are the dataset's, and the epoch goes on after it, as after any worker error."""

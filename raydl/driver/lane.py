@@ -46,7 +46,7 @@ from typing import Any, Optional
 
 from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S, LANE_TCP_WAKE_BYTES
 from .._measures import batch_nbytes
-from ..worker.lane import recv_reply, tune_tcp
+from ..worker.lane import recv_reply, shut_down, tune_tcp
 
 __all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node"]
 
@@ -121,7 +121,7 @@ class _RemoteLane(_Lane):
                         ticket.reply = reply
                 del reply, ticket
                 self._ring_bell()
-        except (EOFError, OSError, IndexError) as e:  # IndexError: a reply no call was sent for (never by raydl)
+        except BaseException as e:  # the end (EOFError, OSError), or a reply that cannot be read: raised at its turn
             with self.lock:
                 self.lost = e
             self._ring_bell()
@@ -150,6 +150,8 @@ class _RemoteLane(_Lane):
             if reply is not None:
                 ticket.reply = None
                 return reply
+            if self.lost is not None and not isinstance(self.lost, (EOFError, OSError)):
+                raise self.lost  # what reading the reply raised (an unpicklable batch type here): as on a local lane
             if self.lost is not None or ticket not in self.unread:
                 raise LaneLost(f"the lane of worker {ticket.worker_id} ended: its process died ({self.lost!r})")
         return None
@@ -162,13 +164,7 @@ class _RemoteLane(_Lane):
         """Shut the connection down (its reader sees the end and closes it) and the bell."""
         with self.lock:
             if not self.conn.closed:
-                sock = socket.socket(fileno=self.conn.fileno())
-                try:
-                    sock.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-                finally:
-                    sock.detach()
+                shut_down(self.conn)
         self.bell.close()
         self._ring.close()
 
