@@ -242,7 +242,7 @@ def test_large_batches_of_workers_on_other_nodes_take_tcp_lanes(kind):
     loader.shutdown()
 
 
-def test_tcp_lane_sockets_end_a_silent_peer():
+def test_tcp_lane_sockets_are_set_to_end_a_silent_peer():
     """A TCP lane's socket (either end) sends at once and ends within LANE_TCP_USER_TIMEOUT_S when its peer's node goes
     silent: keepalive probes and a user timeout are set (a vanished node must not hang the loader)."""
     import socket
