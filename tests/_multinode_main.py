@@ -193,7 +193,7 @@ def main() -> None:
 
         # 2. "data" nodes only, never the trainer's node; then a data node is removed mid-epoch.
         loader = raydl.DataLoader(
-            D.SlowDataset(40, {i: 0.05 for i in range(40)}),
+            D.SlowDataset(80, {i: 0.05 for i in range(80)}),
             batch_size=2,
             num_workers=4,
             timeout=60,
@@ -204,7 +204,8 @@ def main() -> None:
         placed = {r.node_id for r in it.worker_records}
         facts["data_nodes_used"] = len(placed)
         facts["on_trainer_node"] = head_id in placed
-        while it._calls.lane_calls < 4 and it._rcvd_idx < 8:  # the workers' calls move to their TCP lanes
+        # the workers' calls move to their TCP lanes (on a busy machine a lane can open after a dozen batches)
+        while it._calls.lane_calls < 4 and it._rcvd_idx < 24:
             out.append(next(it).flatten().tolist())
         facts["lane_calls_before_removal"] = it._calls.lane_calls
         victim = next(n for n in data_nodes if n.node_id == it.worker_records[1].node_id)
@@ -212,7 +213,7 @@ def main() -> None:
         cluster.remove_node(victim)
         out += [b.flatten().tolist() for b in it]
         facts["recovery_s"] = round(time.monotonic() - t0, 1)
-        facts["after_removal_complete_in_order"] = out == [[i, i + 1] for i in range(0, 40, 2)]
+        facts["after_removal_complete_in_order"] = out == [[i, i + 1] for i in range(0, 80, 2)]
         facts["restarts"] = sum(it._pool.restarts)
         facts["survivor_node_only"] = {r.node_id for r in it.worker_records} == {
             data_nodes[0].node_id if victim is data_nodes[1] else data_nodes[1].node_id
