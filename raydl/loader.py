@@ -138,8 +138,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             Ray metrics. Defaults to ``None``: the dataset's class name.
         ray_batches_per_call (int or "auto"): how many of a worker's batches one actor call
             carries (NOTE [ raydl calls ]). ``"auto"``: as many as the worker makes in 5 ms, at
-            most 8 and at most its share of the prefetch bound (``prefetch_factor``), and 1 for
-            batches of 5 ms or more; an int fixes the most (1: one call per batch). The batches
+            most 8 and at most its share of the prefetch bound (``prefetch_factor``), 1 for
+            batches of 5 ms or more, and for a worker on another node on Ray's calls no more than
+            Ray sends inline with the reply (75 KiB); an int fixes the most (1: one call per batch). The batches
             are the same either way. Defaults to ``"auto"``.
         ray_cold_start (bool): in a process that has not used Ray yet, the first `iter()` starts
             Ray and the workers in the background and makes the first batches in this process,

@@ -283,6 +283,25 @@ def test_calls_grow_for_cheap_batches_and_stay_single_for_slow_ones():
     assert small.batches_per_call(0) == 2
 
 
+def test_calls_under_a_byte_bound_carry_no_more_batches_than_fit():
+    """A worker on another node on Ray's calls (`call_bytes`): k cheap batches together stay under the bound (Ray's
+    inline limit); a batch over the bound is grouped as before (a pull per call either way); no bound, no change."""
+    bounds = {0: 75 * 1024, 1: None}
+    s = Schedule(2, 32, True, _Recorder(), call_bytes=bounds.get)
+    for _ in range(10):
+        s.on_batch_made(0, 0.0002, 16 * 1024)
+        s.on_batch_made(1, 0.0002, 16 * 1024)
+    assert s.batches_per_call(0) == 4  # 4 x 16 KiB fit in 75 KiB, 5 do not
+    assert s.batches_per_call(1) == 8  # no bound: MAX_BATCHES_PER_CALL
+    s.on_batch_made(0, 0.0002, 48 * 1024)
+    assert s.batches_per_call(0) == 1
+    s.on_batch_made(0, 0.0002, 300 * 1024)
+    assert s.batches_per_call(0) == 8
+    bounds[0] = None  # its lane opened
+    s.on_batch_made(0, 0.0002, 48 * 1024)
+    assert s.batches_per_call(0) == 8
+
+
 def test_pending_tasks_go_when_needed():
     rec = _Recorder()
     s = _schedule(max_tasks=8, k=4, rec=rec)

@@ -296,6 +296,35 @@ def test_a_tcp_lane_the_worker_cannot_reach_leaves_its_node_on_rays_calls(monkey
     assert 1 <= len(asked) <= 2, asked  # at most the two workers asked before the first refusal was known
 
 
+class _Sized(torch.utils.data.Dataset):
+    """`n` samples of `numel` float32, sample i filled with i."""
+
+    def __init__(self, n: int, numel: int) -> None:
+        self.n, self.numel = n, numel
+
+    def __len__(self):
+        return self.n
+
+    def __getitem__(self, i):
+        return torch.full((self.numel,), float(i))
+
+
+@pytest.mark.parametrize("kib,grouped", [(48, False), (8, True)])
+def test_ray_calls_to_another_node_keep_their_batches_inline(monkeypatch, kib, grouped):
+    """Workers on another node on Ray's calls (ray_lane=False): cheap batches are grouped only while the call's
+    batches fit Ray's inline limit (48 KiB: one a call; 8 KiB: several), the batches those of torch."""
+    from raydl.driver import calls as C
+
+    real = C.worker_node
+    monkeypatch.setattr(C, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")
+    ds = _Sized(256, kib * 1024 // 4 // 4)  # a batch of 4 float32 samples: `kib` KiB
+    loader = raydl.DataLoader(ds, batch_size=4, num_workers=2, timeout=TIMEOUT_S, ray_lane=False, prefetch_factor=8)
+    it = iter(loader)
+    assert all(torch.equal(a, b) for a, b in zip(it, torch.utils.data.DataLoader(ds, batch_size=4), strict=True))
+    assert (it._sched.calls_sent < 64) == grouped, it._sched.calls_sent
+    loader.shutdown()
+
+
 def test_large_batches_and_ray_lane_false_keep_rays_calls():
     """Batches above LANE_MAX_BATCH_BYTES stay on Ray's zero-copy object store; ray_lane=False never opens a lane."""
     large = raydl.DataLoader(_Large(), batch_size=8, num_workers=2, ray_lane=True)

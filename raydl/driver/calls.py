@@ -9,10 +9,11 @@ hands the calls whose results the driver no longer needs back to the pool, once 
 
 from __future__ import annotations
 
+import os
 import time
 from typing import Any, Optional
 
-from .._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S
+from .._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
 from .lane import Lanes, LaneTicket, worker_node
 
 __all__ = ["CallSender"]
@@ -82,6 +83,13 @@ class CallSender:
                 return ticket
             slice_s = min(2 * slice_s, MIXED_WAIT_MAX_S)
 
+    def call_bytes(self, worker_id: int) -> Optional[int]:
+        """The most bytes of batches worker `worker_id`'s next call should carry: on another node and on Ray's calls,
+        what Ray still sends inline with the reply (NOTE [ raydl calls ]); None (no bound) otherwise."""
+        if not self.on_other_node(worker_id) or (self._lanes is not None and self._lanes.has_lane(worker_id)):
+            return None
+        return int(RAY_INLINE_SHARE * _ray_inline_bytes())
+
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
         """A batch is in hand: its size tells whether its worker may take a lane (NOTE [ raydl lane, driver ])."""
         if self._lanes is not None:
@@ -124,3 +132,11 @@ class CallSender:
         """The workers just said where they run: calls already sent to other nodes start moving here."""
         calls = {id(t.call): (t.call, t.worker_id) for t in tasks if t.call is not None and t.call.meta_ref is not None}
         self.prefetch([c.ref for c, w in calls.values() if not c.received and self.on_other_node(w)])
+
+
+def _ray_inline_bytes() -> int:
+    """Ray's inline limit for a task's return (`max_direct_call_object_size`), as this process's environment sets it."""
+    try:
+        return int(os.environ.get("RAY_max_direct_call_object_size", RAY_INLINE_BYTES_DEFAULT))
+    except ValueError:
+        return RAY_INLINE_BYTES_DEFAULT

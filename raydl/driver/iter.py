@@ -202,6 +202,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._submit,
             balanced_from=None if self._job_rank is None else self._job_rank * self._num_workers,
             batches_per_call=options.batches_per_call,
+            call_bytes=self._calls.call_bytes,
         )
         self._elastic: ElasticPool
         if self._job_rank is not None:  # the job's resizes and autoscaler: NOTE [ raydl job elastic ]
@@ -574,7 +575,7 @@ class _RayLoaderIter(Iterator[Any]):
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
         self._ckpt.on_batch_made(idx, task.worker_id, meta)
         self._elastic.on_batch_made(meta.fetch_s)
-        self._sched.on_batch_made(task.worker_id, meta.fetch_s)
+        self._sched.on_batch_made(task.worker_id, meta.fetch_s, meta.nbytes)
         self.stats_recorder.batch_made(meta)
 
     # ------------------------------------------------------------------ pinning

@@ -194,6 +194,11 @@ class Lanes:
         self.calls_sent = 0  # calls that went over a lane (stats and tests) ...
         self.remote_calls_sent = 0  # ... of which to workers on other nodes
 
+    def has_lane(self, worker_id: int) -> bool:
+        """Whether the worker's next call goes over its open lane (asks for none)."""
+        lane = self._lanes.get(worker_id)
+        return lane is not None and lane.actor is self._pool.actors[worker_id]
+
     def lane_for(self, worker_id: int) -> Optional[_Lane]:
         """The worker's lane if its next call goes over it, else None (Ray's call; a lane is asked for meanwhile)."""
         actor = self._pool.actors[worker_id]

@@ -29,8 +29,10 @@ until its worker's call goes out:
   * when the worker has `k` pending tasks, k its `batches_per_call` (adaptive: as many batches
     as fit in CALL_TARGET_S of the worker's measured batch time, at most MAX_BATCHES_PER_CALL and
     at most the worker's share of the prefetch bound; 1 until a batch was timed and whenever a
-    batch takes CALL_TARGET_S or more, where the call's cost no longer matters; `ray_batches_per_call`
-    fixes it);
+    batch takes CALL_TARGET_S or more, where the call's cost no longer matters; for a worker whose
+    calls carry at most `call_bytes(worker)` bytes — one on another node on Ray's calls, whose
+    batches Ray sends inline with the reply only below its inline limit — no more batches than fit,
+    by its measured batch size; `ray_batches_per_call` fixes it);
   * or when the driver is about to wait on one of them (`flush_oldest`: a worker whose oldest
     task is pending), when the sampler has no more draws (`flush_all`) and when the worker leaves
     the round robin: a pending task never waits for a draw that cannot come.
@@ -131,6 +133,7 @@ class Schedule:
         submit: Submit,
         balanced_from: Optional[int] = None,
         batches_per_call: Optional[int] = None,
+        call_bytes: Optional[Callable[[int], Optional[int]]] = None,
     ) -> None:
         self.active = list(range(num_workers))  # the round robin's worker ids, in cycle order
         self._num_ids = num_workers  # worker ids ever used: the per-worker lists cover them all
@@ -141,6 +144,8 @@ class Schedule:
         self._balanced_from = balanced_from
         self._fixed_k = batches_per_call  # None: adaptive (NOTE [ raydl calls ])
         self._fetch_s: dict[int, float] = {}  # worker id -> moving average of its batch time
+        self._nbytes: dict[int, int] = {}  # worker id -> bytes of its last batch
+        self._call_bytes = call_bytes  # worker id -> the most bytes its next call should carry (None: no bound)
         self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
         self.calls_sent = 0  # actor calls made (for stats and tests: batches / calls is the grouping achieved)
         self.reset()
@@ -188,7 +193,12 @@ class Schedule:
         fetch_s = self._fetch_s.get(worker_id)
         if fetch_s is None or fetch_s >= CALL_TARGET_S:
             return 1
-        return max(1, min(MAX_BATCHES_PER_CALL, share, int(CALL_TARGET_S / max(fetch_s, 1e-6))))
+        k = max(1, min(MAX_BATCHES_PER_CALL, share, int(CALL_TARGET_S / max(fetch_s, 1e-6))))
+        bound = None if k == 1 or self._call_bytes is None else self._call_bytes(worker_id)
+        nbytes = self._nbytes.get(worker_id, 0)
+        if bound is not None and 0 < nbytes <= bound:  # a batch over the bound goes in a group all the same
+            k = max(1, min(k, bound // nbytes))
+        return k
 
     def flush(self, worker_id: int) -> None:
         """Send worker `worker_id`'s pending tasks now, in one call."""
@@ -249,10 +259,12 @@ class Schedule:
                 out.append(None)
         return out
 
-    def on_batch_made(self, worker_id: int, fetch_s: float) -> None:
-        """A batch of `worker_id` took `fetch_s` to make: its moving average (call sizes, a job's balance)."""
+    def on_batch_made(self, worker_id: int, fetch_s: float, nbytes: int = 0) -> None:
+        """A batch of `worker_id` took `fetch_s` to make and has `nbytes` of array data: its moving average (call
+        sizes, a job's balance) and its size (calls under a byte bound)."""
         prev = self._fetch_s.get(worker_id)
         self._fetch_s[worker_id] = fetch_s if prev is None else 0.8 * prev + 0.2 * fetch_s
+        self._nbytes[worker_id] = nbytes
         pending = self._pending.get(worker_id)
         if pending and len(pending) >= self.batches_per_call(worker_id):  # its calls got smaller
             self.flush(worker_id)
