@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import signal
 
+import numpy as np
 import pytest
 import torch
 
@@ -240,6 +241,59 @@ def test_large_batches_of_workers_on_other_nodes_take_tcp_lanes(kind):
     assert (_lane_calls(it) > 0) == (kind == "tcp")
     _check_kind(it, kind)
     loader.shutdown()
+
+
+def test_reply_memory_is_used_again_only_once_its_batch_is_gone(kind):
+    """shuffle=True, persistent workers, 2 epochs of 256 KiB batches on lanes: the replies' memory is used again
+    (NOTE [ raydl receive buffers ]), yet every third batch, kept by the loop, and a view of another stay torch's
+    values to the end, while the loop scribbles over each batch it does not keep."""
+    ds = _Sized(96, 16 * 1024)
+    kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
+    torch.manual_seed(3)
+    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 2)
+    torch.manual_seed(3)
+    with raydl.DataLoader(ds, timeout=TIMEOUT_S, **kwargs) as loader:
+        kept, view = [], None
+        for _ in range(2):
+            for i, batch in enumerate(loader):
+                if i % 3 == 0:
+                    kept.append(batch)
+                elif view is None:
+                    view = batch[1:3, 5:]  # the user keeps a view of a batch it drops
+                else:
+                    batch.fill_(-1.0)  # an in-place step on a batch not kept
+        it = loader._iterator
+        _check_kind(it, kind)
+        assert _lane_calls(it) > 0
+        assert it._calls._lanes._buffers.reused > 0
+    flat = [b for epoch in expected for b in epoch]
+    assert all(torch.equal(k, flat[i]) for k, i in zip(kept, [i for i in range(len(flat)) if i % 24 % 3 == 0]))
+    assert torch.equal(view, flat[1][1:3, 5:])
+
+
+def test_receive_buffers_hand_out_only_memory_nothing_refers_to():
+    """ReceiveBuffers (NOTE [ raydl receive buffers ]): a buffer comes back for the same size once its tensor and
+    views are gone, never while one lives; at most `limit` are kept, a new size taking a free one's place."""
+    from raydl.driver.buffers import ReceiveBuffers
+
+    pool = ReceiveBuffers(2)
+    a = pool.take(1000)
+    tensor = torch.from_numpy(a[8:].view(np.float32).reshape(2, -1))
+    a_id = id(a)
+    del a
+    b = pool.take(1000)
+    assert id(b) != a_id  # `tensor` still uses a's memory
+    del tensor
+    assert id(pool.take(1000)) == a_id and pool.reused == 1
+    c = pool.take(1000)  # a is free, b held: a again; then a held too: a third, not kept (the limit)
+    assert id(c) == a_id
+    d = pool.take(1000)
+    assert len(pool._kept) == 2 and all(d is not k for k in pool._kept)
+    del b, c, d
+    e = pool.take(500)  # a new size evicts a free buffer
+    assert len(pool._kept) == 2 and any(e is k for k in pool._kept)
+    pool.clear()
+    assert pool._kept == []
 
 
 def test_tcp_lane_sockets_are_set_to_end_a_silent_peer():

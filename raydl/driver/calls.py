@@ -21,13 +21,13 @@ __all__ = ["CallSender"]
 
 class CallSender:
     """The calls of one iterator's pool; `driver_node_id`: the node this process runs on; `lanes`: workers' calls go
-    over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py)."""
+    over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py); `max_batches`: the prefetch bound."""
 
-    def __init__(self, pool: Any, driver_node_id: str, lanes: bool = False) -> None:
+    def __init__(self, pool: Any, driver_node_id: str, lanes: bool = False, max_batches: int = 2) -> None:
         self._pool = pool
         self._driver_node_id = driver_node_id
         self._methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
-        self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id) if lanes else None
+        self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id, max_batches) if lanes else None
 
     def send(self, worker_id: int, epoch: int, tasks: list) -> tuple[Any, Any]:
         """One call to a worker for `tasks` [(idx, work), ...]: (batches ref, metas ref), or (LaneTicket, None)."""

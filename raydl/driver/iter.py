@@ -192,6 +192,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._pool,
             self._driver_node_id,
             lanes=options.lane and self._job_rank is None and not self._via_client,
+            max_batches=self._prefetch_factor * self._num_workers,
         )
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)

@@ -47,6 +47,7 @@ from typing import Any, Optional
 from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S, LANE_TCP_WAKE_BYTES
 from .._measures import batch_nbytes
 from ..worker.lane import recv_reply, shut_down, tune_tcp
+from .buffers import ReceiveBuffers
 
 __all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node"]
 
@@ -101,8 +102,9 @@ class _RemoteLane(_Lane):
 
     remote = True
 
-    def __init__(self, actor: Any, conn: Connection, worker_id: int) -> None:
+    def __init__(self, actor: Any, conn: Connection, worker_id: int, buffers: ReceiveBuffers) -> None:
         super().__init__(actor, conn)
+        self._buffers = buffers
         self.lock = threading.Lock()
         self.lost: Optional[BaseException] = None
         self.bell, self._ring = socket.socketpair()
@@ -114,7 +116,7 @@ class _RemoteLane(_Lane):
     def _read(self) -> None:
         try:
             while True:
-                reply = recv_reply(self.conn, LANE_TCP_WAKE_BYTES)
+                reply = recv_reply(self.conn, LANE_TCP_WAKE_BYTES, self._buffers.take)
                 with self.lock:
                     ticket = self.unread.popleft()
                     if not ticket.abandoned:
@@ -182,9 +184,12 @@ class _Opening:
 class Lanes:
     """The lanes of one iterator's workers (NOTE [ raydl lane, driver ])."""
 
-    def __init__(self, pool: Any, driver_node_id: str) -> None:
+    def __init__(self, pool: Any, driver_node_id: str, max_batches: int) -> None:
         self._pool = pool
         self._driver_node_id = driver_node_id
+        # replies' large arrays: read into memory used again once their batches are gone (NOTE [ raydl receive
+        # buffers ]); the batches in flight (`max_batches`), twice, and four more (the trainer's, a pinning copy's)
+        self._buffers = ReceiveBuffers(2 * max_batches + 4)
         self._lanes: dict[int, _Lane] = {}
         self._opening: dict[int, _Opening] = {}
         self._ray_sent: dict[int, tuple[Any, int]] = {}  # worker id -> (its actor, Ray calls sent to it)
@@ -330,7 +335,9 @@ class Lanes:
             return None
         opening.listener.close()
         del self._opening[worker_id]
-        return _RemoteLane(opening.actor, conn, worker_id) if opening.remote else _Lane(opening.actor, conn)
+        if opening.remote:
+            return _RemoteLane(opening.actor, conn, worker_id, self._buffers)
+        return _Lane(opening.actor, conn)
 
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
         """A batch of the worker is in hand (`nbytes` from its meta, 0 when stats are off): the first one decides
@@ -379,7 +386,7 @@ class Lanes:
         while True:
             try:
                 ready = lane.conn.poll(timeout_s)
-                reply = recv_reply(lane.conn) if ready else None
+                reply = recv_reply(lane.conn, alloc=self._buffers.take) if ready else None
             except (EOFError, OSError) as e:
                 self._lost(ticket.worker_id)
                 raise LaneLost(f"the lane of worker {ticket.worker_id} ended: its process died ({e!r})") from None
@@ -461,7 +468,7 @@ class Lanes:
         lane = self._lanes[ticket.worker_id]
         try:
             while lane.conn.poll(0):
-                reply = recv_reply(lane.conn)
+                reply = recv_reply(lane.conn, alloc=self._buffers.take)
                 first = lane.unread.popleft()
                 if first is ticket:
                     ticket.reply = reply
@@ -491,3 +498,4 @@ class Lanes:
             opening.listener.close()
         self._lanes.clear()
         self._opening.clear()
+        self._buffers.clear()

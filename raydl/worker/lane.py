@@ -105,9 +105,10 @@ def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, B
             sent += os.write(fd, buf[sent:])
 
 
-def recv_reply(conn: Connection, wake_bytes: int = 0) -> Any:
-    """Read a reply `send_reply` wrote: each out-of-band buffer straight into fresh memory (one copy, out of the
-    kernel) that the unpickled arrays then use (writable, as torch's batches are). EOFError when the lane ends.
+def recv_reply(conn: Connection, wake_bytes: int = 0, alloc: Optional[Callable[[int], Any]] = None) -> Any:
+    """Read a reply `send_reply` wrote: each out-of-band buffer straight into memory (one copy, out of the kernel)
+    that the unpickled arrays then use (writable, as torch's batches are): a fresh array, or `alloc(size)`'s (a
+    uint8 array nothing else uses: the driver's NOTE [ raydl receive buffers ]). EOFError when the lane ends.
     `wake_bytes` (a TCP lane's reader): `_read_in_chunks` reads each large buffer."""
     import numpy as np
 
@@ -117,7 +118,7 @@ def recv_reply(conn: Connection, wake_bytes: int = 0) -> Any:
     buffers = []
     fd = conn.fileno()
     for size in sizes:
-        buf = np.empty(size, dtype=np.uint8)
+        buf = np.empty(size, dtype=np.uint8) if alloc is None else alloc(size)
         view = memoryview(buf).cast("B")
         if wake_bytes and size > wake_bytes:
             _read_in_chunks(fd, view, wake_bytes)
