@@ -230,6 +230,16 @@ def offload_ceilings(data_ms: float, step_ms: float, contention: tuple[float, fl
     return ideal, contended
 
 
+def epoch_ceiling(data_ms: float, step_ms: float, contention: tuple[float, float], n: int) -> str:
+    """The contended ceiling over an epoch of `n` batches, formatted: an offloaded loader waits for the epoch's
+    first batch (D') and its last step overlaps nothing (S'); the n - 1 others go at the slower side's pace:
+    n (D + S) / (D' + S' + (n - 1) max(D', S')), D' and S' slowed by their contention factors."""
+    if not (data_ms and step_ms and n):
+        return "—"
+    d, s = data_ms * contention[0], step_ms * contention[1]
+    return f"{n * (data_ms + step_ms) / (d + s + (n - 1) * max(d, s)):.2f}×"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--quick", action="store_true")

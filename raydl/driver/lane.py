@@ -274,21 +274,16 @@ class Lanes:
         uses): (the bound socket, the address the worker connects to)."""
         if remote:
             ip = self._node_ip()
-            listener = socket.socket(socket.AF_INET6 if ":" in ip else socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                listener.bind((ip, 0))
-            except OSError:
-                listener.close()
-                raise
-            return listener, listener.getsockname()[:2]
-        address = f"\0raydl-lane-{os.getpid()}-{secrets.token_hex(8)}"
-        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            family, address = (socket.AF_INET6 if ":" in ip else socket.AF_INET), (ip, 0)
+        else:
+            family, address = socket.AF_UNIX, f"\0raydl-lane-{os.getpid()}-{secrets.token_hex(8)}"
+        listener = socket.socket(family, socket.SOCK_STREAM)
         try:
             listener.bind(address)
         except OSError:
             listener.close()
             raise
-        return listener, address
+        return listener, (listener.getsockname()[:2] if remote else address)
 
     def _node_ip(self) -> str:
         if self._ip is None:

@@ -42,6 +42,7 @@ when the lane breaks (a dead worker: the socket's end, as Ray's actor death).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -50,7 +51,7 @@ import socket
 import struct
 import threading
 from multiprocessing.connection import Connection
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from .._constants import (
     LANE_OUT_OF_BAND_BYTES,
@@ -144,27 +145,26 @@ def _read_in_chunks(fd: int, view: memoryview, wake_bytes: int) -> None:
     6.18: a reader asleep with 919,306 bytes of its last chunk in the socket)."""
     import select
 
-    sock = socket.socket(fileno=fd)
     poller = select.poll()
     poller.register(fd, select.POLLIN)
     size, got = view.nbytes, 0
-    try:
-        while got < size:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(wake_bytes, size - got))
-            poller.poll()  # until that much is in, or the connection ends (then the read says which)
-            try:
-                n = sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
-            except BlockingIOError:
-                continue
-            if n == 0:
-                raise EOFError("the lane ended in the middle of a reply")
-            got += n
-    finally:
+    with _borrowed(fd) as sock:
         try:
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # a small reply wakes the reader again
-        except OSError:
-            pass
-        sock.detach()  # the connection's, not this object's, to close
+            while got < size:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, min(wake_bytes, size - got))
+                poller.poll()  # until that much is in, or the connection ends (then the read says which)
+                try:
+                    n = sock.recv_into(view[got:], size - got, socket.MSG_DONTWAIT)
+                except BlockingIOError:
+                    continue
+                if n == 0:
+                    raise EOFError("the lane ended in the middle of a reply")
+                got += n
+        finally:
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVLOWAT, 1)  # a small reply wakes the reader again
+            except OSError:
+                pass
 
 
 class Turns:
@@ -218,18 +218,27 @@ def tune_tcp(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, int(value))
 
 
+@contextlib.contextmanager
+def _borrowed(fd: int) -> Iterator[socket.socket]:
+    """A socket object over a connection's descriptor, for socket calls; the descriptor stays the connection's."""
+    sock = socket.socket(fileno=fd)
+    try:
+        yield sock
+    finally:
+        sock.detach()
+
+
 def shut_down(conn: Connection) -> None:
     """End a connection both ways without closing its descriptor (its owner closes it)."""
     try:
-        sock = socket.socket(fileno=conn.fileno())
+        fd = conn.fileno()
     except (OSError, ValueError):
         return
-    try:
-        sock.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
-    finally:
-        sock.detach()
+    with _borrowed(fd) as sock:
+        try:
+            sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def serve_lane(
