@@ -379,16 +379,6 @@ def main(argv: list | None = None) -> int:
                         f"(ideal {ideal}, ceiling with the cores contended {contended}, over an epoch {in_epoch}"
                         f"{share})"
                     )
-                    # The same against time rather than torch's rate (which strays from its own 1/(D+S) model):
-                    # the shortest steady period an offloaded loader can have, the step as measured.
-                    d_c, s_c = d_ideal * contention[0], s_real.get(ms, ms) * contention[1]
-                    floor = (d_c + s_c + (n_batches - 1) * max(d_c, s_c)) / n_batches
-                    period = 1e3 * bs / C.median(d)
-                    notes.append(
-                        f"{name} at S = D: {period:.0f} ms a batch against the epoch's floor of {floor:.0f} ms "
-                        f"((D' + S' + (n - 1) max(D', S')) / n, D' = {d_c:.0f}, S' = {s_c:.0f} ms, the step as "
-                        f"measured): {100 * floor / period:.0f} % of the best an offloaded loader can do here"
-                    )
             fl = C.median([r["foreign_cores"] for name in names for r in got[name]])
             rows.append(row + [ideal, contended, in_epoch, f"{fl:.2f}"])
     finally:
