@@ -363,16 +363,19 @@ class _Sized(torch.utils.data.Dataset):
         return torch.full((self.numel,), float(i))
 
 
-@pytest.mark.parametrize("kib,grouped", [(48, False), (8, True)])
-def test_ray_calls_to_another_node_keep_their_batches_inline(monkeypatch, kib, grouped):
+@pytest.mark.parametrize("kib,grouped,stats", [(48, False, True), (8, True, True), (48, False, False)])
+def test_ray_calls_to_another_node_keep_their_batches_inline(monkeypatch, kib, grouped, stats):
     """Workers on another node on Ray's calls (ray_lane=False): cheap batches are grouped only while the call's
-    batches fit Ray's inline limit (48 KiB: one a call; 8 KiB: several), the batches those of torch."""
+    batches fit Ray's inline limit (48 KiB: one a call; 8 KiB: several; with ray_stats=False too, the workers then
+    reporting no size), the batches those of torch."""
     from raydl.driver import calls as C
 
     real = C.worker_node
     monkeypatch.setattr(C, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")
     ds = _Sized(256, kib * 1024 // 4 // 4)  # a batch of 4 float32 samples: `kib` KiB
-    loader = raydl.DataLoader(ds, batch_size=4, num_workers=2, timeout=TIMEOUT_S, ray_lane=False, prefetch_factor=8)
+    loader = raydl.DataLoader(
+        ds, batch_size=4, num_workers=2, timeout=TIMEOUT_S, ray_lane=False, prefetch_factor=8, ray_stats=stats
+    )
     it = iter(loader)
     assert all(torch.equal(a, b) for a, b in zip(it, torch.utils.data.DataLoader(ds, batch_size=4), strict=True))
     assert (it._sched.calls_sent < 64) == grouped, it._sched.calls_sent

@@ -14,6 +14,7 @@ import time
 from typing import Any, Optional
 
 from .._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
+from .._measures import batch_nbytes
 from .lane import Lanes, LaneTicket, worker_node
 
 __all__ = ["CallSender"]
@@ -90,10 +91,15 @@ class CallSender:
             return None
         return int(RAY_INLINE_SHARE * _ray_inline_bytes())
 
-    def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
-        """A batch is in hand: its size tells whether its worker may take a lane (NOTE [ raydl lane, driver ])."""
+    def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> int:
+        """A batch is in hand: its size tells whether its worker may take a lane (NOTE [ raydl lane, driver ]) and,
+        on another node, how many such batches a Ray call may carry (`call_bytes`). Returns that size: `nbytes`
+        from the batch's meta, or with stats off (0) measured here for a worker on another node."""
+        if not nbytes and self.on_other_node(worker_id):
+            nbytes = batch_nbytes(batch)
         if self._lanes is not None:
             self._lanes.on_batch(worker_id, nbytes, batch)
+        return nbytes
 
     @property
     def lane_calls(self) -> int:

@@ -518,8 +518,8 @@ class _RayLoaderIter(Iterator[Any]):
                 data, meta = call.take(idx)
                 if isinstance(data, BatchFailed):
                     raise _Failed(data.error, data.traceback)
-                self._calls.on_batch(task.worker_id, meta.nbytes, data)
-                self._on_batch_made(idx, task, meta)
+                nbytes = self._calls.on_batch(task.worker_id, meta.nbytes, data)
+                self._on_batch_made(idx, task, meta, nbytes)
                 self._waits.on_batch(task)
                 return data
             except GetTimeoutError:
@@ -572,11 +572,11 @@ class _RayLoaderIter(Iterator[Any]):
         # Tasks sent before the workers reported where they run: start their transfers now.
         self._calls.start_transfers(self._sched.task_info.values())
 
-    def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta) -> None:
+    def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta, nbytes: int) -> None:
         """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
         self._ckpt.on_batch_made(idx, task.worker_id, meta)
         self._elastic.on_batch_made(meta.fetch_s)
-        self._sched.on_batch_made(task.worker_id, meta.fetch_s, meta.nbytes)
+        self._sched.on_batch_made(task.worker_id, meta.fetch_s, nbytes)
         self.stats_recorder.batch_made(meta)
 
     # ------------------------------------------------------------------ pinning
