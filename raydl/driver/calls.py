@@ -29,6 +29,7 @@ class CallSender:
         self._driver_node_id = driver_node_id
         self._methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
         self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id, max_batches) if lanes else None
+        self._ray_call_bytes = int(RAY_INLINE_SHARE * _ray_inline_bytes())  # NOTE [ raydl calls ]: Ray's inline share
 
     def send(self, worker_id: int, epoch: int, tasks: list) -> tuple[Any, Any]:
         """One call to a worker for `tasks` [(idx, work), ...]: (batches ref, metas ref), or (LaneTicket, None)."""
@@ -89,7 +90,7 @@ class CallSender:
         what Ray still sends inline with the reply (NOTE [ raydl calls ]); None (no bound) otherwise."""
         if not self.on_other_node(worker_id) or (self._lanes is not None and self._lanes.has_lane(worker_id)):
             return None
-        return int(RAY_INLINE_SHARE * _ray_inline_bytes())
+        return self._ray_call_bytes
 
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> int:
         """A batch is in hand: its size tells whether its worker may take a lane (NOTE [ raydl lane, driver ]) and,
