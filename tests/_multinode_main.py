@@ -149,7 +149,12 @@ def main() -> None:
         # replies are read as they arrive, so after a pause every finished batch is already in the driver's memory.
         expected = [b["ids"].tolist() for b in torch.utils.data.DataLoader(D.ImageDataset(160), batch_size=8)]
         loader = raydl.DataLoader(
-            D.ImageDataset(160), batch_size=8, num_workers=2, timeout=60, ray_remote_args={"resources": {"data": 1}}
+            D.ImageDataset(160),
+            batch_size=8,
+            num_workers=2,
+            timeout=60,
+            ray_remote_args={"resources": {"data": 1}},
+            ray_batches_per_call=1,  # every task sent at once: a grouped worker may hold one back (NOTE [ raydl calls ])
         )
         it = iter(loader)
         got = [next(it)["ids"].tolist() for _ in range(4)]  # the lanes open meanwhile
