@@ -6,8 +6,11 @@
 Each measurement is a fresh Python process (`--child MODE`), timed from before `import torch`
 to the first batch in hand, with no Ray running beforehand; the loader is built and iterated at once:
   * torch: torch's DataLoader (fork);
-  * raydl: raydl.DataLoader as it is by default: on a cold start the first batches are made in the
-    driver, each as its worker would, while Ray and the workers start (NOTE [ raydl cold start ]);
+  * raydl: raydl.DataLoader as it is by default: on a cold start the first batches are made by
+    start-up processes forked from the trainer, each as its worker would, while Ray and the workers
+    start (NOTE [ raydl cold start ]);
+  * raydl-in-process: raydl.DataLoader(ray_cold_start="in_process"): those batches made in the
+    trainer's own process instead (the opt-in; raydl's default before start-up processes);
   * raydl-no-cold: raydl.DataLoader(ray_cold_start=False): Ray's start and the workers' start in
     series before the first batch (raydl before the cold start);
   * raydl+start: `raydl.start(num_workers)` called right after the import, then a model build of
@@ -37,7 +40,7 @@ sys.path.insert(0, HERE)
 from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
 
 REPO = os.path.dirname(HERE)
-MODES = ("torch", "raydl", "raydl-no-cold", "raydl+start")
+MODES = ("torch", "raydl", "raydl-in-process", "raydl-no-cold", "raydl+start")
 
 
 def _build_model(seconds: float) -> None:
@@ -126,7 +129,9 @@ def child(mode: str, num_workers: int, build_s: float) -> None:
 
         DataLoader = raydl.DataLoader
         marks["raydl_file"] = raydl.__file__
-        if mode != "raydl":  # NOTE [ raydl cold start ]: only on by default in the plain mode
+        if mode == "raydl-in-process":
+            DataLoader = functools.partial(raydl.DataLoader, ray_cold_start="in_process")
+        elif mode != "raydl":  # NOTE [ raydl cold start ]: only on by default in the plain modes
             DataLoader = functools.partial(raydl.DataLoader, ray_cold_start=False)
     mark("import_loader")
     if mode == "raydl+start":
@@ -141,6 +146,13 @@ def child(mode: str, num_workers: int, build_s: float) -> None:
     next(it)
     mark("first_batch")
     marks["cpu_s"] = _cpu_by_process_kind()
+    if hasattr(it, "fork_s"):  # a cold start's pieces: each fork, then the rest of the epoch and its handover
+        marks["fork_ms"] = round(1000 * max(it.fork_s, default=0.0), 2)
+        for _ in it:
+            pass
+        mark("epoch_end")
+        marks["handover_s"] = round(it.handover_s, 3)
+        marks["startup_batches"] = it.batches_in_driver
     print("RESULT " + json.dumps({"mode": mode, "num_workers": num_workers, "build_s": build_s, **marks}), flush=True)
     del it, loader
 
@@ -235,6 +247,25 @@ def main() -> None:
             print(f"| {mode} | " + " | ".join(cells) + " |")
     if "torch" in modes:
         _print_ratios(runs, modes, args.reps)
+    _print_pieces(runs, modes)
+
+
+def _print_pieces(runs: dict, modes: list) -> None:
+    """A cold start's pieces (median): the slowest fork, the handover's own time, and who made the epoch."""
+    cold = [m for m in modes if any("handover_s" in r for r in runs[m])]
+    if not cold:
+        return
+    print("\nCold start's pieces (median): slowest fork of a start-up process, the handover itself (the Ray")
+    print("iterator built from the start-up state, its workers configured), batches made before it (of 16):\n")
+    print("| loader | fork ms | handover s | batches before the handover | epoch end s |")
+    print("|---|---|---|---|---|")
+    for mode in cold:
+        recs = [r for r in runs[mode] if "handover_s" in r]
+        med = lambda k: statistics.median(r[k] for r in recs)  # noqa: E731
+        print(
+            f"| {mode} | {med('fork_ms'):.2f} | {med('handover_s'):.3f} | {med('startup_batches'):.0f} | "
+            f"{med('epoch_end'):.2f} |"
+        )
 
 
 def _print_ratios(runs: dict, modes: list, reps: int) -> None:

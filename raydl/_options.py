@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Union
 
 import torch
 
@@ -32,7 +32,7 @@ class RayOptions:
     name: Optional[str] = None
     job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
     batches_per_call: Optional[int] = None  # None ("auto"): adaptive (NOTE [ raydl calls ] in driver/schedule.py)
-    cold_start: bool = True  # NOTE [ raydl cold start ] in driver/coldstart.py
+    cold_start: Union[bool, str] = True  # True, False or "in_process": NOTE [ raydl cold start ] in driver/coldstart.py
     lane: bool = True  # NOTE [ raydl lane ] in worker/lane.py
 
     def __post_init__(self) -> None:
@@ -86,8 +86,11 @@ class RayOptions:
                 f"ray_batches_per_call should be 'auto' (adaptive) or a positive int (the most batches one actor "
                 f"call carries; 1: one call per batch), got {k!r}"
             )
-        if not isinstance(self.cold_start, bool):
-            raise TypeError(f"ray_cold_start should be True or False, got {self.cold_start!r}")
+        if not isinstance(self.cold_start, bool) and self.cold_start != "in_process":
+            raise TypeError(
+                "ray_cold_start should be True (start-up processes), False (no cold start) or 'in_process' (the "
+                f"first batches made in this process), got {self.cold_start!r}"
+            )
         if not isinstance(self.lane, bool):
             raise TypeError(f"ray_lane should be True or False, got {self.lane!r}")
         if not isinstance(self.stats, bool):

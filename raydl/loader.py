@@ -8,7 +8,7 @@ import os
 import threading
 import warnings
 import weakref
-from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar
+from typing import Any, Callable, Iterable, Mapping, Optional, TypeVar, Union
 
 from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
@@ -43,6 +43,12 @@ _mp_context_lock = threading.Lock()
 _RAY_ITERS = (_RayLoaderIter, ColdStartIter)
 
 
+def _default_cold_start() -> bool | str:
+    """ray_cold_start's default: RAYDL_COLD_START=0 turns it off, =in_process opts into the in-process makers."""
+    value = os.environ.get("RAYDL_COLD_START", "1")
+    return "in_process" if value == "in_process" else value != "0"
+
+
 def _warn_mp_context_once() -> None:
     global _mp_context_warned
     with _mp_context_lock:
@@ -51,7 +57,8 @@ def _warn_mp_context_once() -> None:
         _mp_context_warned = True
     warnings.warn(
         "raydl.DataLoader ignores multiprocessing_context: its workers are Ray actors, not "
-        "processes forked or spawned by this one.",
+        "processes forked or spawned by this one (a context other than fork only keeps a cold start from forking "
+        "its start-up processes: NOTE [ raydl cold start ]).",
         UserWarning,
         stacklevel=3,
     )
@@ -142,16 +149,20 @@ class DataLoader(_TorchDataLoader[T_co]):
             batches of 5 ms or more, and for a worker on another node on Ray's calls no more than
             Ray sends inline with the reply (75 KiB); an int fixes the most (1: one call per batch). The batches
             are the same either way. Defaults to ``"auto"``.
-        ray_cold_start (bool): in a process that has not used Ray yet, the first `iter()` starts
-            Ray and the workers in the background and makes the first batches in this process,
-            each exactly as the worker that would have made it (its copy of the dataset,
-            worker_init_fn, get_worker_info(), its seeds and random streams), until the workers
-            run and take the epoch on: the batches are torch's, and the first one comes about as
-            soon as torch's. User code (the dataset, collate_fn, worker_init_fn) then runs in this
-            process for those batches. Map-style datasets with ray_seed="worker", without
-            pinning, ray_device or ray_job (NOTE [ raydl cold start ]). ``False``: every batch is
-            made in a worker, after Ray and the workers started. Defaults to ``None``: ``True``
-            unless the environment sets ``RAYDL_COLD_START=0``.
+        ray_cold_start (bool or str): in a process that has not used Ray yet, the first `iter()`
+            starts Ray and the workers in the background and, meanwhile, forks one start-up
+            process per worker from this one, as torch forks its workers: each makes its worker's
+            first batches exactly as the worker would (torch's seeds, worker_init_fn,
+            get_worker_info(), its random streams), until the workers run and take the epoch on
+            from where those streams stand. The batches are torch's, the first one comes about
+            as soon as torch's, and no dataset code runs in this process: a start-up process that
+            dies is replaced as a worker is, and `timeout` holds for its batches. Map-style
+            datasets with ray_seed="worker", without pinning, ray_device or ray_job, where this
+            process may fork (NOTE [ raydl cold start ]). ``"in_process"``: those first batches
+            are made in this process instead (no fork; user code then runs here, where a crash
+            ends the training process). ``False``: every batch is made in a worker, after Ray and
+            the workers started. Defaults to ``None``: ``True`` unless the environment sets
+            ``RAYDL_COLD_START=0`` (or ``=in_process``).
         ray_lane (bool): a worker on this process's node whose batches are at most 4 MiB of
             arrays (they are copied through the socket, where Ray's object store maps larger
             ones without a copy) gets its calls over a local socket (a "lane")
@@ -204,7 +215,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_name: Optional[str] = None,
         ray_job: Any = None,
         ray_batches_per_call: int | str = "auto",
-        ray_cold_start: Optional[bool] = None,
+        ray_cold_start: Union[bool, str, None] = None,
         ray_lane: bool = True,
     ) -> None:
         if ray_job is False:
@@ -226,8 +237,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             name=ray_name,
             job=ray_job,
             batches_per_call=None if ray_batches_per_call == "auto" else ray_batches_per_call,
-            # None: the process-wide default, on unless RAYDL_COLD_START=0 (NOTE [ raydl cold start ])
-            cold_start=os.environ.get("RAYDL_COLD_START", "1") != "0" if ray_cold_start is None else ray_cold_start,
+            # None: the process-wide default, RAYDL_COLD_START (NOTE [ raydl cold start ])
+            cold_start=_default_cold_start() if ray_cold_start is None else ray_cold_start,
             lane=ray_lane,
         )
         if multiprocessing_context is not None and num_workers > 0:

@@ -114,6 +114,12 @@ def test_persistent_workers_continue_the_driver_streams_across_epochs():
     assert facts["made"][0] == 14 and facts["made"][-1] == 14, facts  # not one batch of epochs 2 and 3 in the driver
 
 
+def test_in_process_makers_still_give_torchs_epoch():
+    """ray_cold_start="in_process" (opt-in): the first batches made in the trainer's process, torch's batches."""
+    facts = _cold_epochs(max_in_driver=3, generator=True, raydl_kwargs="ray_cold_start='in_process'")
+    assert facts["kinds"] == ["ColdStartIter", "_RayLoaderIter"] and facts["made"][0] == 3, facts
+
+
 def test_cold_start_off_makes_every_batch_in_a_worker():
     """ray_cold_start=False: the Ray iterator from the first batch on, with torch's batches."""
     facts = _cold_epochs(max_in_driver=None, generator=True, epochs=1, raydl_kwargs="ray_cold_start=False")
@@ -121,7 +127,8 @@ def test_cold_start_off_makes_every_batch_in_a_worker():
 
 
 def test_cold_start_is_on_by_default_and_the_environment_turns_it_off(monkeypatch):
-    """ray_cold_start defaults to True; RAYDL_COLD_START=0 makes the default False; an explicit argument wins."""
+    """ray_cold_start defaults to True; RAYDL_COLD_START=0 makes the default False (=in_process: the in-process
+    makers); an explicit argument wins."""
     # the library's own default (pytest's process turns it off for the suite's in-process tests: conftest.py)
     monkeypatch.setitem(raydl.DataLoader.__init__.__kwdefaults__, "ray_cold_start", None)
     monkeypatch.delenv("RAYDL_COLD_START", raising=False)
@@ -129,6 +136,8 @@ def test_cold_start_is_on_by_default_and_the_environment_turns_it_off(monkeypatc
     monkeypatch.setenv("RAYDL_COLD_START", "0")
     assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start is False
     assert raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start=True).ray_cold_start is True
+    monkeypatch.setenv("RAYDL_COLD_START", "in_process")
+    assert raydl.DataLoader(D.RangeDataset(4), num_workers=2).ray_cold_start == "in_process"
 
 
 # A fresh driver whose own Ray call comes while raydl's background start is inside `ray.init` (held there 1.5 s, in
@@ -196,7 +205,7 @@ def test_scripts_own_ray_call_during_the_background_start_waits_for_it():
 
 def test_ray_cold_start_must_be_a_bool():
     """A non-bool ray_cold_start is refused at construction."""
-    with pytest.raises(TypeError, match="ray_cold_start should be True or False"):
+    with pytest.raises(TypeError, match="ray_cold_start should be True .*, False .* or .in_process."):
         raydl.DataLoader(D.RangeDataset(4), num_workers=2, ray_cold_start="yes")
 
 

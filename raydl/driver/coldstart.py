@@ -1,60 +1,70 @@
-"""`ColdStartIter`: a new process's first batches, made in the driver while Ray and the workers come up.
+"""`ColdStartIter`: a new process's first batches, made by start-up processes while Ray and the workers come up.
 
 NOTE [ raydl cold start ]
-A process that has never used Ray pays, before its first batch from a worker, for `ray.init()`
-(GCS, raylet, agents: 4-10 s on a 2-core machine) and for its workers' start (a Python process
-importing torch each: 1.3-2 s), where torch's DataLoader forks its workers in milliseconds
-(benchmarks/README.md, start-up). So on a cold start the loader's first `iter()`:
-  1. begins Ray's start and its workers' in the background, through `raydl.start()`'s thread
-     (NOTE [ raydl early start ] in cluster/startup.py), right after the first batch (importing
-     Ray holds the GIL for most of a second, which would slow that batch): Ray by the usual
-     precedence, and blank workers put in the warm pool, which the loader takes when they run.
-     Only the loader's own
-     iteration starts Ray, as before (construction still starts nothing), and only in a
-     process that never used Ray: after the user's `ray.shutdown()` the loader starts Ray at
-     `iter()` in the foreground, with its warning (NOTE [ raydl no Ray behind the user's back ]);
-  2. draws the base seed and the sampler's indices exactly as the Ray iterator would, and while
-     the workers are not running, makes each batch in the driver as the worker that would have
-     made it: batch k by worker k mod num_workers (torch's round robin), with that worker's own
-     copy of the dataset, `worker_init_fn` run on it, `get_worker_info()` answering as in that
-     worker, and its `random`, torch and NumPy streams seeded as torch seeds it
-     (`ShadowWorker`, driver/shadow.py). The driver's own generators, worker info and thread
-     count are put back after each batch;
-  3. once Ray is up and the started workers run (checked without blocking before each batch),
-     hands the epoch over: the driver's record of it is a loader state (NOTE [ raydl
-     checkpoint ]) as of the last batch made here, with each worker's generators (and its
-     dataset's `state_dict()`, for a stateful dataset); a `_RayLoaderIter` is built from that
-     state, with the sampler iterator and base seed passed on as they are (nothing drawn
-     again, nothing replayed), so each actor starts as a resumed worker: seeded, worker_init_fn
-     run on its own copy, then its generators set to where its shadow left them. The epoch
-     goes on at the next batch, on the worker that would have made it.
-An epoch that runs out in the driver hands over at its end (waiting, bounded, for the workers), so
-an epoch still ends with Ray up and the workers holding its streams, as without a cold start: a
-failed start (a bad `ray_address`) raises there at the latest, a persistent loader's next epoch
-goes on in the workers, and the script finds Ray initialized after its first epoch. Only the
-first batches come sooner; the first epoch lasts at least Ray's and the workers' start.
-The batches are those of a loader whose workers made them all, batch for batch: torch's.
-Which batches the driver made depends only on timing; their content does not.
-Applies to: num_workers > 0, a map-style dataset, `ray_seed="worker"` without `ray_job`, no
+A process that has never used Ray pays, before its first batch from a worker actor, for
+`ray.init()` (GCS, raylet, agents: 4-10 s on a 2-core machine) and for its workers' start (a
+Python process importing torch each: 1.3-2 s), where torch's DataLoader forks its workers in
+milliseconds (benchmarks/README.md, start-up). So on a cold start the loader's first `iter()`:
+  1. forks one start-up process per worker, as torch forks its workers (worker/startup.py, NOTE
+     [ raydl start-up process ]), and sends them the first `prefetch_factor * num_workers` tasks:
+     the base seed and the sampler's indices are drawn exactly as the Ray iterator would draw them,
+     task k goes to worker k mod num_workers (torch's round robin), and each process is a plain
+     `Worker`: torch's seeds, `worker_init_fn`, `get_worker_info()`, its own generators, and each
+     batch's `BatchMeta` (the dataset's state, the generators that moved) as an actor reports it;
+  2. after the first batch is out (importing Ray holds the GIL for most of a second), begins Ray's
+     start and its workers' in the background, through `raydl.start()`'s thread (NOTE [ raydl
+     early start ] in cluster/startup.py): Ray by the usual precedence, and blank workers put in
+     the warm pool, which the loader takes when they run. After the user's `ray.shutdown()` the
+     loader starts Ray at `iter()` in the foreground instead (NOTE [ raydl no Ray behind the
+     user's back ]);
+  3. once Ray is up and the started workers run (checked without blocking at each `next()`),
+     sends no more tasks to the start-up processes, hands out the batches they are making, and
+     then hands the epoch over: the record of it is a loader state (NOTE [ raydl checkpoint ]) as
+     of the last batch handed out, with each worker's generators (and its dataset's `state_dict()`,
+     for a stateful dataset); a `_RayLoaderIter` is built from that state with the sampler
+     iterator, base seed and stats recorder as they are (nothing drawn again, nothing replayed),
+     so each actor starts as a resumed worker: seeded, worker_init_fn run on its own copy, then
+     its generators set to where its start-up process left them. The processes exit.
+The batches are those of a loader whose actors made them all, batch for batch: torch's. Which
+batches the start-up processes made depends only on timing; their content does not.
+What a worker guarantees holds for a start-up process too: a process that dies (a native crash,
+an OOM kill, `os._exit`) is replaced by a fork that starts from the worker's last batch read and
+makes its lost batches again, up to `ray_max_worker_restarts` times (then WorkerDiedError, as
+for an actor); an error in user code is raised at its batch's turn with the process named, and
+the next batches still come; `timeout` bounds the wait for each batch (Ray's start is not a batch:
+the wait for the workers at a handover is bounded by `ray_startup_timeout_s` instead); the loop's
+wait counts as data stall in `loader.stats()`, and the timeline has a track per start-up process.
+The processes share the trainer's memory copy-on-write, so a large array or Arrow table is not
+copied, and the workers that take over are handed the dataset as without a cold start.
+An epoch that runs out before the workers run hands over at its end (waiting, bounded, for them),
+so an epoch still ends with Ray up and the workers holding its streams: a failed start (a bad
+`ray_address`) raises there at the latest, a persistent loader's next epoch goes on in the
+workers, and the script finds Ray initialized after its first epoch. A resize meanwhile
+(`set_num_workers`) applies at the handover, after the batches already sent.
+Measured (benchmarks/bench_startup.py, 2-core VM): forking a start-up process from a trainer that
+imported torch takes a few milliseconds; see benchmarks/README.md for the first batch against torch's.
+Applies to: num_workers > 0, a platform that forks (Linux) and no `multiprocessing_context` other
+than fork (for the start-up processes; "in_process" needs neither), a map-style dataset, `ray_seed="worker"` without `ray_job`, no
 pinning or `ray_device`, no loaded state, `ray_cold_start` not False (the default: on unless
 RAYDL_COLD_START=0 in the environment). A script's own Ray call while Ray starts in the
 background (`ray.get_runtime_context()`, `ray.get`: Ray initializes itself on first use) waits for
 that start and then uses its Ray: raydl inits under the lock Ray's own automatic init takes
-(`_init_unless_connected` in cluster/connect.py); without it the two inits raced and one failed
-with Ray's "ray.init twice" error (seen in Lightning DDP ranks that read their Ray context before
-their first epoch ended; tests/test_cold_start.py repeats it). Otherwise the
-iterator is today's: IterableDataset streams stay in their workers (a stream's position cannot
-be handed from the driver to an actor unless it has a `state_dict()`).
-Costs and limits: each shadow holds a copy of the dataset (large arrays shared, see
-driver/shadow.py) until the handover; user code (`__getitem__`, collate_fn, worker_init_fn) runs
-in the trainer's process, where its effects beyond the generators, worker info and thread count
-stay; `loader.stats()` starts with the first batch a worker made. `ray_cold_start=False` keeps
-every batch in the workers.
+(`_init_unless_connected` in cluster/connect.py; tests/test_cold_start.py repeats the race).
+IterableDataset streams stay in their workers (a stream's position cannot be handed from one
+process to an actor unless it has a `state_dict()`).
+`ray_cold_start="in_process"` (or RAYDL_COLD_START=in_process) makes the first batches in the
+trainer's own process instead, one at a time as they are asked for (`ShadowWorker`,
+driver/shadow.py), as raydl did before: no fork, but user code then runs in the trainer, where a
+crash ends the training process, `timeout` cannot interrupt it and its effects on process-wide
+state stay. `ray_cold_start=False` keeps every batch in the workers.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import time
+import weakref
 from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
@@ -62,31 +72,39 @@ from torch.utils.data import IterableDataset
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from .._constants import WARM_MAX_IDLE_PER_KEY
+from .._errors import WorkerDiedError, rebuild_worker_exception, short_indices
 from .._options import RayOptions
 from ..cluster.connect import never_connected, resource_request, worker_actor_options
 from ..cluster.startup import Startup, start, starts_in_progress
 from ..job.global_epoch import GLOBAL_EPOCH
+from ..worker.actor import BatchFailed
+from ..worker.startup import StartSpec
+from ..worker.transfer import decode
 from .checkpoint import Tracker, iterator_base_seed
 from .iter import _RayLoaderIter
-from .shadow import ShadowWorker
+from .pool_choice import worker_payload
+from .startup_makers import ForkedMaker, InProcessMaker, MakerDied
 from .state_layout import RAYDL
+from .stats import make_recorder
 
 if TYPE_CHECKING:
     from ..loader import DataLoader
 
-__all__ = ["ColdStartIter", "cold_start_applies"]
+__all__ = ["ColdStartIter", "cold_start_applies", "IN_PROCESS"]
 
 logger = logging.getLogger(__name__)
 
-# Tests only: after this many batches made in the driver, the next one waits for the workers (None: no limit).
+IN_PROCESS = "in_process"  # ray_cold_start's opt-in: the first batches made in the trainer's process
+
+# Tests only: after this many batches made by start-up makers, the next ones wait for the workers (None: no limit).
 _MAX_DRIVER_BATCHES: Optional[int] = None
 
 
 def cold_start_applies(loader: DataLoader, state: Optional[Any]) -> bool:
-    """Whether `iter(loader)` makes its first batches in the driver (NOTE [ raydl cold start ])."""
+    """Whether `iter(loader)` makes its first batches while Ray starts (NOTE [ raydl cold start ])."""
     dataset = loader.dataset
     return (
-        getattr(loader, "ray_cold_start", False)
+        bool(getattr(loader, "ray_cold_start", False))
         and state is None
         and loader.num_workers > 0
         and not isinstance(dataset, (IterableDataset, IterDataPipe, MapDataPipe))
@@ -96,16 +114,34 @@ def cold_start_applies(loader: DataLoader, state: Optional[Any]) -> bool:
         and not loader.pin_memory
         and loader.ray_device is None
         and never_connected()
+        and (loader.ray_cold_start == IN_PROCESS or _fork_allowed(loader))
     )
 
 
-class _Handover:
-    """What the Ray iterator takes as it is from the driver's part of the epoch: no draw is made again."""
+def _fork_allowed(loader: DataLoader) -> bool:
+    """Whether start-up processes may be forked: the platform forks, and the user asked for no other start method
+    (a `multiprocessing_context` of spawn or forkserver says this process must not be forked)."""
+    if "fork" not in multiprocessing.get_all_start_methods():
+        return False
+    ctx = loader.multiprocessing_context
+    return ctx is None or ctx.get_start_method() == "fork"
 
-    def __init__(self, sampler_iter: Iterator, base_seed: int, len_called: Optional[int]) -> None:
+
+def _stop_all(makers: dict) -> None:
+    """Stop every start-up maker (also run by the iterator's finalizer: a dropped iterator leaves no process)."""
+    for maker in list(makers.values()):
+        maker.stop()
+    makers.clear()
+
+
+class _Handover:
+    """What the Ray iterator takes as it is from the start-up part of the epoch: no draw is made again."""
+
+    def __init__(self, sampler_iter: Iterator, base_seed: int, len_called: Optional[int], recorder: Any) -> None:
         self._sampler_iter = sampler_iter
         self._base_seed = base_seed
         self._len_called = len_called
+        self.recorder = recorder  # the epoch's stats go on in the same recorder (NOTE [ raydl stats ])
 
     def take_main(self, tracker: Tracker) -> tuple[Iterator, int]:
         """The sampler iterator (at the first batch not made) and the base seed, recorded in `tracker`."""
@@ -121,10 +157,16 @@ class _State(IntEnum):
 
 
 class ColdStartIter(Iterator[Any]):
-    """An epoch that starts in the driver and goes on with Ray workers (NOTE [ raydl cold start ]).
+    """An epoch that starts with start-up makers and goes on with Ray workers (NOTE [ raydl cold start ]).
 
-    Before the handover it draws and makes batches itself, recording them in a `Tracker` as the
-    Ray iterator records its workers' batches; after it, every call goes to `_RayLoaderIter`.
+    State between calls (torch's names, as `_RayLoaderIter`):
+      * `_send_idx`: idx of the next task to send; `_rcvd_idx`: idx of the next one to hand out;
+      * `_tasks`: idx -> (worker id, indices) for every task sent and not handed out, keys in
+        `[_rcvd_idx, _send_idx)`; task k goes to maker k mod num_workers (torch's round robin);
+      * `_draining`: no task is sent any more (the workers run, a resize waits, or the test cap);
+        the epoch is handed over once `_tasks` is empty, never with a batch in flight.
+    Before the handover it records its batches in a `Tracker` as the Ray iterator records its
+    workers' batches; after it, every call goes to `_RayLoaderIter`.
     """
 
     def __init__(self, loader: DataLoader) -> None:
@@ -132,19 +174,37 @@ class ColdStartIter(Iterator[Any]):
         self._num_workers = loader.num_workers
         self._auto_collation = loader.batch_sampler is not None
         self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
+        self._timeout = loader.timeout  # torch's: the bound on one batch, as the user gave it
         self._inner: Optional[_RayLoaderIter] = None
-        self.stats_recorder = None  # the Ray iterator's, once it runs (NOTE [ raydl stats ])
+        options = RayOptions.from_loader(loader)
+        self._options = options
+        self._payload = worker_payload(loader, options, False, self._auto_collation)
+        self._maker_kind = InProcessMaker if loader.ray_cold_start == IN_PROCESS else ForkedMaker
+        # a maker in this process makes its batches when read: one at a time, none ahead
+        self._window = 1 if self._maker_kind is InProcessMaker else loader.prefetch_factor * self._num_workers
         # torch's order, as _RayLoaderIter: the sampler iterator, then the base seed
         self._tracker = Tracker(loader, self._index_sampler, None)
         it = self._tracker.sampler_iter()
         base_seed = iterator_base_seed(loader.generator, False)
         self._sampler_iter, self._base_seed = self._tracker.resume_main(it, base_seed, None)
+        self._tracker.await_start = weakref.WeakMethod(self._await_makers_start)
         self._epoch = 0
-        self._shadows: dict[int, ShadowWorker] = {}
-        self.batches_in_driver = 0  # over all epochs, handed out or raised
+        self._makers: dict[int, Any] = {}
+        self._finalizer = weakref.finalize(self, _stop_all, self._makers)
+        self._restarts: dict[int, int] = {}
+        self._start_snapshots: dict[int, Optional[dict]] = {}
+        self.batches_in_driver = 0  # batches handed out that start-up makers made, over all epochs (name kept)
+        self.fork_s: list[float] = []  # each fork's time, and the handover's (bench_startup.py reports them)
+        self.handover_s = 0.0
         self._max_in_driver = _MAX_DRIVER_BATCHES
-        self._startup_timeout_s = loader.ray_startup_timeout_s
+        self._resize_to: Optional[int] = None
         self._startups: Optional[list[Startup]] = None  # started once the first batch is out (see `__next__`)
+        self.stats_recorder = make_recorder(
+            self._payload.stats_name,
+            self,
+            options.threads_per_worker,
+            loader.__dict__.setdefault("_hint_given", [False]),
+        )
         self._begin_epoch(first_iter=True)
 
     def _start_ray(self) -> list[Startup]:
@@ -152,21 +212,26 @@ class ColdStartIter(Iterator[Any]):
         if self._startups is None:
             loader = self._loader
             assert loader is not None
-            options = RayOptions.from_loader(loader)
-            actor_options = worker_actor_options(options.remote_args)
-            keep_warm = options.reuse_workers and not resource_request(actor_options)
+            actor_options = worker_actor_options(self._options.remote_args)
+            keep_warm = self._options.reuse_workers and not resource_request(actor_options)
             n = loader.num_workers if keep_warm and loader.num_workers <= WARM_MAX_IDLE_PER_KEY else 0
             self._startups = [
                 *starts_in_progress(),
-                start(n, ray_address=options.address, ray_remote_args=options.remote_args),
+                start(n, ray_address=self._options.address, ray_remote_args=self._options.remote_args),
             ]
             logger.debug("raydl: cold start: Ray and %d workers start in the background", n)
         return self._startups
 
     def _begin_epoch(self, first_iter: bool) -> None:
         self._state = _State.RUNNING
-        self._send_idx = 0  # idx of the next batch: made by worker idx % num_workers
+        self._send_idx = 0  # idx of the next task to send: made by worker idx % num_workers
+        self._rcvd_idx = 0  # idx of the next task to hand out
+        self._tasks: dict[int, tuple[int, Any]] = {}
+        self._sampler_done = False
+        self._draining = self._max_in_driver == 0
+        self.stats_recorder.begin_epoch()
         self._tracker.start_epoch(self._sampler_iter, first_iter, self._epoch)
+        self._fill()  # as torch primes its workers at iter(): the first batches are under way at once
 
     # ------------------------------------------------------------------ the loader's iterator surface
 
@@ -196,13 +261,13 @@ class ColdStartIter(Iterator[Any]):
 
     @property
     def reusable(self) -> bool:
-        """Whether a persistent loader's next epoch goes on with this iterator (its shadows, or its workers)."""
+        """Whether a persistent loader's next epoch goes on with this iterator (its makers, or its workers)."""
         if self._inner is not None:
             return self._inner.reusable
         return self._state != _State.SHUT_DOWN
 
     def _reset(self, loader: DataLoader) -> None:
-        """Persistent workers: the next epoch, on the same workers (or shadows), with a new sampler iterator."""
+        """Persistent workers: the next epoch, on the same workers (or makers), with a new sampler iterator."""
         if self._inner is not None:
             self._inner._reset(loader)
             return
@@ -212,111 +277,183 @@ class ColdStartIter(Iterator[Any]):
         self._begin_epoch(first_iter=False)
 
     def _set_num_workers(self, num_workers: int) -> None:
-        """A resize goes to the workers: the epoch is handed over now (waiting for Ray), then resized."""
-        if self._inner is None and self._state == _State.RUNNING:
-            for startup in self._start_ray():
-                startup.wait(self._startup_timeout_s)
-            self._handover()
+        """A resize goes to the workers: no task is sent to the makers any more, the epoch is handed over once
+        their batches in flight are handed out, and the pool is resized then."""
         if self._inner is not None:
             self._inner._set_num_workers(num_workers)
+        elif self._state == _State.RUNNING:
+            self._resize_to = num_workers
+            self._draining = True
 
     def shutdown(self) -> None:
-        """NOTE [ raydl shutdown ]: the Ray iterator's, once there; the shadows go with this iterator."""
+        """NOTE [ raydl shutdown ]: the Ray iterator's, once there; the makers go with this iterator."""
         if self._inner is not None:
             self._inner.shutdown()
         self._state = _State.SHUT_DOWN
-        self._shadows.clear()
+        _stop_all(self._makers)
 
     def __next__(self) -> Any:
+        if self._inner is None and self._state == _State.RUNNING and self._time_to_hand_over():
+            t0 = time.perf_counter()
+            self._hand_over_when_running()
+            self.stats_recorder.waited(t0, time.perf_counter())  # the loop waited for the workers
         if self._inner is not None:
             return next(self._inner)
         if self._state != _State.RUNNING:
             raise StopIteration
-        if self.batches_in_driver == 0 and self._max_in_driver != 0:
-            # The first batch before Ray's start: importing Ray holds the GIL for most of a second, and a
-            # batch whose ops release the GIL would wait for it at each op (up to 5 ms each, sys.getswitchinterval).
-            return self._next_in_driver()
-        startups = self._start_ray()
-        if self._max_in_driver is not None and self.batches_in_driver >= self._max_in_driver:
-            return self._hand_over_when_running()
-        if all(s.running_now() for s in startups):
-            self._handover()
-            return next(self._inner)  # type: ignore[arg-type]
-        return self._next_in_driver()
+        with self.stats_recorder.next_call():  # waiting for a maker's batch is the loop's data stall
+            data = self._next_made()
+        self._tracker.on_handed_out()
+        return data
 
-    def _hand_over_when_running(self) -> Any:
-        """Wait (bounded) for Ray and the workers, hand the epoch over, and go on with the workers."""
+    def _time_to_hand_over(self) -> bool:
+        """Whether the epoch goes to the workers now: they run (or the makers are done) and no batch is in flight."""
+        if self.batches_in_driver > 0 or self._draining:
+            # after the first batch: importing Ray holds the GIL for most of a second, which would slow that one
+            startups = self._start_ray()
+            if not self._draining and all(s.running_now() for s in startups):
+                self._draining = True
+        return not self._tasks and (self._draining or self._sampler_done)
+
+    def _hand_over_when_running(self) -> None:
+        """Wait (bounded, never under `timeout`: Ray's start is not a batch) for Ray and the workers, then hand over."""
         for startup in self._start_ray():
             try:
-                startup.wait(self._startup_timeout_s)
+                startup.wait(self._options.startup_timeout_s)
             except Exception:  # the Ray iterator reports a failed start as a loader without a cold start does
                 break
         self._handover()
-        return next(self._inner)  # type: ignore[arg-type]
 
-    # ------------------------------------------------------------------ the driver's part
+    # ------------------------------------------------------------------ the makers' part
 
-    def _next_in_driver(self) -> Any:
-        try:
-            index = next(self._sampler_iter)
-        except StopIteration:
-            # An epoch made wholly here still ends with Ray up and the workers holding its streams, as
-            # without a cold start: a failed start raises here, a persistent loader's next epoch goes on
-            # in the workers, and Ray is initialized for what the script does next.
-            return self._hand_over_when_running()
-        idx = self._send_idx
-        self._send_idx += 1
+    def _maker(self, worker_id: int, worker_state: Optional[dict] = None) -> Any:
+        maker = self._makers.get(worker_id)
+        if maker is None:
+            spec = StartSpec(self._payload, self._num_workers, self._base_seed, self._epoch)
+            maker = self._makers[worker_id] = self._maker_kind(spec, worker_id, worker_state)
+            self.fork_s.append(maker.fork_s)
+        return maker
+
+    def _fill(self) -> None:
+        """Send tasks until `_window` are in flight (none while draining)."""
+        while not self._draining and not self._sampler_done and len(self._tasks) < self._window:
+            if self._max_in_driver is not None and self._send_idx >= self._max_in_driver:
+                self._draining = True
+                break
+            try:
+                index = next(self._sampler_iter)
+            except StopIteration:
+                self._sampler_done = True
+                break
+            idx = self._send_idx
+            self._send_idx += 1
+            self._tracker.on_draw(idx, self._sampler_iter)
+            worker_id = idx % self._num_workers
+            self._tasks[idx] = (worker_id, index)
+            self._maker(worker_id).send(self._epoch, idx, index)
+
+    def _next_made(self) -> Any:
+        idx = self._rcvd_idx
+        worker_id, index = self._tasks[idx]
+        batch, meta = self._receive(idx, worker_id)
+        del self._tasks[idx]
+        self._rcvd_idx += 1
         self.batches_in_driver += 1
-        self._tracker.on_draw(idx, self._sampler_iter)
-        worker_id = idx % self._num_workers
-        try:
-            shadow = self._shadow(worker_id)
-        except Exception:  # worker_init_fn failed: as a worker's start failing, it ends the iterator
-            self._state = _State.EXHAUSTED
-            raise
-        try:
-            batch, meta = shadow.fetch(idx, index)
-        except Exception as e:
-            self._tracker.on_batch_failed(idx)  # consumed, as a worker's failed batch: the caller may go on
-            e.add_note(
-                f"raised in the driver, making batch {idx} as raydl worker {worker_id} would while Ray starts "
-                "(NOTE [ raydl cold start ]; ray_cold_start=False makes every batch in a worker)"
+        maker = self._makers[worker_id]
+        self._fill()  # as torch: refill before raising, so a caller that catches the error can go on
+        if isinstance(batch, BatchFailed):
+            self._tracker.on_batch_failed(idx)
+            raise rebuild_worker_exception(
+                batch.error,
+                f"in {maker.describe()} while making batch {idx} (indices {short_indices(index)})",
+                batch.traceback,
             )
-            raise
         self._tracker.on_batch_made(idx, worker_id, meta)
-        self._tracker.on_handed_out()
-        return batch
+        self.stats_recorder.batch_made(meta, startup_pid=maker.pid or 0)
+        return decode(batch)
 
-    def _shadow(self, worker_id: int) -> ShadowWorker:
-        shadow = self._shadows.get(worker_id)
-        if shadow is None:
-            loader = self._loader
-            assert loader is not None
-            shadow = self._shadows[worker_id] = ShadowWorker(
-                worker_id,
-                self._num_workers,
-                self._base_seed,
-                loader.dataset,
-                self._auto_collation,
-                loader.collate_fn,
-                loader.worker_init_fn,
-                loader.ray_threads_per_worker,
-            )
-        return shadow
+    def _receive(self, idx: int, worker_id: int) -> tuple[Any, Any]:
+        """Task `idx`'s reply from its maker, within torch's `timeout`; a maker that died is replaced."""
+        deadline = time.monotonic() + self._timeout if self._timeout > 0 else None
+        while True:
+            maker = self._makers[worker_id]
+            remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not maker.poll(remaining):
+                raise RuntimeError(
+                    f"DataLoader timed out after {self._timeout} seconds (waiting for batch {idx}, "
+                    f"indices {short_indices(self._tasks[idx][1])}, from {maker.describe()})"
+                )
+            try:
+                reply = maker.read()
+            except MakerDied as e:
+                self._replace(worker_id, str(e))
+                continue
+            except Exception:  # worker_init_fn failed: as a worker's start failing, it ends the iterator
+                self._state = _State.EXHAUSTED
+                _stop_all(self._makers)
+                raise
+            if reply is None:  # its start reply
+                self._started(worker_id, maker)
+                continue
+            return reply
+
+    def _replace(self, worker_id: int, cause: str) -> None:
+        """A start-up process died: fork its replacement from the worker's last batch read and send it the lost
+        tasks again (the same batches), or raise past `ray_max_worker_restarts`, as for a worker actor."""
+        self._makers.pop(worker_id).stop()
+        lost = sorted(i for i, (w, _) in self._tasks.items() if w == worker_id)
+        restarts = self._restarts.get(worker_id, 0)
+        if restarts >= self._options.max_worker_restarts:
+            self._state = _State.EXHAUSTED
+            _stop_all(self._makers)
+            what = f"while making batch {lost[0]} (indices {short_indices(self._tasks[lost[0]][1])})" if lost else ""
+            raise WorkerDiedError(
+                f"{cause} {what} after {restarts} restart(s) (ray_max_worker_restarts="
+                f"{self._options.max_worker_restarts}). If this batch kills every worker it reaches, a sample in it "
+                "crashes the process (out of memory, native code): fix or skip that sample."
+            ) from None
+        self._restarts[worker_id] = restarts + 1
+        logger.warning("raydl: %s; starting a replacement and resending %d batch(es)", cause, len(lost))
+        maker = self._maker(worker_id, self._tracker.restart_state(worker_id))
+        for i in lost:
+            maker.send(self._epoch, i, self._tasks[i][1])
+
+    def _started(self, worker_id: int, maker: Any) -> None:
+        """A maker's start reply: once every worker's is in, the tracker has each one's snapshot as it started
+        (torchdata's startup state, NOTE [ raydl checkpoint ])."""
+        self._start_snapshots[worker_id] = maker.started[1]
+        if len(self._start_snapshots) == self._num_workers:
+            self._tracker.on_workers_started(self._start_snapshots)
+
+    def _await_makers_start(self) -> None:
+        """A state asked for before every worker made a batch: each maker's start reply first (bounded)."""
+        for worker_id, maker in list(self._makers.items()):
+            if maker.started is None and not maker.in_process and maker.poll(self._options.startup_timeout_s):
+                try:
+                    if maker.read() is None:
+                        self._started(worker_id, maker)
+                except Exception:  # a failed start: raised at the batch's turn (its read fails the same way)
+                    pass
 
     def _handover(self) -> None:
-        """The Ray iterator takes the epoch on from the driver's record of it (NOTE [ raydl cold start ], step 3)."""
+        """The Ray iterator takes the epoch on from the record of it (NOTE [ raydl cold start ], step 3)."""
         loader = self._loader
-        assert loader is not None
+        assert loader is not None and not self._tasks
+        _stop_all(self._makers)
+        self._finalizer.detach()
         state = self._tracker.state_dict()
         state[RAYDL][GLOBAL_EPOCH] = None  # this rank's epoch goes on as it is: nothing to re-deal
-        handover = _Handover(self._sampler_iter, self._base_seed, self._tracker.len_called)
-        made = {w: s.batches for w, s in self._shadows.items()}
-        self._inner = _RayLoaderIter(loader, state, handover=handover)
-        self.stats_recorder = self._inner.stats_recorder
-        loader._stats_recorder = self.stats_recorder
+        handover = _Handover(self._sampler_iter, self._base_seed, self._tracker.len_called, self.stats_recorder)
+        resize_to, loader.num_workers = loader.num_workers, self._num_workers  # the epoch goes on as it was
+        t0 = time.perf_counter()
+        try:
+            self._inner = _RayLoaderIter(loader, state, handover=handover)
+        finally:
+            loader.num_workers = resize_to
+        self.handover_s = time.perf_counter() - t0
         self._loader = None
-        self._shadows.clear()
+        if self._resize_to is not None:
+            self._inner._set_num_workers(self._resize_to)
         logger.debug(
-            "raydl: cold start: workers take over after %d batches made in the driver %s", self.batches_in_driver, made
+            "raydl: cold start: workers take over after %d batches from start-up makers", self.batches_in_driver
         )

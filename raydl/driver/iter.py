@@ -238,10 +238,16 @@ class _RayLoaderIter(Iterator[Any]):
         self._ckpt.await_start = weakref.WeakMethod(self._await_start)  # a state before any batch
         self._waits = BatchWaits(self._timeout, self._pool.describe)  # NOTE [ raydl waits ]
         # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
-        self.stats_recorder = make_recorder(
-            payload.stats_name, self, options.threads_per_worker, loader.__dict__.setdefault("_hint_given", [False])
+        # a cold start's recorder goes on with the epoch it began (NOTE [ raydl cold start ])
+        taken = handover.recorder if handover is not None else None
+        self.stats_recorder = (
+            taken.rebind(self)
+            if taken is not None
+            else make_recorder(
+                payload.stats_name, self, options.threads_per_worker, loader.__dict__.setdefault("_hint_given", [False])
+            )
         )
-        self._reset(loader, first_iter=True)
+        self._reset(loader, first_iter=True, epoch_begun=taken is not None)
 
     # ------------------------------------------------------------------ public surface
 
@@ -305,8 +311,9 @@ class _RayLoaderIter(Iterator[Any]):
 
     # ------------------------------------------------------------------ epoch state machine
 
-    def _reset(self, loader: DataLoader, first_iter: bool = False) -> None:
-        """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch."""
+    def _reset(self, loader: DataLoader, first_iter: bool = False, epoch_begun: bool = False) -> None:
+        """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch.
+        `epoch_begun`: the stats recorder already records this epoch (a cold start's)."""
         if not first_iter:
             self._sampler_iter = self._ckpt.sampler_iter()
             self._IterableDataset_len_called = loader._IterableDataset_len_called
@@ -316,7 +323,8 @@ class _RayLoaderIter(Iterator[Any]):
             self._state = _State.RUNNING
             if self._pinned is not None:
                 self._pinned.source_ended = False
-        self.stats_recorder.begin_epoch()
+        if not epoch_begun:
+            self.stats_recorder.begin_epoch()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
         start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
         self._sample_key = self._ckpt.deal.sample_key(self._base_seed, self._epoch) if self._seed_per_sample else None

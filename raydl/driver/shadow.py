@@ -1,6 +1,7 @@
 """`ShadowWorker`: worker `i`'s batches made in the driver, exactly as the worker actor would make them.
 
-Used by a cold start (NOTE [ raydl cold start ] in driver/coldstart.py) while Ray and the actors
+Used by the opt-in in-process cold start (`ray_cold_start="in_process"`, NOTE [ raydl cold start ]
+in driver/coldstart.py; the default forks start-up processes instead) while Ray and the actors
 come up. A shadow holds what the actor would hold after the same batches: its own copy of the
 dataset (and of collate_fn and worker_init_fn, copied together as one payload, so a
 worker_init_fn bound to the dataset acts on the copy), and its own `random`, torch and NumPy
@@ -12,8 +13,8 @@ generators, torch's worker-info global (None in the driver) and torch's thread c
 runs with one thread: ops whose result depends on the thread count give the worker's result).
 torch's CPU generator is seeded directly, never with `torch.manual_seed`, which would also queue
 a lazy seeding of the driver's CUDA generators. What user code does to other process-wide state
-(environment variables, open files, module globals) stays in the driver: `ray_cold_start=False`
-keeps all user code in the workers.
+(environment variables, open files, module globals) stays in the driver: the default cold start
+keeps all user code out of the trainer's process.
 
 The copy is a `copy.deepcopy` (what pickling gives the worker: the same `__reduce_ex__` /
 `__getstate__` state, and it also copies classes defined in a function, which `pickle` refuses).
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import random
+import time
 from typing import Any, Callable, Optional
 
 import numpy as np
@@ -34,6 +36,7 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
+from .._measures import batch_nbytes
 from .._thread_random import only_this_thread_draws
 from ..worker.actor import BatchMeta, numpy_seed_state
 from ..worker.collate import private_memory_collate
@@ -166,6 +169,7 @@ class ShadowWorker:
     def fetch(self, idx: int, index: Any) -> tuple[Any, BatchMeta]:
         """Task `idx`: the batch for `index` as the worker would make it next, and the `BatchMeta` the worker
         would report with it (its dataset's state, the generators that moved); the driver's state is untouched."""
+        started_s, t0, c0 = time.time(), time.perf_counter(), time.process_time()
         driver = _DriverState()
         try:
             with only_this_thread_draws():  # NOTE [ raydl random and threads ]
@@ -180,4 +184,15 @@ class ShadowWorker:
         finally:
             driver.restore()
         state = make_worker_snapshot(self.worker_id, self._fetcher, self.dataset, False)
-        return batch, BatchMeta(self.worker_id, idx, 0.0, 0.0, state=state, rng=rng)
+        samples = len(index) if self._fetcher.auto_collation else 1
+        return batch, BatchMeta(
+            self.worker_id,
+            idx,
+            started_s,
+            time.perf_counter() - t0,
+            samples,
+            batch_nbytes(batch),
+            time.process_time() - c0,
+            state=state,
+            rng=rng,
+        )

@@ -34,6 +34,7 @@ keeps the last epoch's stats never keeps its workers alive.
 
 from __future__ import annotations
 
+import sys
 import time
 import weakref
 from collections import deque
@@ -113,14 +114,11 @@ class StatsRecorder:
     def __init__(
         self, name: str, iterator: Any, threads_per_worker: int = 1, hint_given: Optional[list] = None
     ) -> None:
-        import ray
-
         self.name = name
         # [bool], shared by the recorders of one loader's iterators: the stall hint comes once per loader
         self._hint_given = hint_given if hint_given is not None else [False]
         self._iter_ref = weakref.ref(iterator)
         self._threads_per_worker = threads_per_worker
-        self._ray = ray
         # perf_counter -> wall clock (time.time()), to put the driver's spans on the workers' clock
         self._wall_offset = time.time() - time.perf_counter()
         self._workers: dict[int, _WorkerAcc] = {}
@@ -137,15 +135,32 @@ class StatsRecorder:
         self._metrics: Optional[dict] = None
         self._cpus: Optional[tuple[float, float]] = None
 
+    @property
+    def _ray(self) -> Any:
+        import ray  # not at construction: a cold start records its first batches before it imports Ray
+
+        return ray
+
     # ------------------------------------------------------------------ hooks (hot path)
+
+    def rebind(self, iterator: Any) -> StatsRecorder:
+        """Record for `iterator` from now on (a cold start's Ray iterator takes the epoch on); returns self."""
+        self._iter_ref = weakref.ref(iterator)
+        return self
 
     def next_call(self) -> _NextCall:
         """Wrap the body of `__next__` in this: its time is the loop's wait."""
         return self._next_call
 
-    def batch_made(self, meta: Any) -> None:
-        """A batch's `BatchMeta` is in the driver (`_on_batch_made`); signals carry samples == 0."""
+    def batch_made(self, meta: Any, startup_pid: Optional[int] = None) -> None:
+        """A batch's `BatchMeta` is in the driver (`_on_batch_made`); signals carry samples == 0. `startup_pid`: a
+        cold start's maker made it (its process id, 0 for the trainer's own): a track of its own, not a worker's."""
         if meta.samples == 0:
+            return
+        if startup_pid is not None:
+            self._pending_samples.append(meta.samples)
+            if len(self._startup_spans) < MAX_SPANS:
+                self._startup_spans.append((meta.worker_id, startup_pid, meta.idx, meta.started_s, meta.fetch_s))
             return
         w = self._workers.get(meta.worker_id)
         if w is None:
@@ -177,6 +192,14 @@ class StatsRecorder:
                     spans.append((t0, time.perf_counter()))
 
         return timed
+
+    def waited(self, t0: float, t1: float) -> None:
+        """The loop waited from `t0` to `t1` (perf_counter) in a `next()` that the next `next_call` does not cover."""
+        if self._finished:
+            return
+        self._wait_s += t1 - t0
+        if len(self._waits) < MAX_SPANS:
+            self._waits.append((t0, t1))
 
     def _next_done(self, t0: float, t1: float, kind: Any) -> None:
         if self._finished:
@@ -210,6 +233,7 @@ class StatsRecorder:
         self._pending_samples: deque = deque()
         self._waits: list = []
         self._batch_spans: list = []
+        self._startup_spans: list = []
         self._pin_spans = []
         for w in self._workers.values():
             w.new_epoch()
@@ -253,8 +277,8 @@ class StatsRecorder:
     def _refresh_pool(self) -> None:
         """Copy where workers run and their restarts, while the iterator lives."""
         it = self._iter_ref()
-        if it is not None:
-            pool = it._pool
+        pool = getattr(it, "_pool", None)  # None: a cold start's makers, before the workers
+        if pool is not None:
             self._records = list(pool.records)
             self._restarts = list(pool.restarts)
 
@@ -302,9 +326,12 @@ class StatsRecorder:
             "start_wall_s": self._start_s + self._wall_offset,
             "end_wall_s": self._last_s + self._wall_offset,
             "batches": list(self._batch_spans),
+            "startup": list(self._startup_spans),
             "waits": [(a + self._wall_offset, b + self._wall_offset) for a, b in self._waits],
             "pins": [(a + self._wall_offset, b + self._wall_offset) for a, b in self._pin_spans],
-            "truncated": any(len(x) >= MAX_SPANS for x in (self._batch_spans, self._waits, self._pin_spans)),
+            "truncated": any(
+                len(x) >= MAX_SPANS for x in (self._batch_spans, self._startup_spans, self._waits, self._pin_spans)
+            ),
         }
         feed = getattr(self._iter_ref(), "_feed", None)
         if feed is not None:  # a streamed dataset: its node caches' fetches from storage (NOTE [ raydl node cache ])
@@ -363,6 +390,9 @@ class StatsRecorder:
     def _flush_metrics(self, now: float, share: Optional[float] = None) -> None:
         """Push what changed since the last flush to `ray.util.metrics` (NOTE [ raydl stats ])."""
         self._next_flush = now + METRICS_FLUSH_S
+        ray = sys.modules.get("ray")
+        if ray is None or not ray.is_initialized():  # a cold start's first batches: their figures go out later
+            return
         try:
             m = self._metrics or self._make_metrics()
             loader = {"loader": self.name}
@@ -416,10 +446,16 @@ class _Off:
 
         self._null = contextlib.nullcontext()
 
+    def rebind(self, iterator: Any) -> _Off:
+        return self
+
     def next_call(self) -> Any:
         return self._null
 
-    def batch_made(self, meta: Any) -> None:
+    def batch_made(self, meta: Any, startup_pid: Optional[int] = None) -> None:
+        pass
+
+    def waited(self, t0: float, t1: float) -> None:
         pass
 
     def timed_pin(self, fn: Callable[[Any], Any]) -> Callable[[Any], Any]:

@@ -9,7 +9,10 @@ the loader:
   * tid 3 + n, "node cache (node)": for a dataset streamed through the node cache
     (`raydl.ParquetDataset`), each fetch of a unit from storage by that node's cache, named by the
     unit's key (a failed fetch says so);
-  * tid 10 + w, "worker w (pid, node)": worker w's batch spans, named by task idx.
+  * tid 10 + w, "worker w (pid, node)": worker w's batch spans, named by task idx;
+  * tid 100000 + n, "start-up process for worker w (pid)": on a cold start, the batches a
+    process forked from the trainer made as worker w while Ray started (NOTE [ raydl cold start ]),
+    one track per such process ("... in this process" for ray_cold_start="in_process").
 Times are seconds since the epoch's start. Worker spans are on the worker's own wall clock
 (`BatchMeta.started_s`), driver spans on the driver's: on one machine they share a clock; across
 nodes they are as aligned as the nodes' clocks (NTP: typically within milliseconds).
@@ -27,7 +30,23 @@ if TYPE_CHECKING:
 
 __all__ = ["write_trace", "write_png"]
 
-_LOOP_TID, _PIN_TID, _CACHE_TID0, _WORKER_TID0 = 1, 2, 3, 10
+_LOOP_TID, _PIN_TID, _CACHE_TID0, _WORKER_TID0, _STARTUP_TID0 = 1, 2, 3, 10, 100_000
+
+
+def _startup_tracks(stats: LoaderStats) -> list[tuple[str, list]]:
+    """(label, [(idx, start, dur)]) per start-up maker that made batches this epoch, by worker id then pid."""
+    tracks: dict[tuple[int, int], list] = {}
+    for wid, pid, idx, start, dur in stats._spans.get("startup") or []:
+        tracks.setdefault((wid, pid), []).append((idx, start, dur))
+    return [
+        (
+            f"start-up process for worker {wid} (pid {pid})"
+            if pid
+            else f"start-up maker for worker {wid} (this process)",
+            spans,
+        )
+        for (wid, pid), spans in sorted(tracks.items())
+    ]
 
 
 def _cache_tracks(stats: LoaderStats) -> list[tuple[str, list]]:
@@ -120,6 +139,23 @@ def trace_events(stats: LoaderStats) -> list[dict]:
         events.append(
             {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": 10 + wid}}
         )
+    for n, (label, spans) in enumerate(_startup_tracks(stats)):
+        tid = _STARTUP_TID0 + n
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": tid, "args": {"name": label}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid, "args": {"sort_index": tid}})
+        for idx, start, dur in spans:
+            events.append(
+                {
+                    "ph": "X",
+                    "name": f"batch {idx}",
+                    "cat": "start-up",
+                    "pid": pid,
+                    "tid": tid,
+                    "ts": us(start),
+                    "dur": round(dur * 1e6, 1),
+                    "args": {"idx": idx},
+                }
+            )
     for wid, idx, start, dur in sp["batches"]:
         events.append(
             {
@@ -176,6 +212,9 @@ def write_png(stats: LoaderStats, path: str, width_in: float = 9.0) -> Optional[
         mine = [(start - t0, dur, idx) for w, idx, start, dur in sp["batches"] if w == wid]
         labels[len(rows)] = [(x + d / 2, idx) for x, d, idx in mine]
         rows.append((_worker_label(stats, wid), [(x, d) for x, d, _ in mine], "#4c72b0"))
+    for label, spans in reversed(_startup_tracks(stats)):
+        labels[len(rows)] = [(start - t0 + dur / 2, idx) for idx, start, dur in spans]
+        rows.append((label, [(start - t0, dur) for _, start, dur in spans], "#dd8452"))
     for label, spans in _cache_tracks(stats):
         rows.append((label, [(a - t0, b - a) for a, b, *_ in spans], "#8172b2"))
     if sp["pins"]:

@@ -208,6 +208,9 @@ class Worker:
         self._rng = RngTracker()
         self._track_rng = True
         self._buffers = BatchBuffers()
+        # False in a cold start's start-up process (worker/startup.py), which has no Ray: no Ray metrics, log names
+        # or runtime context there
+        self.in_actor = True
 
     def __repr__(self) -> str:
         # Ray prefixes the actor's log lines with this.
@@ -239,7 +242,8 @@ class Worker:
         self.reset()
         self._epoch = epoch
         self._worker_id = worker_id
-        _announce_name(self)
+        if self.in_actor:
+            _announce_name(self)
         self._base_seed = base_seed
         try:
             # bytes by default: a private, writable copy, as torch's workers get (NOTE [ raydl shared memory ])
@@ -264,7 +268,7 @@ class Worker:
             annotate_traceback(e)
             self._init_error = e
             raise
-        return {**_describe_process(), "state": state}
+        return {**(_describe_process() if self.in_actor else {"pid": os.getpid()}), "state": state}
 
     def _restore(self, state: dict) -> None:
         """Take back a worker snapshot (torchdata's order: dataset, then its iterator; then the generators)."""
@@ -360,7 +364,8 @@ class Worker:
         name = p.stats_name if p is not None else None
         if name is None or signal:
             return batch, BatchMeta(self._worker_id, idx, started_s, fetch_s, state=state, rng=rng, signal=signal)
-        observe_batch_time(name, self._worker_id, fetch_s)
+        if self.in_actor:
+            observe_batch_time(name, self._worker_id, fetch_s)
         return batch, BatchMeta(
             self._worker_id,
             idx,
