@@ -113,6 +113,11 @@ LANE_TCP_CONNECT_S = 3.0
 # ... and how much of a large reply's buffer the kernel lets in before it wakes the lane's reader (SO_RCVLOWAT):
 # per 38.5 MB batch on loopback, 61 reads and 17 ms of CPU at every segment, 13 reads and 12 ms at 1 MiB.
 LANE_TCP_WAKE_BYTES = 1 << 20
+# ... and, on the driver's listener, the longest a connection may take to prove itself (its TLS handshake, if any,
+# and the lane's token) before it is dropped, and how many such connections are heard at once (a new one beyond
+# drops the oldest): a stray or hostile peer on the port costs a slot for a while, never the trainer's thread.
+LANE_HELLO_S = 5.0
+LANE_HELLO_PENDING = 16
 # NOTE [ raydl collate buffers ] in worker/collate.py: a worker stacks a batch tensor of at least this many bytes
 # into memory it keeps and reuses (fresh memory costs a page fault per 4 KiB page) ...
 REUSE_MIN_BYTES = 1024 * 1024

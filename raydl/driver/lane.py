@@ -6,9 +6,11 @@ where it runs) and either runs on the driver's node with a small first batch (LA
 of arrays at most) or runs on another node (any size), the driver asks for a lane at its next
 call: it listens on a fresh abstract Unix socket (same node) or a TCP port on its node's IP
 (another node) and asks the actor through Ray (`Worker.open_lane`, queued behind the calls already
-sent) to connect with a random token. Calls go through Ray until the
-connection is there (checked without waiting at each call: the actor's queue may hold slow
-calls), then over the lane for good. Each lane call carries how many Ray calls the worker was
+sent) to connect with a random token (a TCP lane under Ray's TLS is TLS: NOTE [ raydl lane TLS ]
+in worker/lane_tls.py). Calls go through Ray until the connection is there, one that sent the
+token to the listener's own thread (NOTE [ raydl lane listener ] in driver/lane_accept.py: a
+stranger on the port never holds this thread), checked without waiting at each call (the actor's
+queue may hold slow calls); then over the lane for good. Each lane call carries how many Ray calls the worker was
 sent, and the worker makes it only after those (NOTE [ raydl lane ]): the order of a worker's
 calls is the order they were sent, whichever way they went. An actor whose lane did not open
 keeps Ray's calls (logged at debug level); a node whose workers could not connect to a TCP lane
@@ -44,12 +46,14 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from .._constants import LANE_MAX_BATCH_BYTES, LANE_OPEN_S, LANE_TCP_WAKE_BYTES
+from .._constants import LANE_HELLO_PENDING, LANE_MAX_BATCH_BYTES, LANE_OPEN_S, LANE_TCP_WAKE_BYTES
 from .._measures import batch_nbytes
-from ..worker.lane import recv_reply, shut_down, tune_tcp
+from ..worker.lane import recv_reply, shut_down
+from ..worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
+from .lane_accept import Greeter
 
-__all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node"]
+__all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node", "listen_for_lane"]
 
 logger = logging.getLogger(__name__)
 
@@ -172,13 +176,33 @@ class _RemoteLane(_Lane):
 
 
 class _Opening:
-    """A lane asked for: the driver listens, the actor connects when its queue reaches `open_lane`."""
+    """A lane asked for: the driver listens (its `Greeter` hears who connects: NOTE [ raydl lane listener ] in
+    driver/lane_accept.py), the actor connects when its queue reaches `open_lane`."""
 
-    def __init__(self, actor: Any, listener: socket.socket, address: Any, token: bytes, reply: Any, node: Any) -> None:
-        self.actor, self.listener, self.token, self.reply = actor, listener, token, reply
+    def __init__(self, actor: Any, greeter: Greeter, address: Any, reply: Any, node: Any) -> None:
+        self.actor, self.greeter, self.reply = actor, greeter, reply
         self.listener_address = address
         self.node: Optional[str] = node  # the worker's node, for a TCP lane to another node; else None
         self.remote = node is not None
+        self.answered_s: Optional[float] = None  # when open_lane said the actor connected
+
+    def close(self) -> None:
+        self.greeter.stop()
+
+
+def listen_for_lane(listener: socket.socket, address: Any, token: bytes, remote: bool) -> tuple[Greeter, Any]:
+    """Listen on a lane's bound socket, its connections heard by a `Greeter` (NOTE [ raydl lane listener ]): the
+    greeter and the address the worker is sent. A TCP lane (`remote`) is TLS when Ray's is on (NOTE [ raydl lane
+    TLS ]): the address then says so. OSError, the listener closed, when it cannot be had (TLS included)."""
+    try:
+        tls = tls_context(server=True) if remote and tls_wanted() else None
+        listener.listen(LANE_HELLO_PENDING)
+        listener.setblocking(False)
+        greeter = Greeter(listener, token, remote, tls)
+    except BaseException:
+        listener.close()
+        raise
+    return greeter, ((*address, TLS_FLAG) if tls is not None else address)
 
 
 class Lanes:
@@ -215,7 +239,7 @@ class Lanes:
             del self._lanes[worker_id]
         opening = self._opening.get(worker_id)
         if opening is not None and opening.actor is not actor:  # asked of an actor since replaced
-            self._opening.pop(worker_id).listener.close()
+            self._opening.pop(worker_id).close()
             opening = None
         if opening is None:
             node = worker_node(self._pool, worker_id)
@@ -238,15 +262,18 @@ class Lanes:
         self._refused.append(actor)
         opening = self._opening.pop(worker_id, None)
         if opening is not None:
-            opening.listener.close()
+            opening.close()
             if unreached and opening.node is not None and opening.node not in _UNREACHED:
                 _UNREACHED.add(opening.node)
                 logger.info(
                     "raydl: workers on node %s could not open a TCP lane to this process at %s (%s): they keep "
-                    "Ray's calls (a firewall between the nodes? ray_lane=False skips the attempt)",
+                    "Ray's calls (%s; ray_lane=False skips the attempt)",
                     opening.node,
                     opening.listener_address,
                     why,
+                    "TLS failed there? the worker's log says why"
+                    if TLS_FLAG in opening.listener_address[2:]
+                    else "a firewall between the nodes?",
                 )
 
     def _ask(self, worker_id: int, actor: Any, remote: bool) -> Optional[_Opening]:
@@ -254,19 +281,18 @@ class Lanes:
         token = secrets.token_bytes(16)
         try:
             listener, address = self._listen(remote)
-        except OSError as e:
-            self._refuse(worker_id, actor, e)
-            return None
-        try:
-            listener.listen(1)
-            listener.setblocking(False)
-            reply = actor.open_lane.remote(address, token)
-        except Exception as e:  # noqa: BLE001 - no lane: the worker keeps Ray's calls
-            listener.close()
+            greeter, address = listen_for_lane(listener, address, token, remote)
+        except OSError as e:  # (a TLS context that cannot be made: logged once by tls_context)
             self._refuse(worker_id, actor, e)
             return None
         node = worker_node(self._pool, worker_id) if remote else None
-        opening = self._opening[worker_id] = _Opening(actor, listener, address, token, reply, node)
+        try:
+            reply = actor.open_lane.remote(address, token)
+        except Exception as e:  # noqa: BLE001
+            greeter.stop()
+            self._refuse(worker_id, actor, e)
+            return None
+        opening = self._opening[worker_id] = _Opening(actor, greeter, address, reply, node)
         return opening
 
     def _listen(self, remote: bool) -> tuple[socket.socket, Any]:
@@ -293,42 +319,31 @@ class Lanes:
         return self._ip
 
     def _accept(self, worker_id: int, opening: _Opening) -> Optional[_Lane]:
-        """The lane, if the actor has connected (never waits for it to: its queue may hold slow calls)."""
+        """The lane, if the actor's connection has proved itself to the listener's greeter (never waits for it: the
+        actor's queue may hold slow calls, and a stranger on the port is the greeter's business, not this thread's)."""
         import ray
 
-        for attempt in range(2):
-            try:
-                sock, _ = opening.listener.accept()
-                break
-            except BlockingIOError:
+        conn = opening.greeter.take()
+        if conn is None:
+            if opening.answered_s is None:
                 done, _ = ray.wait([opening.reply], timeout=0, fetch_local=False)
                 if not done:
                     return None  # the actor has not reached open_lane yet
-                if attempt == 0:
-                    continue  # it connected between the accept and the wait
-                try:  # open_lane ran and no connection came: it could not connect (or the actor died)
+                try:
                     connected = ray.get(opening.reply, timeout=LANE_OPEN_S)
                     why: Any = "no connection"
                 except Exception as e:  # noqa: BLE001
                     connected, why = None, e
-                self._refuse(worker_id, opening.actor, why, unreached=connected is False)
+                if not connected:  # open_lane could not connect (a firewall, TLS refused there) or the actor died
+                    self._refuse(worker_id, opening.actor, why, unreached=connected is False)
+                    return None
+                opening.answered_s = time.monotonic()
+            conn = opening.greeter.take()  # its hello may have come meanwhile
+            if conn is None:
+                if time.monotonic() - opening.answered_s > LANE_OPEN_S:  # it connected; its hello never passed
+                    self._refuse(worker_id, opening.actor, f"its connection was dropped ({opening.greeter.why})")
                 return None
-            except OSError as e:
-                self._refuse(worker_id, opening.actor, e)
-                return None
-        sock.setblocking(True)
-        if opening.remote:
-            tune_tcp(sock)
-        conn = Connection(sock.detach())
-        try:
-            ok = conn.poll(LANE_OPEN_S) and conn.recv_bytes(maxlength=len(opening.token)) == opening.token
-        except (EOFError, OSError):
-            ok = False
-        if not ok:
-            conn.close()
-            self._refuse(worker_id, opening.actor, "a connection without the lane's token")
-            return None
-        opening.listener.close()
+        opening.close()
         del self._opening[worker_id]
         if opening.remote:
             return _RemoteLane(opening.actor, conn, worker_id, self._buffers)
@@ -490,7 +505,7 @@ class Lanes:
         for lane in self._lanes.values():
             lane.close()
         for opening in self._opening.values():
-            opening.listener.close()
+            opening.close()
         self._lanes.clear()
         self._opening.clear()
         self._buffers.clear()
