@@ -18,6 +18,7 @@ from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
 from .cluster.locality import warn_if_workers_oversubscribe
+from .driver.checkpoint import restore_next_epoch_rng
 from .driver.coldstart import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
@@ -352,6 +353,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if self.num_workers == 0:
             it = super().__iter__()  # _get_iterator resumes from the loaded state (replaying an iterable without state)
             if state is not None and state.get(FINISHED):  # as torchdata: on into the next epoch
+                restore_next_epoch_rng(state)
                 it = super().__iter__()
             return it
         self._next_iter_state = None
@@ -378,6 +380,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             except StopIteration:
                 break
         if state.get(FINISHED):  # as torchdata: a state taken after StopIteration resumes into the next epoch
+            restore_next_epoch_rng(state)
             if self.persistent_workers:
                 it._reset(self)
             else:

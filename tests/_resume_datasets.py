@@ -166,3 +166,49 @@ def ray_train_resume_loop(config: dict) -> None:
     loader.shutdown()
     with open(os.path.join(config["out"], f"seen_{config['tag']}.json"), "w") as f:
         json.dump(seen, f)
+
+
+class _PassIter:
+    """A pass of `PassCountingIterable` in one worker: moves the dataset's own position."""
+
+    def __init__(self, ds: "PassCountingIterable", worker: int, stride: int) -> None:
+        self.ds, self.worker, self.stride = ds, worker, stride
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        v = self.worker + self.ds.pos * self.stride
+        if v >= self.ds.n:
+            raise StopIteration
+        self.ds.pos += 1
+        return v
+
+
+class PassCountingIterable(IterableDataset):
+    """Worker w of n yields w, w + n, ... from the dataset's position on; the state is the dataset's own (its iterator
+    has none): that position and how many passes (`__iter__` calls) the copy started. A pass after a loaded state goes
+    on from its position, any other starts over; the count grows at every `__iter__`, so the state after a load and
+    `iter()` is not the loaded one (torchdata reports the former)."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.pos, self.passes, self._loaded = n, 0, 0, False
+
+    def __iter__(self):
+        info = get_worker_info()
+        self.passes += 1
+        if not self._loaded:
+            self.pos = 0
+        self._loaded = False
+        return _PassIter(self, 0 if info is None else info.id, 1 if info is None else info.num_workers)
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos, "passes": self.passes}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos, self.passes, self._loaded = state["pos"], state["passes"], True
+
+
+def identity_collate(batch):
+    """`collate_fn=lambda x: x`, importable by workers: the samples as the sampler drew them, a list per batch."""
+    return batch

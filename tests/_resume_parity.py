@@ -65,8 +65,9 @@ def _json_ok(state: dict) -> bool:
 
 # A restarted job's global torch RNG is somewhere else than the saver's was: each resume starts
 # from this seed. The epoch after a state taken at its end draws from the global RNG (torch's
-# rule without a generator): both the saver's next epoch and the resumed one start from END_SEED,
-# as when the job restores torch's RNG with its checkpoint.
+# rule without a generator): the saver sets END_SEED just before it takes that state and goes on
+# into its next epoch, and a resume sets END_SEED too (what a job restoring torch's RNG with its
+# checkpoint does); raydl's state records the RNG it was taken at, torchdata's does not.
 RESTART_SEED = 424242
 END_SEED = 171717
 END = "end"  # in ks: the state taken after the epoch's StopIteration
@@ -89,8 +90,8 @@ def _pass(make_loader: Callable[[], Any], epoch: int, ks: Sequence) -> tuple[lis
             states[len(batches)] = loader.state_dict()
     following: list = []
     if END in ks:
-        states[END] = loader.state_dict()
         torch.manual_seed(END_SEED)
+        states[END] = loader.state_dict()
         following = list(loader)
     return batches, states, loader, following
 

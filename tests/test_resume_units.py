@@ -18,6 +18,7 @@ class _Loader:
     def __init__(self, n: int, batch_size: int, workers: int) -> None:
         self.dataset = D.RangeDataset(n)
         self.num_workers, self.batch_size, self.drop_last = workers, batch_size, False
+        self.generator = None
         self.sampler = SequentialSampler(range(n))
         self.batch_sampler = BatchSampler(self.sampler, batch_size, False)
 

@@ -231,6 +231,15 @@ class WorkerPool:
     def alive(self) -> bool:
         return self._alive
 
+    def restart_streams(self, epoch: int) -> dict:
+        """Persistent iterable workers: each live worker restarts its stream for `epoch` now (`Worker.restart_stream`);
+        {worker id: the ref of its snapshot as of the restart}."""
+        return {
+            w: actor.restart_stream.remote(epoch)
+            for w, actor in enumerate(self.actors)
+            if w not in self.released and w not in self._failed and w not in self.joining
+        }
+
     @property
     def is_ready(self) -> bool:
         return all(r is None for w, r in enumerate(self._ready_refs) if w not in self.joining)

@@ -57,12 +57,23 @@ Where each part comes from, with no call to any worker beyond those the loader m
     global RNG (no generator) a resumed iterator draws nothing: a job restores that one with its
     checkpoint (`torch.get_rng_state()`), and the uninterrupted run's later epochs follow. A state
     taken after the epoch ended drains the restored sampler, so its last draws (torch's
-    RandomSampler draws one more permutation at its end) are made before the next epoch's.
+    RandomSampler draws one more permutation at its end) are made before the next epoch's; when
+    that next epoch draws from the global RNG (a base seed without `generator`, a random sampler
+    without one: shuffle=True), the state also records the global RNG as it took it
+    (`_raydl.next_epoch_rng`), and the resumed loader sets the global RNG back to it before the
+    next epoch's draws: it gets the epoch the saver got by going on at once, as StatefulDataLoader
+    (whose own sampler keeps its generator in the state) gives it whatever the global RNG did
+    meanwhile (torchdata's test_state_dict.py, TestSnapshotEnd).
   * workers: a worker's `configure` reply holds its snapshot as it starts (torchdata's startup
-    state: the dataset's state after worker_init_fn, its stream's after `iter(dataset)`), which a
-    state taken before the worker's first batch reports; such a state, right after `iter()`, waits
-    for the workers' start as torchdata's `iter()` does, and only when the driver cannot know the
-    snapshot itself (a map-style dataset without state starts from none).
+    state: the dataset's state after worker_init_fn, its stream's after `iter(dataset)`; for a
+    resumed worker, after the loaded state and `iter(dataset)`, with the loaded generators), which
+    a state taken before the worker's first batch reports; such a state, right after `iter()`,
+    waits for the workers' start as torchdata's `iter()` does, and only when the driver cannot know
+    the snapshot itself (a map-style dataset without state starts from none). Persistent iterable
+    workers restart their streams at the `iter()` of a later epoch (`Worker.restart_stream`, sent
+    before the epoch's tasks; the epoch's first task restarts it if it comes first), and a state
+    taken before a worker's first batch of that epoch reports its snapshot as of the restart,
+    generators included (torchdata's workers acknowledge their next epoch with it).
     Each `fetch` returns the worker's state after the task in its `BatchMeta` (the
     dataset's and the iterable iterator's `state_dict()`, and the random/torch/NumPy states,
     sent only when they changed: see worker/state.py). The driver keeps, per worker, the state as
@@ -80,9 +91,7 @@ there); which worker makes which batch is left to timing there, so worker-side r
 only guaranteed identical with in_order=True. An IterableDataset whose iterator and dataset have
 no `state_dict()` is replayed: the resumed loader makes and drops the batches already handed out,
 as torchdata does.
-Known limits: with persistent workers, a stream restarted for a later epoch is reported without
-its iterator's state until the worker's first batch of that epoch (`dataset_iter_state` None: it
-restarts from its beginning, which is where it is); an epoch left early (`break`) leaves batches
+Known limits: an epoch left early (`break`) leaves batches
 a worker made and nobody read, and a state taken in the next epoch before that worker hands out a
 batch records its generators as of the last batch read, not the unread ones. After
 `set_num_workers` (NOTE [ raydl elastic pool ]) the state keeps the iterator's original
@@ -93,6 +102,7 @@ draws.
 
 from __future__ import annotations
 
+import base64
 import os
 from collections import deque
 from collections.abc import Mapping
@@ -101,6 +111,7 @@ from typing import Any, Callable, Iterator, Optional
 import torch
 from torch.utils.data import IterableDataset
 
+from .._constants import DEFAULT_STARTUP_TIMEOUT_S
 from ..job.global_epoch import (
     GLOBAL_EPOCH,
     distributed_sampler,
@@ -123,6 +134,7 @@ from .samplers import (
     iterable_sampler_state,
     new_sampler_iter,
     rng_record_for_torchdata,
+    rng_sampler,
     sampler_state,
 )
 from .state_layout import (
@@ -132,6 +144,7 @@ from .state_layout import (
     LAST_YIELDED_WORKER_ID,
     LEN_CALLED,
     MAIN_SNAPSHOT,
+    NEXT_EPOCH_RNG,
     NUM_WORKERS,
     RAYDL,
     SAMPLER_EPOCH,
@@ -147,7 +160,16 @@ from .state_layout import (
     worker_key,
 )
 
-__all__ = ["Tracker", "restore_sampler", "draw_base_seed", "iterator_base_seed", "saved_base_seed"]
+__all__ = [
+    "Tracker",
+    "restore_sampler",
+    "draw_base_seed",
+    "iterator_base_seed",
+    "saved_base_seed",
+    "next_epoch_draws_global",
+    "global_rng_record",
+    "restore_next_epoch_rng",
+]
 
 # ---------------------------------------------------------------------------------------- samplers
 
@@ -201,6 +223,27 @@ def iterator_base_seed(generator: Optional[torch.Generator], resumed: bool) -> O
     if resumed and generator is None:
         return None
     return draw_base_seed(generator)
+
+
+def next_epoch_draws_global(loader: Any, index_sampler: Any) -> bool:
+    """Whether a new epoch of this loader draws from torch's global RNG: its base seed (no `generator`) or its
+    order (a torch random sampler without a generator of its own, what shuffle=True makes)."""
+    s = rng_sampler(index_sampler)
+    return loader.generator is None or (s is not None and s.generator is None)
+
+
+def global_rng_record() -> str:
+    """torch's global RNG state now, as base64 text (raydl's section stays JSON where torchdata's is)."""
+    return base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode("ascii")
+
+
+def restore_next_epoch_rng(state: Mapping) -> None:
+    """Before the epoch after a state taken once its epoch ended: torch's global RNG is set back to where the saver's
+    stood when it took the state (`_raydl.next_epoch_rng`), so that epoch draws what the saver's next epoch drew
+    (NOTE [ raydl checkpoint ], draws). Nothing for other states, or one without the record (torchdata's)."""
+    text = (state.get(RAYDL) or {}).get(NEXT_EPOCH_RNG) if state.get(FINISHED) else None
+    if isinstance(text, str):
+        torch.set_rng_state(torch.frombuffer(bytearray(base64.b64decode(text)), dtype=torch.uint8))
 
 
 def track_rng_enabled() -> bool:
@@ -279,6 +322,7 @@ class Tracker:
         self._index_sampler = index_sampler
         self._facts = loader_facts(loader)
         self._rng_for_td = rng_record_for_torchdata(loader, index_sampler)
+        self._next_draws_global = next_epoch_draws_global(loader, index_sampler)
         self.deal = Deal(loader, index_sampler, loaded)  # NOTE [ raydl global epoch ]
         if self.deal.redeal:  # the old job's position is re-dealt: nothing of its per-rank layout applies
             loaded = None
@@ -288,14 +332,17 @@ class Tracker:
         self.replay = 0
         if loaded is not None and self.is_iterable and self._needs_replay():
             self.replay = int(loaded[SNAPSHOT][SNAPSHOT_STEP])
-        resumed = loaded is not None and not self.replay
+        self._resumed = resumed = loaded is not None and not self.replay
         self.latest: list[Optional[dict]] = [
             self._loaded_workers[w] if resumed else self._initial(w) for w in range(self.num_workers)
         ]
         self.committed = list(self.latest)
         self.worker_states: Optional[list] = list(self.latest) if resumed else None  # what the pool starts from
-        # workers whose snapshot only they know until they start: taken from their configure() reply
-        self._unreported = {w for w in range(self.num_workers) if self.latest[w] is None}
+        # workers whose snapshot only they know until they start: taken from their configure() reply (a resumed
+        # worker's too: its dataset's state after the loaded one and `iter(dataset)`, as torchdata reports it)
+        self._unreported = {w for w in range(self.num_workers) if resumed or self.latest[w] is None}
+        # persistent streams restarted for this epoch: {worker: the ref of its snapshot at the restart}
+        self._restarts: dict[int, Any] = {}
         # the iterator's bounded wait for its workers' start (a weak method: None once it is gone)
         self.await_start: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         self.base_seed = 0
@@ -309,13 +356,41 @@ class Tracker:
         self._reset_position()
 
     def on_workers_started(self, started: Mapping[int, Optional[dict]]) -> None:
-        """The workers started: each one with no snapshot yet gets the one it started with (torchdata's startup state)."""
+        """The workers started: each one with no batch read yet takes the snapshot it started with (torchdata's
+        startup state; a resumed worker keeps the loaded generators, which it restored)."""
         for w in sorted(self._unreported):
-            if w in started and w < len(self.latest) and self.latest[w] is None:
-                self.latest[w] = started[w]
-                if self.committed[w] is None:
-                    self.committed[w] = started[w]
+            if w >= len(self.latest) or started.get(w) is None:
+                continue
+            old = self.latest[w]
+            if old is not None and not (self._resumed and old is self._loaded_workers[w]):
+                continue  # a batch of it was read already
+            snap = started[w]
+            if old is not None and old.get(RNG) is not None and snap.get(RNG) is None:  # type: ignore[union-attr]
+                snap = {**snap, RNG: old[RNG]}  # type: ignore[dict-item]
+            self.latest[w] = snap
+            if self.committed[w] is old:
+                self.committed[w] = snap
         self._unreported.clear()
+
+    def on_streams_restarting(self, refs: Mapping[int, Any]) -> None:
+        """Persistent iterable workers restart their streams for the epoch just begun: the refs of their snapshots
+        as of the restart, which a state taken before a worker hands out a batch of the epoch reports."""
+        self._restarts = dict(refs)
+
+    def _take_restarts(self) -> None:
+        """Each worker with nothing handed out since its stream restarted reports its snapshot at the restart
+        (bounded wait; a worker lost meanwhile keeps a stream restarting from its beginning)."""
+        import ray
+        from ray.exceptions import RayError
+
+        for w, ref in sorted(self._restarts.items()):
+            try:
+                snap = ray.get(ref, timeout=DEFAULT_STARTUP_TIMEOUT_S)
+            except RayError:
+                snap = None
+            if snap is not None and w < len(self.committed):
+                self.committed[w] = snap
+        self._restarts.clear()
 
     def _needs_replay(self) -> bool:
         for snap in self._loaded_workers:
@@ -372,6 +447,7 @@ class Tracker:
         """Cursors for a new epoch: (idx of its first task, first worker of the round robin)."""
         self.epoch = epoch
         self._pending.clear()
+        self._restarts.clear()
         self._sampler_at = {}
         self._reset_position()
         if not first_iter:
@@ -447,6 +523,7 @@ class Tracker:
         self._consumed(idx)
         if worker_id is not None:
             self.committed[worker_id] = snap
+            self._restarts.pop(worker_id, None)
         return worker_id, not_a_batch
 
     def on_handed_out(self) -> None:
@@ -491,6 +568,8 @@ class Tracker:
             wait = self.await_start()  # before any batch: the workers' start replies hold their snapshots
             if wait is not None:
                 wait()
+        if self._restarts:
+            self._take_restarts()
         it_state, idx_state = self._sampler_at.get(self._frontier - 1, (None, None))
         it_state, record = export_sampler_state(self._index_sampler, it_state, self._rng_for_td)
         if self.is_iterable:
@@ -504,6 +583,15 @@ class Tracker:
             SHARED_SEED: None,
             BASE_SEED: self.base_seed,
         }
+        ours = {
+            **self._facts,
+            SAMPLER_EPOCH: record,
+            GLOBAL_EPOCH: self.deal.record(self._frontier),
+            "done_ahead": sorted(self._done_ahead),
+            "epoch": self.epoch,
+        }
+        if self.finished and self._next_draws_global:  # the next epoch's draws: NOTE [ raydl checkpoint ], draws
+            ours[NEXT_EPOCH_RNG] = global_rng_record()
         return {
             SNAPSHOT: {
                 SNAPSHOT_STEP: self.num_yielded,
@@ -513,11 +601,5 @@ class Tracker:
             },
             STEPS_SINCE_SNAPSHOT: 0,
             FINISHED: self.finished,
-            RAYDL: {
-                **self._facts,
-                SAMPLER_EPOCH: record,
-                GLOBAL_EPOCH: self.deal.record(self._frontier),
-                "done_ahead": sorted(self._done_ahead),
-                "epoch": self.epoch,
-            },
+            RAYDL: ours,
         }

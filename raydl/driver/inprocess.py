@@ -20,13 +20,22 @@ from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
 from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
-from .checkpoint import Deal, draw_base_seed, iterator_base_seed, restore_sampler, saved_base_seed
+from .checkpoint import (
+    Deal,
+    draw_base_seed,
+    global_rng_record,
+    iterator_base_seed,
+    next_epoch_draws_global,
+    restore_sampler,
+    saved_base_seed,
+)
 from .device import pin_memory, pin_memory_target, warn_pin_memory_args
 from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 from .state_layout import (
     FINISHED,
     INDEX_SAMPLER_STATE,
     LEN_CALLED,
+    NEXT_EPOCH_RNG,
     NUM_YIELDED,
     RAYDL,
     SAMPLER_EPOCH,
@@ -54,6 +63,7 @@ class _InProcessIter(Iterator[Any]):
         self._pin_device = pin_memory_target(loader.pin_memory)
         self._facts = loader_facts(loader)
         self._rng_for_td = rng_record_for_torchdata(loader, self._index_sampler)
+        self._next_draws_global = next_epoch_draws_global(loader, self._index_sampler)
         # torch's order: the sampler iterator, then the base seed (it consumes the generator; only
         # ray_seed="batch" uses it, NOTE [ raydl batch seeding ]).
         self._sampler_iter = new_sampler_iter(self._index_sampler)
@@ -171,6 +181,15 @@ class _InProcessIter(Iterator[Any]):
         else:
             fetcher_state = None
             dataset_state = self._dataset.state_dict() if is_stateful(self._dataset) else None
+        ours = {
+            **self._facts,
+            SAMPLER_EPOCH: record,
+            GLOBAL_EPOCH: self._deal.record(self._sampler_iter_yielded),
+            "done_ahead": [],
+            "base_seed": self._base_seed,
+        }
+        if self._finished and self._next_draws_global:  # the next epoch's draws (NOTE [ raydl checkpoint ], draws)
+            ours[NEXT_EPOCH_RNG] = global_rng_record()
         return {
             INDEX_SAMPLER_STATE: idx_state,
             SAMPLER_ITER_STATE: it_state,
@@ -181,11 +200,5 @@ class _InProcessIter(Iterator[Any]):
             FETCHER_STATE: fetcher_state,
             DATASET_STATE: dataset_state,
             FINISHED: self._finished,
-            RAYDL: {
-                **self._facts,
-                SAMPLER_EPOCH: record,
-                GLOBAL_EPOCH: self._deal.record(self._sampler_iter_yielded),
-                "done_ahead": [],
-                "base_seed": self._base_seed,
-            },
+            RAYDL: ours,
         }

@@ -327,6 +327,8 @@ class _RayLoaderIter(Iterator[Any]):
             self.stats_recorder.begin_epoch()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
         start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
+        if not first_iter and self._is_iterable and hasattr(self._pool, "restart_streams"):
+            self._ckpt.on_streams_restarting(self._pool.restart_streams(self._epoch))  # NOTE [ raydl checkpoint ]
         self._sample_key = self._ckpt.deal.sample_key(self._base_seed, self._epoch) if self._seed_per_sample else None
         self._num_yielded = self._ckpt.num_yielded
         self._waits.new_epoch()

@@ -39,6 +39,7 @@ NUM_YIELDED = "_num_yielded"
 # raydl's own section (ignored by torchdata)
 RAYDL = "_raydl"
 SAMPLER_EPOCH = "sampler_epoch"  # a random sampler's epoch record, when not under torchdata's keys
+NEXT_EPOCH_RNG = "next_epoch_rng"  # torch's global RNG as a state taken after its epoch ended left it
 STATE_VERSION = 2
 
 

@@ -204,6 +204,7 @@ class Worker:
         self._fetcher: MapFetcher | IterableFetcher | None = None
         self._init_error: Optional[BaseException] = None
         self._epoch = 0
+        self._epoch_start: Optional[dict] = None  # an iterable's snapshot as its stream restarted for `_epoch`
         self._base_seed = 0
         self._rng = RngTracker()
         self._track_rng = True
@@ -295,6 +296,7 @@ class Worker:
         self._buffers.clear()
         self._init_error = None
         self._epoch = 0
+        self._epoch_start = None
         self._rng.reset()
         _torch_worker._worker_info = None
 
@@ -386,17 +388,44 @@ class Worker:
             return fetcher.last_count
         return len(index) if fetcher is not None and fetcher.auto_collation else 1
 
+    def restart_stream(self, epoch: int) -> Optional[dict]:
+        """A persistent iterable worker joins `epoch`: its stream restarts now unless that epoch's first fetch
+        restarted it already; returns its snapshot as of the restart, `iter(dataset)` included, with its generators
+        (torchdata's worker acknowledges its next epoch with that state). A Ray call outside the count of fetch
+        calls, made under the same lock (NOTE [ raydl lane ] in worker/lane.py); None for a worker that failed to
+        start."""
+        with self._turns.cond:
+            if self._init_error is not None or self._payload is None:
+                return None
+            self._enter_epoch(epoch)
+            return self._epoch_start
+
+    def _enter_epoch(self, epoch: int) -> None:
+        """The first call of a new epoch (persistent workers): an iterable's stream restarts, as torch's worker does
+        when it is told to resume, and its snapshot at that point is kept for `restart_stream`."""
+        if epoch <= self._epoch:
+            return
+        p = self._payload
+        assert p is not None
+        self._epoch = epoch
+        self._rng.reset()
+        if p.is_iterable:
+            self._fetcher = self._make_fetcher()
+            start = make_worker_snapshot(self._worker_id, self._fetcher, p.dataset, p.is_iterable)
+            if start is not None and self._track_rng:
+                start[RNG] = RngTracker().changed()  # a tracker of its own: the batches' reports stay complete
+            self._epoch_start = start
+
     def _fetch(self, epoch: int, index: Any, key: Optional[tuple] = None) -> Any:
         if self._init_error is not None:
             return StartFailed(self._worker_id)
         if self._payload is None:
             raise RuntimeError("raydl worker used before configure(): this is a raydl bug")
         try:
-            if epoch != self._epoch:
-                self._epoch = epoch
-                self._rng.reset()
-                if self._payload.is_iterable:
-                    self._fetcher = self._make_fetcher()
+            if self._payload.is_iterable and epoch < self._epoch:
+                # a call of an epoch this stream has left (dropped by the driver): nothing of the new stream goes to it
+                return StreamEnd(self._worker_id)
+            self._enter_epoch(epoch)
             assert self._fetcher is not None
             if key is not None:  # NOTE [ raydl sample seeding ]
                 _, base, key_epoch = key
