@@ -187,3 +187,38 @@ def test_arrow_table_stays_shared_with_the_defaults():
         for r in facts[phase]:
             assert r["sum"] == facts["sum"] and r["pid"] != facts["me"], facts
             assert r["uss"] - idle_uss < facts["nbytes"] / 4, (phase, r, idle_uss)
+
+
+_POISON_SCRIPT = r"""
+import json, os
+import torch
+import raydl
+from torch.utils.data import Dataset
+
+
+class Poison(Dataset):
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        if i == 5:
+            os._exit(3)
+        return i
+
+
+error = None
+try:
+    list(raydl.DataLoader(Poison(), batch_size=2, num_workers=2, ray_max_worker_restarts=1))
+except raydl.WorkerDiedError as e:
+    error = str(e)
+print("FACTS " + json.dumps({"error": error}))
+"""
+
+
+def test_a_batch_that_kills_every_start_up_process_ends_in_a_clear_error():
+    """A sample that ends every process it reaches: replaced ray_max_worker_restarts times, then WorkerDiedError
+    naming the start-up process, the batch and its indices (the trainer lives to report it)."""
+    facts = read_facts(run_python(_POISON_SCRIPT, timeout_s=300))
+    error = facts["error"]
+    assert error is not None and "start-up process" in error and "exit code 3" in error, facts
+    assert "while making batch 2 (indices [4, 5])" in error and "after 1 restart(s)" in error, facts
