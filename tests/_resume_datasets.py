@@ -209,6 +209,28 @@ class PassCountingIterable(IterableDataset):
         self.pos, self.passes, self._loaded = state["pos"], state["passes"], True
 
 
+class LazyResumeIterable(IterableDataset):
+    """Worker w of n yields w, w + n, ... from its `i`-th item on; `__iter__` is a generator that takes a loaded `i`
+    in its body, so the state applies at the first item, not at `iter()`."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.i, self._resume_at = n, 0, None
+
+    def __iter__(self):
+        info = get_worker_info()
+        w, k = (0, 1) if info is None else (info.id, info.num_workers)
+        self.i, self._resume_at = self._resume_at or 0, None
+        for v in range(w + self.i * k, self.n, k):
+            self.i += 1
+            yield v
+
+    def state_dict(self) -> dict:
+        return {"i": self.i}
+
+    def load_state_dict(self, state: dict) -> None:
+        self._resume_at = state["i"]
+
+
 def identity_collate(batch):
     """`collate_fn=lambda x: x`, importable by workers: the samples as the sampler drew them, a list per batch."""
     return batch

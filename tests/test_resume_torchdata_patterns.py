@@ -91,40 +91,58 @@ def test_end_of_epoch_shuffle_without_generator_resumes_into_the_saved_next_epoc
 N_STREAM = 24
 
 
+def _after_a_load(make: Callable[[], Any], first_read: int) -> tuple[dict, list]:
+    """Read `first_read` batches, take A, read 2, keep the rest; load A into the same loader, read 2, take B:
+    (B, the rest)."""
+    torch.manual_seed(0)
+    loader = make()
+    it = iter(loader)
+    for _ in range(first_read):
+        next(it)
+    a = loader.state_dict()
+    for _ in range(2):
+        next(it)
+    expected = list(it)
+    loader.load_state_dict(a)
+    it = iter(loader)
+    for _ in range(2):
+        next(it)
+    b = _roundtrip(loader.state_dict())
+    _done(loader)
+    return b, expected
+
+
+def _streams(cls: type, dataset: Any) -> Callable[[], Any]:
+    return lambda: _make(cls, dataset, 4, batch_size=1, persistent_workers=True)
+
+
 @pytest.mark.parametrize("first_read", [8, 5])
 def test_state_after_a_load_before_every_worker_yielded(first_read):
-    """4 persistent workers, batch 1: read `first_read` batches, take A, read 2, keep the rest; load A into the same
-    loader, read 2, take B. The workers that yielded nothing since the load report the state their dataset started
-    with after it (its pass count moved on), as torchdata's do; B resumes exactly the rest, in either loader."""
-
-    def make(cls: type) -> Callable[[], Any]:
-        return lambda: _make(cls, RD.PassCountingIterable(N_STREAM), 4, batch_size=1, persistent_workers=True)
-
+    """4 persistent workers, batch 1, a state B taken after a load into the same loader and 2 batches: the workers
+    that yielded nothing since the load report the state their dataset started with after it (its pass count moved
+    on), as torchdata's do; B resumes exactly the rest, in either loader."""
     runs = {}
     for cls in LOADERS:
-        torch.manual_seed(0)
-        loader = make(cls)()
-        it = iter(loader)
-        for _ in range(first_read):
-            next(it)
-        a = loader.state_dict()
-        for _ in range(2):
-            next(it)
-        expected = list(it)
-        loader.load_state_dict(a)
-        it = iter(loader)
-        for _ in range(2):
-            next(it)
-        b = _roundtrip(loader.state_dict())
-        _done(loader)
+        make = _streams(cls, RD.PassCountingIterable(N_STREAM))
+        b, expected = runs[cls] = _after_a_load(make, first_read)
         passes = [s["dataset_state"]["passes"] for s in b["_snapshot"]["_worker_snapshots"].values()]
         assert passes == [2] * 4, f"{cls.__name__}: every worker's dataset started a second pass at the load: {passes}"
-        _same(expected, _resumed(make(cls), b), f"{cls.__name__} resumed from its own state")
-        runs[cls] = (b, expected)
+        _same(expected, _resumed(make, b), f"{cls.__name__} resumed from its own state")
     _same_layout(runs[StatefulDataLoader][0], runs[raydl.DataLoader][0], True, "the state taken after the load")
     for saver, cls in ((raydl.DataLoader, StatefulDataLoader), (StatefulDataLoader, raydl.DataLoader)):
         state, expected = runs[saver]
-        _same(expected, _resumed(make(cls), state), f"{cls.__name__} resumed from {saver.__name__}'s state")
+        make = _streams(cls, RD.PassCountingIterable(N_STREAM))
+        _same(expected, _resumed(make, state), f"{cls.__name__} resumed from {saver.__name__}'s state")
+
+
+@pytest.mark.parametrize("first_read", [8, 5])
+def test_state_after_a_load_with_a_generator_iter_resumes_exactly(first_read):
+    """The same with a dataset whose generator `__iter__` takes the loaded state in its body: a worker that yielded
+    nothing since the load still holds the loaded state (its copy's own, which StatefulDataLoader reports, would
+    restart its stream), and B resumes exactly the rest."""
+    make = _streams(raydl.DataLoader, RD.LazyResumeIterable(N_STREAM))
+    b, expected = _after_a_load(make, first_read)
+    _same(expected, _resumed(make, b), "raydl resumed from its state")
 
 
 # ------------------------------------------------------------------ the state right after iter()

@@ -66,7 +66,8 @@ Where each part comes from, with no call to any worker beyond those the loader m
     meanwhile (torchdata's test_state_dict.py, TestSnapshotEnd).
   * workers: a worker's `configure` reply holds its snapshot as it starts (torchdata's startup
     state: the dataset's state after worker_init_fn, its stream's after `iter(dataset)`; for a
-    resumed worker, after the loaded state and `iter(dataset)`, with the loaded generators), which
+    resumed worker, after the loaded state and `iter(dataset)`, with the loaded generators, and the
+    loaded dataset state itself while a generator `__iter__`, whose body takes it, has not run), which
     a state taken before the worker's first batch reports; such a state, right after `iter()`,
     waits for the workers' start as torchdata's `iter()` does, and only when the driver cannot know
     the snapshot itself (a map-style dataset without state starts from none). Persistent iterable

@@ -24,6 +24,7 @@ reuses none (NOTE [ raydl collate buffers ]).
 
 from __future__ import annotations
 
+import inspect
 import os
 import random
 import sys
@@ -57,6 +58,12 @@ from .state import (
 from .transfer import encode
 
 __all__ = ["WorkerPayload", "BatchMeta", "BatchFailed", "Worker", "numpy_seed_state", "get_worker_info"]
+
+
+def _not_begun(fetcher: Any) -> bool:
+    """Whether an iterable's stream is a generator whose body has not run yet (its dataset's `__iter__` is one)."""
+    it = getattr(fetcher, "dataset_iter", None)
+    return inspect.isgenerator(it) and inspect.getgeneratorstate(it) == inspect.GEN_CREATED
 
 
 @dataclass(frozen=True)
@@ -265,6 +272,10 @@ class Worker:
             else:
                 self._restore(worker_state)
             state = make_worker_snapshot(worker_id, self._fetcher, payload.dataset, payload.is_iterable)
+            if worker_state is not None and state is not None and _not_begun(self._fetcher):
+                # a generator `__iter__` takes a loaded state in its body, which first runs at the first batch: until
+                # then the loaded state is the dataset's, not what the copy reports (NOTE [ raydl checkpoint ])
+                state = {**state, DATASET_STATE: worker_state.get(DATASET_STATE)}
         except Exception as e:
             annotate_traceback(e)
             self._init_error = e
