@@ -39,6 +39,8 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
+from .columnar import collate_columns
+
 __all__ = ["ArrowDataset", "check_columns_and_transform"]
 
 _PARQUET = (".parquet", ".pq")
@@ -134,41 +136,59 @@ class ArrowDataset(Dataset):
 
     def __getitems__(self, indices: Sequence[Any]) -> list:
         """The samples at `indices`: one vectorized `take` for the whole batch, then per-row transforms."""
-        n = self._table.num_rows
-        try:
-            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
-        except (TypeError, ValueError):
+        idx = self._in_range(indices)
+        if idx is None:
             return [self[i] for i in indices]  # odd index types: let __getitem__ name the bad one
-        if idx.size and (idx.min() < -n or idx.max() >= n):
-            bad = next(int(i) for i in idx if not -n <= i < n)
-            self._check_index(bad)
-        idx = np.where(idx < 0, idx + n, idx)
-        rows = self._take_rows(idx)
+        rows = _to_rows(self._take_table(idx))
         if self._transform is not None:
             return [self._transform(r) for r in rows]
         return rows
 
-    def _take_rows(self, idx: np.ndarray) -> list:
-        """Rows at `idx` (in range): one take per record batch the indices fall in.
+    def raydl_collate(self, indices: Sequence[Any]) -> Optional[dict]:
+        """torch's `default_collate` of the samples at `indices`, built column by column in a raydl worker
+        (NOTE [ raydl columnar batches ] in data/columnar.py); None where the per-row path must make it."""
+        if self._transform is not None:
+            return None
+        idx = self._in_range(indices)
+        if idx is None:
+            return None
+        return collate_columns(self._take_table(idx), lists_as_arrays=True)
+
+    def _in_range(self, indices: Sequence[Any]) -> Optional[np.ndarray]:
+        """`indices` as int64 row numbers (negative ones wrapped); None for index types NumPy cannot take.
+        Raises __getitem__'s IndexError for the first one out of range."""
+        n = self._table.num_rows
+        try:
+            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+        except (TypeError, ValueError):
+            return None
+        if idx.size and (idx.min() < -n or idx.max() >= n):
+            bad = next(int(i) for i in idx if not -n <= i < n)
+            self._check_index(bad)
+        return np.where(idx < 0, idx + n, idx)
+
+    def _take_table(self, idx: np.ndarray) -> pa.Table:
+        """The rows at `idx` (in range), in that order: one take per record batch the indices fall in.
 
         `Table.take` on a column of several chunks concatenates them first for variable-width
         types (strings; pyarrow 26): a copy of the whole column per batch. A file read as many
         record batches (IPC, Parquet row groups) is such a table, so the indices are split by
-        record batch instead, and each batch takes only its rows.
+        record batch instead, each batch takes only its rows, and the batch's rows are put in order.
         """
         if all(c.num_chunks <= 1 for c in self._table.columns):
-            return _to_rows(self._table.take(pa.array(idx, type=pa.int64())))
+            return self._table.take(pa.array(idx, type=pa.int64()))
         if self._batches is None:
             self._batches = self._table.to_batches()
             self._starts = np.cumsum([0] + [b.num_rows for b in self._batches[:-1]])
         which = np.searchsorted(self._starts, idx, side="right") - 1
-        rows: list = [None] * len(idx)
+        pieces, places = [], []
         for b in np.unique(which):
             where = np.flatnonzero(which == b)
-            piece = self._batches[b].take(pa.array(idx[where] - self._starts[b], type=pa.int64()))
-            for i, row in zip(where, _to_rows(pa.Table.from_batches([piece]))):
-                rows[i] = row
-        return rows
+            pieces.append(self._batches[b].take(pa.array(idx[where] - self._starts[b], type=pa.int64())))
+            places.append(where)
+        order = np.empty(len(idx), dtype=np.int64)
+        order[np.concatenate(places)] = np.arange(len(idx))  # output row k is row order[k] of the pieces
+        return pa.Table.from_batches(pieces, schema=self._table.schema).combine_chunks().take(pa.array(order))
 
     def _check_index(self, index: Any) -> int:
         try:

@@ -50,6 +50,7 @@ from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .arrow import check_columns_and_transform
+from .columnar import collate_columns
 
 __all__ = [
     "ParquetDataset",
@@ -404,17 +405,38 @@ class ParquetDataset(Dataset):
         if len(bad):
             raise IndexError(f"ParquetDataset: index {int(bad[0])} out of range for {n} rows")
         idx = np.where(idx < 0, idx + n, idx)
-        units = self.units_of(idx)
-        tables = self._tables(np.unique(units))
-        out: list = [None] * len(idx)
-        for u in np.unique(units):
-            where = np.nonzero(units == u)[0]
-            rows = tables[int(u)].take(idx[where] - self._starts[u]).to_pylist()
-            for k, row in zip(where, rows):
-                out[k] = row
+        out = self._take_table(idx).to_pylist()
         if self._transform is not None:
             out = [self._transform(r) for r in out]
         return out
+
+    def raydl_collate(self, indices: Sequence[int]) -> Optional[dict]:
+        """torch's `default_collate` of the samples at `indices`, built column by column in a raydl worker
+        (NOTE [ raydl columnar batches ] in data/columnar.py); None where the per-row path must make it."""
+        if self._transform is not None:
+            return None
+        idx = np.asarray([int(i) for i in indices], dtype=np.int64)
+        n = len(self)
+        if len(idx) == 0 or idx.min() < 0 or idx.max() >= n:
+            return None  # the per-row path wraps negative indices and names one out of range
+        return collate_columns(self._take_table(idx), lists_as_arrays=False)
+
+    def _take_table(self, idx: np.ndarray) -> Any:
+        """The rows at `idx` (in range), in that order: one take per row group they fall in."""
+        import pyarrow as pa
+
+        units = self.units_of(idx)
+        tables = self._tables(np.unique(units))
+        pieces, places = [], []
+        for u in np.unique(units):
+            where = np.nonzero(units == u)[0]
+            pieces.append(tables[int(u)].take(idx[where] - self._starts[u]))
+            places.append(where)
+        if len(pieces) == 1:
+            return pieces[0]
+        order = np.empty(len(idx), dtype=np.int64)
+        order[np.concatenate(places)] = np.arange(len(idx))  # output row k is row order[k] of the pieces
+        return pa.concat_tables(pieces).combine_chunks().take(pa.array(order))
 
     def _tables(self, units: np.ndarray) -> dict:
         """Decoded row groups for these units: from this process's few, else from the node cache."""

@@ -318,7 +318,9 @@ class Worker:
         collate = self._buffers if p.collate_fn is default_collate else p.collate_fn
         if p.is_iterable:
             return IterableFetcher(p.dataset, p.auto_collation, collate, p.drop_last)
-        return MapFetcher(p.dataset, p.auto_collation, collate, p.threads_per_worker)
+        return MapFetcher(
+            p.dataset, p.auto_collation, collate, p.threads_per_worker, columnar=p.collate_fn is default_collate
+        )
 
     def fetch_many(self, epoch: int, tasks: list) -> tuple[list, list]:
         """One call of the driver (NOTE [ raydl calls ] in driver/schedule.py): tasks `[(idx, work), ...]` made in

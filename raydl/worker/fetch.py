@@ -75,12 +75,17 @@ class MapFetcher:
     that wait on I/O or release the GIL); results keep the batch's index order.
     """
 
-    def __init__(self, dataset: Any, auto_collation: bool, collate_fn: Callable, threads: int = 1) -> None:
+    def __init__(
+        self, dataset: Any, auto_collation: bool, collate_fn: Callable, threads: int = 1, columnar: bool = False
+    ) -> None:
         self.dataset = dataset
         self.auto_collation = auto_collation
         self.collate_fn = collate_fn
         self.threads = threads
         self._executor: ThreadPoolExecutor | None = None
+        # the loader's collate_fn is torch's default_collate: a dataset that can build that batch by column does
+        # (NOTE [ raydl columnar batches ] in data/columnar.py)
+        self._by_column = getattr(dataset, "raydl_collate", None) if columnar and auto_collation else None
 
     def fetch(self, index: Any, before_item: Optional[Callable[[Any], None]] = None) -> Any:
         """The batch for `index`; `before_item(i)` runs right before each `dataset[i]` (one at a time then)."""
@@ -93,6 +98,10 @@ class MapFetcher:
                 before_item(i)
                 data.append(self.dataset[i])
             return self.collate_fn(data)
+        if self._by_column is not None:
+            batch = self._by_column(index)
+            if batch is not None:
+                return batch
         if self.auto_collation:
             getitems = getattr(self.dataset, "__getitems__", None)
             if getitems:
