@@ -158,6 +158,8 @@ def test_per_row_paths_are_kept():
     with pytest.raises(IndexError):
         MapFetcher(raydl.ArrowDataset(table), True, default_collate, columnar=True).fetch([0, N])
     assert collate_columns(table.slice(0, 0), lists_as_arrays=True) is None
+    chunked = pa.Table.from_batches(table.to_batches(max_chunksize=7))
+    _check(raydl.ArrowDataset(chunked), False, indices=[])  # no index: torch's collate error, both ways
 
 
 def test_batches_are_writable_and_private():

@@ -175,7 +175,7 @@ class ArrowDataset(Dataset):
         record batches (IPC, Parquet row groups) is such a table, so the indices are split by
         record batch instead, each batch takes only its rows, and the batch's rows are put in order.
         """
-        if all(c.num_chunks <= 1 for c in self._table.columns):
+        if len(idx) == 0 or all(c.num_chunks <= 1 for c in self._table.columns):
             return self._table.take(pa.array(idx, type=pa.int64()))
         if self._batches is None:
             self._batches = self._table.to_batches()

@@ -432,8 +432,8 @@ class ParquetDataset(Dataset):
             where = np.nonzero(units == u)[0]
             pieces.append(tables[int(u)].take(idx[where] - self._starts[u]))
             places.append(where)
-        if len(pieces) == 1:
-            return pieces[0]
+        if len(pieces) <= 1:  # no index: the rows' path makes what torch does of no rows
+            return pieces[0] if pieces else pa.table({})
         order = np.empty(len(idx), dtype=np.int64)
         order[np.concatenate(places)] = np.arange(len(idx))  # output row k is row order[k] of the pieces
         return pa.concat_tables(pieces).combine_chunks().take(pa.array(order))
