@@ -1,0 +1,177 @@
+"""Run by tests/_netns.py in the head's namespace of a namespace cluster (cluster/netns_cluster.py): a driver that
+joins it (RAY_ADDRESS, its token and TLS files in the environment) and prints one `FACTS {json}` line.
+
+Scenarios: `plain` (placement over the nodes' addresses, TCP lanes seen on the wire, a node killed mid-epoch: last,
+it takes a node away) and `tls` (the lanes of a TLS cluster: TLS connections, the marker never on the wire).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import ray
+import torch
+from torch.utils.data import Dataset
+
+import raydl
+from tests import _datasets as D
+from tests._netns import netns
+
+
+class Marked(Dataset):
+    """Sample i: `size` bytes of `marker` repeated, and i. Every sample carries the marker many times over."""
+
+    def __init__(self, n: int, marker: bytes, size: int) -> None:
+        self.n, self.marker, self.size = n, marker, size
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        data = np.frombuffer(self.marker * (self.size // len(self.marker)), dtype=np.uint8).copy()
+        return {"data": torch.from_numpy(data), "i": i}
+
+
+def _cluster():
+    root = os.environ["RAYDL_NETNS_STATE"]
+    return netns.from_state(os.path.basename(root)[len(netns.PREFIX) :])
+
+
+def _wait_alive(n: int, timeout_s: float = 120) -> int:
+    deadline = time.monotonic() + timeout_s
+    alive = 0
+    while time.monotonic() < deadline:
+        alive = sum(node["Alive"] for node in ray.nodes())
+        if alive >= n:
+            break
+        time.sleep(0.5)
+    return alive
+
+
+def _lane_ports(it) -> dict:
+    """The driver's local port of each open TCP lane, and its connection's type."""
+    lanes = it._calls._lanes
+    out = {}
+    for wid, lane in [] if lanes is None else lanes._lanes.items():
+        if lane.remote:
+            s = socket.socket(fileno=os.dup(lane.conn.fileno()))
+            out[wid] = [s.getsockname()[1], type(lane.conn).__name__]
+            s.close()
+    return out
+
+
+def _lanes_on_the_wire(cluster) -> dict:
+    """2 workers (one per worker node) send 40 batches of 4 x 64 KiB samples, each sample the marker repeated; a
+    sniffer in the bridge's namespace counts the frames carrying the marker, by TCP port."""
+    marker = b"RAYDL" + secrets.token_bytes(11)
+    sniffer = subprocess.Popen(
+        [*cluster.exec_prefix(None), sys.executable, netns.__file__, "sniff", "--marker", marker.hex()],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert sniffer.stdout.readline().strip() == "ready"
+        loader = raydl.DataLoader(
+            Marked(160, marker, 64 * 1024), batch_size=4, num_workers=2, timeout=60, ray_startup_timeout_s=240
+        )
+        it = iter(loader)
+        got = [next(it)["i"].tolist() for _ in range(10)]
+        ports = _lane_ports(it)  # open by now (the calls went over them); the epoch's rest goes over them too
+        got += [b["i"].tolist() for b in it]
+        facts = {
+            "complete": got == [list(range(i, i + 4)) for i in range(0, 160, 4)],
+            "lane_calls": it._calls.lane_calls,
+            "remote_lane_calls": it._calls._lanes.remote_calls_sent if it._calls._lanes is not None else 0,
+            "calls": it._sched.calls_sent,
+            "lanes": ports,
+            "worker_ips": sorted(r.node_ip for r in it.worker_records),
+        }
+        del it, loader
+    finally:
+        time.sleep(0.5)
+        sniffer.send_signal(signal.SIGTERM)
+        out, _ = sniffer.communicate(timeout=30)
+    facts["sniffed"] = json.loads(out.strip().splitlines()[-1])
+    return facts
+
+
+def plain(facts: dict) -> None:
+    cluster = _cluster()
+    ips = [cluster.ip(n) for n in cluster.nodes]
+
+    # (a) raydl's own placement: the workers go to the two nodes other than the driver's, one each; torch's batches
+    # (kept warm: the next loaders reuse them on their nodes, no new worker process to start)
+    gen = lambda: torch.Generator().manual_seed(5)  # noqa: E731
+    kwargs = dict(batch_size=3, shuffle=True)
+    expected = [b.tolist() for b in torch.utils.data.DataLoader(D.RangeDataset(36), generator=gen(), **kwargs)]
+    loader = raydl.DataLoader(
+        D.RangeDataset(36), num_workers=2, generator=gen(), timeout=60, ray_startup_timeout_s=240, **kwargs
+    )
+    it = iter(loader)
+    facts["placement_same_as_torch"] = [b.tolist() for b in it] == expected
+    facts["placement_ips"] = sorted(r.node_ip for r in it.worker_records)
+    del it, loader
+
+    # (b) TCP lanes between namespaces carry the batches, in the clear on this cluster (the control of the TLS test)
+    facts["wire"] = _lanes_on_the_wire(cluster)
+
+    # (c) a worker node killed mid-epoch (every process in its namespace): every batch once, in order
+    n = 60
+    loader = raydl.DataLoader(
+        D.SlowDataset(n, {i: 0.05 for i in range(n)}),
+        batch_size=2,
+        num_workers=2,
+        timeout=60,
+        ray_startup_timeout_s=240,
+    )
+    it = iter(loader)
+    out = [next(it).flatten().tolist()]
+    while it._calls.lane_calls < 2 and it._rcvd_idx < 12:
+        out.append(next(it).flatten().tolist())
+    facts["kill_lane_calls_before"] = it._calls.lane_calls
+    victim = ips.index(it.worker_records[1].node_ip)
+    t0 = time.monotonic()
+    facts["killed_pids"] = len(cluster.kill_node(victim))
+    out.append(next(it).flatten().tolist())
+    facts["kill_next_batch_s"] = round(time.monotonic() - t0, 1)
+    out += [b.flatten().tolist() for b in it]
+    facts["kill_s"] = round(time.monotonic() - t0, 1)
+    facts["kill_complete_in_order"] = out == [[i, i + 1] for i in range(0, n, 2)]
+    facts["kill_restarts"] = sum(it._pool.restarts)
+    facts["kill_victim_ip"] = ips[victim]
+    facts["kill_survivor_ips"] = sorted({r.node_ip for r in it.worker_records})
+    del it, loader
+
+
+def tls(facts: dict) -> None:
+    facts["wire"] = _lanes_on_the_wire(_cluster())
+
+
+def main() -> None:
+    scenario = sys.argv[1]
+    ray.init()  # RAY_ADDRESS, the token and (TLS) the head's certificate come from the environment
+    cluster = _cluster()
+    facts = {
+        "driver_ip": ray.util.get_node_ip_address(),
+        "alive": _wait_alive(len(cluster.nodes)),
+        "node_ips": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
+    }
+    try:
+        {"plain": plain, "tls": tls}[scenario](facts)
+    finally:
+        raydl.release_idle_workers()
+        ray.shutdown()
+    print("FACTS " + json.dumps(facts))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
