@@ -106,6 +106,9 @@ class WorkerPool:
         # num_workers each worker's WorkerInfo reports: the pool's size when it first started
         self._info_num_workers = [num_workers] * num_workers
         self._ready_refs: list[Optional[Any]] = [self._configure(wid) for wid in range(num_workers)]
+        # `is_ready` once it held: asked before every batch, so not a scan of every worker each time; only a
+        # fresh actor (`_start_fresh`) outside `joining` makes the pool not ready again
+        self._all_ready = False
         self.records: list[Optional[WorkerRecord]] = [None] * num_workers
         # each worker's snapshot as it started (its configure() reply): worker id -> snapshot (NOTE [ raydl checkpoint ])
         self.started_states: dict[int, Optional[dict]] = {}
@@ -187,6 +190,7 @@ class WorkerPool:
     def _start_fresh(self, worker_id: int) -> None:
         self.actors[worker_id] = self._new_actor(worker_id)
         self._ready_refs[worker_id] = self._configure(worker_id)
+        self._all_ready = False
 
     def replace(self, worker_id: int, state: Optional[dict] = None) -> None:
         """Kill worker `worker_id` (if still there) and start a new actor with the same id, seed and payload.
@@ -242,7 +246,10 @@ class WorkerPool:
 
     @property
     def is_ready(self) -> bool:
-        return all(r is None for w, r in enumerate(self._ready_refs) if w not in self.joining)
+        """Every worker not joining has started (its configure() reply was read)."""
+        if not self._all_ready:
+            self._all_ready = all(r is None for w, r in enumerate(self._ready_refs) if w not in self.joining)
+        return self._all_ready
 
     # ------------------------------------------------------------------ resizing (NOTE [ raydl elastic pool ])
 
