@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import raydl
+from raydl.cluster.cache import UNIT_TRAILER_BYTES, seal, unsealed
 from raydl.cluster.cache_actors import node_cache
 from raydl.data.parquet import ParquetDistributedSampler, ParquetShuffleSampler
 from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
@@ -349,7 +350,9 @@ def test_killed_cache_mid_epoch_and_restart_reuses_files(ray_session, s3, tmp_pa
     sizes = dict(zip(ds._unit_keys, ds._unit_bytes.tolist()))
     for name in os.listdir(ds.cache_dir):
         if not name.startswith(".tmp-"):
-            assert name in keys and os.path.getsize(os.path.join(ds.cache_dir, name)) == sizes[name]
+            assert (
+                name in keys and os.path.getsize(os.path.join(ds.cache_dir, name)) == sizes[name] + UNIT_TRAILER_BYTES
+            )
     held = [n for n in os.listdir(ds.cache_dir) if n in keys]
     assert held
     ray.kill(_live_cache(ds))
@@ -381,7 +384,10 @@ def test_worker_killed_mid_epoch_loses_no_row(ray_session, s3, tmp_path):
     assert loader.stats().workers[0].restarts == 1
     sizes = dict(zip(ds._unit_keys, ds._unit_bytes.tolist()))
     for name in os.listdir(ds.cache_dir):
-        assert name.startswith(".tmp-") or os.path.getsize(os.path.join(ds.cache_dir, name)) == sizes[name]
+        assert (
+            name.startswith(".tmp-")
+            or os.path.getsize(os.path.join(ds.cache_dir, name)) == sizes[name] + UNIT_TRAILER_BYTES
+        )
     loader.shutdown()
 
 
@@ -396,7 +402,8 @@ def test_belady_evicts_farthest_next_use_and_never_a_pinned_unit(tmp_path):
     for name in "abcde":
         (src / name).write_bytes(name.encode() * 100)
     units = [(str(src / n), 100, ((0, 100),), f"key-{n}") for n in "abcde"]
-    cache = NodeCache(str(tmp_path / "cache"), 300)  # room for 3 units of 100 bytes
+    limit = 3 * (100 + UNIT_TRAILER_BYTES)  # room for 3 units of 100 bytes (and their checksums)
+    cache = NodeCache(str(tmp_path / "cache"), limit)
     cache.register("t", pafs.LocalFileSystem(), units)
     a, b, c, d, e = range(5)
     # batches 0-7 use: a b c d c b a e
@@ -424,8 +431,8 @@ def test_belady_evicts_farthest_next_use_and_never_a_pinned_unit(tmp_path):
     finally:
         cache.stop()
     st = cache.stats()
-    assert st["peak_bytes"] <= 300 and st["bytes_held"] <= 300 and st["evictions"] == 2
-    assert sum(os.path.getsize(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")) <= 300
+    assert st["peak_bytes"] <= limit and st["bytes_held"] <= limit and st["evictions"] == 2
+    assert sum(os.path.getsize(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")) <= limit
 
 
 def test_truncated_file_and_full_disk_are_named(ray_session, folder, tmp_path, monkeypatch):
@@ -499,7 +506,8 @@ def test_two_caches_share_one_folder_safely(tmp_path):
     for name in "abc":
         (src / name).write_bytes(name.encode() * 100)
     units = [(str(src / n), 100, ((0, 100),), f"key-{n}") for n in "abc"]
-    one, two = NodeCache(str(tmp_path / "shared"), 200), NodeCache(str(tmp_path / "shared"), 200)
+    limit = 2 * (100 + UNIT_TRAILER_BYTES)  # two units each
+    one, two = NodeCache(str(tmp_path / "shared"), limit), NodeCache(str(tmp_path / "shared"), limit)
     try:
         for cache in (one, two):
             cache.register("t", pafs.LocalFileSystem(), units)
@@ -511,7 +519,7 @@ def test_two_caches_share_one_folder_safely(tmp_path):
                 if ready:
                     try:
                         with open(ready[unit], "rb") as f:
-                            data = f.read()
+                            data = bytes(unsealed(f.read()))  # a worker's read: the bytes, checked
                         cache.release("t", [unit])
                         return data
                     except FileNotFoundError:  # evicted by the other cache: say so, ask again
@@ -523,7 +531,7 @@ def test_two_caches_share_one_folder_safely(tmp_path):
         assert read(one, 1) == b"b" * 100 and read(one, 2) == b"c" * 100  # one evicts a file two holds
         assert read(two, 0) == b"a" * 100
         for cache in (one, two):
-            assert cache.stats()["bytes_held"] <= 200
+            assert cache.stats()["bytes_held"] <= limit
         assert not [n for n in os.listdir(tmp_path / "shared") if n.startswith(".tmp-")]
     finally:
         one.stop()
@@ -630,3 +638,54 @@ def test_release_node_caches_ends_idle_caches_only(ray_session, folder, tmp_path
     assert sorted(b for batch in loader for b in batch["id"].tolist()) == list(range(N))  # a new cache serves
     del loader
     assert ray.is_initialized()
+
+
+# ---------------------------------------------------------------------- checksums
+
+
+def test_a_unit_file_checks_its_own_bytes():
+    """seal / unsealed: the bytes come back whole; a flipped bit anywhere, or a file cut short, is refused."""
+    parts = [b"abc" * 1000, b"", b"xyz"]
+    raw = b"".join(parts) + seal(parts)
+    assert bytes(unsealed(raw)) == b"".join(parts)
+    for at in (0, 1500, len(raw) - 1, len(raw) - 6):
+        bad = bytearray(raw)
+        bad[at] ^= 0x10
+        assert unsealed(bytes(bad)) is None, at
+    assert unsealed(raw[:-1]) is None and unsealed(b"") is None
+
+
+def test_flipped_bits_in_cached_units_are_never_read(ray_session, folder, tmp_path):
+    """Issue 38's restart: an epoch through a cache folder, one bit flipped in every cached unit (sizes unchanged),
+    then a new job over the same folder: every row is right, each corrupt unit is counted and fetched again."""
+    from tests._session import end_node_caches
+
+    cache_dir = str(tmp_path / "cache")
+    first = raydl.ParquetDataset(folder, cache_dir=cache_dir)  # the default limit holds the whole corpus
+    assert sorted(i for b in _loader(first) for i in b["id"].tolist()) == list(range(N))
+    end_node_caches()  # the job ends; its files stay
+    units = [n for n in os.listdir(cache_dir) if not n.startswith(".tmp-")]
+    assert len(units) == FILES * GROUPS
+    for name in units:
+        with open(os.path.join(cache_dir, name), "r+b") as f:  # a bit in the middle of the unit's bytes
+            size = os.fstat(f.fileno()).st_size
+            f.seek(size // 2)
+            byte = f.read(1)
+            f.seek(size // 2)
+            f.write(bytes([byte[0] ^ 0x04]))
+    ds = raydl.ParquetDataset(folder, cache_dir=cache_dir)
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(folder)  # straight from the files: no cache
+    want = dict(zip(table["id"].to_pylist(), zip(table["x"].to_pylist(), table["payload"].to_pylist())))
+    loader = _loader(ds, workers=2, shuffle=False)
+    got = {}
+    for batch in loader:
+        for i, x, p in zip(batch["id"].tolist(), batch["x"].tolist(), batch["payload"]):
+            got[i] = (x, p)
+    assert got == want
+    import ray
+
+    figures = ray.get(_live_cache(ds).stats.remote(), timeout=30)  # the restarted job's cache, from its start
+    assert figures["corrupt"] == len(units) and figures["adopted"] >= len(units), figures
+    assert figures["bytes_fetched"] == ds.nbytes, figures  # each unit fetched again, once

@@ -12,6 +12,7 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
+from .cache import UNIT_TRAILER_BYTES
 from .cache_actors import _ensure_registered, _name, node_cache
 
 __all__ = ["CacheFeed"]
@@ -26,7 +27,18 @@ class CacheFeed:
     lost, the pool resized) re-plans the rest of the epoch from the cursor.
     """
 
-    _COUNTERS = ("hits", "misses", "bytes_fetched", "fetches", "adopted", "evictions", "retries", "failures", "wait_s")
+    _COUNTERS = (
+        "hits",
+        "misses",
+        "bytes_fetched",
+        "fetches",
+        "adopted",
+        "evictions",
+        "retries",
+        "failures",
+        "corrupt",
+        "wait_s",
+    )
 
     def __init__(self, dataset: Any, batch_size: int, where: Optional[Callable[[int, int], list]] = None) -> None:
         """`where(first, end)`: the node of the worker of each batch position in [first, end), None if not known."""
@@ -162,7 +174,7 @@ class CacheFeed:
         for units, node in zip(self._steps[lo : hi + 1], self._nodes[lo : hi + 1]):
             groups.setdefault(node, set()).update(units)
         every = groups.pop(None, set())
-        sizes = self._ds.unit_nbytes
+        sizes = self._ds.unit_nbytes + UNIT_TRAILER_BYTES  # as the cache counts them: each file's checksum too
         room = self._ds.cache_limit - int(sizes.max())
         return all(int(sizes[list(every | own)].sum()) <= room for own in (groups.values() or [set()]))
 

@@ -2,7 +2,8 @@
 
 NOTE [ raydl node cache ] in cluster/cache.py has the design. A worker asks its node's cache for
 the units (row groups) a batch needs, waits (bounded by READ_TIMEOUT_S) while the cache fetches
-what it does not hold, reads the files and releases them. A cache that died or was replaced is
+what it does not hold, reads the files, checks each one's CRC (a file that fails it is never
+decoded: the cache refetches it) and releases them. A cache that died or was replaced is
 found (or started) again; without Ray (a dataset used in a plain process) units are read straight
 from storage, with the same retries.
 """
@@ -13,7 +14,7 @@ import time
 from typing import Any
 
 from ..data.storage import with_retries
-from .cache import ACQUIRE_SLICE_S, READ_TIMEOUT_S
+from .cache import ACQUIRE_SLICE_S, READ_TIMEOUT_S, unsealed
 from .cache_actors import _ensure_registered, _name, _registered, node_cache
 
 __all__ = ["read_units"]
@@ -64,14 +65,19 @@ def read_units(dataset: Any, units: list) -> dict:
         for u, msg in got["errors"].items():
             kind = FileNotFoundError if msg.startswith("FileNotFoundError") else OSError
             raise kind(f"raydl cache: cannot fetch {dataset.describe_unit(u)}: {msg}")
-        lost = []
+        lost, corrupt = [], []
         for u, path in got["ready"].items():
             try:
                 with open(path, "rb") as f:
-                    out[u] = f.read()
+                    body = unsealed(f.read())
             except FileNotFoundError:
                 lost.append(u)
-        actor.release.remote(token=dataset.token, units=list(got["ready"]), lost=tuple(lost))
+                continue
+            if body is None:  # its checksum fails: never decoded; the cache deletes it and fetches it again
+                corrupt.append(u)
+            else:
+                out[u] = body
+        actor.release.remote(token=dataset.token, units=list(got["ready"]), lost=tuple(lost), corrupt=tuple(corrupt))
         todo = [u for u in todo if u not in out]
     return out
 

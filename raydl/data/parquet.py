@@ -471,7 +471,11 @@ class ParquetDataset(Dataset):
         f, g = self._unit_file[unit], self._unit_rg[unit]
         raw = _SegmentFile(data, self._segments[unit], self._file_sizes[f])
         try:
-            pf = pq.ParquetFile(pa.PythonFile(raw, mode="r"), metadata=self._footers[f])
+            # pages written with their CRC (write_page_checksum) are checked as they are decoded (NOTE [ raydl
+            # node cache ], checksums); pages without one are read as before
+            pf = pq.ParquetFile(
+                pa.PythonFile(raw, mode="r"), metadata=self._footers[f], page_checksum_verification=True
+            )
             return pf.read_row_group(g, columns=self._columns)
         except (OSError, pa.ArrowException, ValueError) as e:
             raise ValueError(f"ParquetDataset: row group {g} of {self.files[f]} is corrupt or truncated: {e}") from e
