@@ -353,6 +353,7 @@ class Tracker:
         self.len_called: Optional[int] = None
         self._pending: deque = deque()
         self._sampler_at: dict[int, tuple] = {}  # task idx -> sampler state after its draw
+        self._sampler_low = -1  # no key of `_sampler_at` is below this: where the next clean-up starts
         self._record_sampler = False
         self._reset_position()
 
@@ -476,6 +477,7 @@ class Tracker:
         self._record_sampler = not self.is_iterable and (is_stateful(it) or is_stateful(self._index_sampler))
         if not self.is_iterable:
             self._sampler_at[self._frontier - 1] = sampler_state(self._index_sampler, it)
+        self._sampler_low = self._frontier - 1
         return start, first_worker
 
     @staticmethod
@@ -554,8 +556,10 @@ class Tracker:
         while self._frontier in self._done_ahead:
             self._done_ahead.discard(self._frontier)
             self._frontier += 1
-        for k in [k for k in self._sampler_at if k < self._frontier - 1]:
-            del self._sampler_at[k]
+        # the states the frontier passed, each dropped once: O(1) a batch, not a walk over the batches in flight
+        while self._sampler_low < self._frontier - 1:
+            self._sampler_at.pop(self._sampler_low, None)
+            self._sampler_low += 1
 
     def restart_state(self, worker_id: int) -> Optional[dict]:
         """What a replacement for a dead worker starts from: its predecessor's state after its last batch read."""
