@@ -18,8 +18,8 @@ from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
 from .cluster.locality import warn_if_workers_oversubscribe
-from .driver.checkpoint import restore_next_epoch_rng
 from .driver.coldstart import ColdStartIter, cold_start_applies
+from .driver.draws import restore_next_epoch_rng
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
 from .driver.samplers import inexact_sampler

@@ -35,7 +35,6 @@ positions r, r + W, ...) over the same order, so ranks stay equal and share one 
 from __future__ import annotations
 
 import hashlib
-import io
 import os
 import re
 import tempfile
@@ -51,6 +50,7 @@ from torch.utils.data.distributed import DistributedSampler
 
 from .arrow import check_columns_and_transform
 from .columnar import collate_columns
+from .segments import SegmentFile, merge_segments
 
 __all__ = [
     "ParquetDataset",
@@ -297,7 +297,7 @@ class ParquetDataset(Dataset):
                         start = min(start, col.dictionary_page_offset)
                     segs.append((int(start), int(col.total_compressed_size)))
                     decoded.append((len(rows), int(col.total_uncompressed_size)))
-                segs = _merge(segs)
+                segs = merge_segments(segs)
                 rows.append(rg.num_rows)
                 unit_file.append(f)
                 unit_rg.append(g)
@@ -469,7 +469,7 @@ class ParquetDataset(Dataset):
         import pyarrow.parquet as pq
 
         f, g = self._unit_file[unit], self._unit_rg[unit]
-        raw = _SegmentFile(data, self._segments[unit], self._file_sizes[f])
+        raw = SegmentFile(data, self._segments[unit], self._file_sizes[f])
         try:
             # pages written with their CRC (write_page_checksum) are checked as they are decoded (NOTE [ raydl
             # node cache ], checksums); pages without one are read as before
@@ -494,55 +494,6 @@ class ParquetDataset(Dataset):
 
     def __repr__(self) -> str:
         return f"ParquetDataset({len(self.files)} files, {len(self)} rows, {self.num_units} row groups, {self.nbytes} bytes)"
-
-
-class _SegmentFile(io.RawIOBase):
-    """A read-only file of the original size that serves only the cached byte segments, at their original offsets."""
-
-    def __init__(self, data: bytes, segments: tuple, size: int) -> None:
-        self._data = memoryview(data)
-        self._segs = []  # (original offset, length, offset in data)
-        at = 0
-        for off, n in segments:
-            self._segs.append((off, n, at))
-            at += n
-        self._size = size
-        self._pos = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def seek(self, pos: int, whence: int = 0) -> int:
-        self._pos = pos if whence == 0 else (self._pos + pos if whence == 1 else self._size + pos)
-        return self._pos
-
-    def tell(self) -> int:
-        return self._pos
-
-    def read(self, n: int = -1) -> bytes:
-        if n < 0:
-            n = self._size - self._pos
-        for off, length, at in self._segs:
-            if off <= self._pos and self._pos + n <= off + length:
-                start = at + self._pos - off
-                self._pos += n
-                return bytes(self._data[start : start + n])
-        raise OSError(f"read of {n} bytes at offset {self._pos} falls outside the cached column chunks")
-
-
-def _merge(segs: list) -> list:
-    """Sorted byte segments, adjacent or overlapping ones merged."""
-    out: list = []
-    for off, n in sorted(segs):
-        if out and off <= out[-1][0] + out[-1][1]:
-            end = max(out[-1][0] + out[-1][1], off + n)
-            out[-1] = (out[-1][0], end - out[-1][0])
-        else:
-            out.append((off, n))
-    return out
 
 
 def _list_files(source: Any, filesystem: Any) -> tuple:

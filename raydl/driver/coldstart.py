@@ -65,7 +65,6 @@ import logging
 import multiprocessing
 import time
 import weakref
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from torch.utils.data import IterableDataset
@@ -80,8 +79,10 @@ from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.actor import BatchFailed
 from ..worker.startup import StartSpec
 from ..worker.transfer import decode
-from .checkpoint import Tracker, iterator_base_seed
+from .checkpoint import Tracker
+from .draws import iterator_base_seed
 from .iter import _RayLoaderIter
+from .lifecycle import IterState
 from .pool_choice import worker_payload
 from .startup_makers import ForkedMaker, InProcessMaker, MakerDied
 from .state_layout import RAYDL
@@ -148,12 +149,6 @@ class _Handover:
         tracker.base_seed = self._base_seed
         tracker.len_called = self._len_called
         return self._sampler_iter, self._base_seed
-
-
-class _State(IntEnum):
-    RUNNING = 0
-    EXHAUSTED = 1
-    SHUT_DOWN = 2
 
 
 class ColdStartIter(Iterator[Any]):
@@ -223,7 +218,7 @@ class ColdStartIter(Iterator[Any]):
         return self._startups
 
     def _begin_epoch(self, first_iter: bool) -> None:
-        self._state = _State.RUNNING
+        self._state = IterState.RUNNING
         self._send_idx = 0  # idx of the next task to send: made by worker idx % num_workers
         self._rcvd_idx = 0  # idx of the next task to hand out
         self._tasks: dict[int, tuple[int, Any]] = {}
@@ -264,7 +259,7 @@ class ColdStartIter(Iterator[Any]):
         """Whether a persistent loader's next epoch goes on with this iterator (its makers, or its workers)."""
         if self._inner is not None:
             return self._inner.reusable
-        return self._state != _State.SHUT_DOWN
+        return self._state != IterState.SHUT_DOWN
 
     def _reset(self, loader: DataLoader) -> None:
         """Persistent workers: the next epoch, on the same workers (or makers), with a new sampler iterator."""
@@ -281,7 +276,7 @@ class ColdStartIter(Iterator[Any]):
         their batches in flight are handed out, and the pool is resized then."""
         if self._inner is not None:
             self._inner._set_num_workers(num_workers)
-        elif self._state == _State.RUNNING:
+        elif self._state == IterState.RUNNING:
             self._resize_to = num_workers
             self._draining = True
 
@@ -289,17 +284,17 @@ class ColdStartIter(Iterator[Any]):
         """NOTE [ raydl shutdown ]: the Ray iterator's, once there; the makers go with this iterator."""
         if self._inner is not None:
             self._inner.shutdown()
-        self._state = _State.SHUT_DOWN
+        self._state = IterState.SHUT_DOWN
         _stop_all(self._makers)
 
     def __next__(self) -> Any:
-        if self._inner is None and self._state == _State.RUNNING and self._time_to_hand_over():
+        if self._inner is None and self._state == IterState.RUNNING and self._time_to_hand_over():
             t0 = time.perf_counter()
             self._hand_over_when_running()
             self.stats_recorder.waited(t0, time.perf_counter())  # the loop waited for the workers
         if self._inner is not None:
             return next(self._inner)
-        if self._state != _State.RUNNING:
+        if self._state != IterState.RUNNING:
             raise StopIteration
         with self.stats_recorder.next_call():  # waiting for a maker's batch is the loop's data stall
             data = self._next_made()
@@ -389,7 +384,7 @@ class ColdStartIter(Iterator[Any]):
                 self._replace(worker_id, str(e))
                 continue
             except Exception:  # worker_init_fn failed: as a worker's start failing, it ends the iterator
-                self._state = _State.EXHAUSTED
+                self._state = IterState.EXHAUSTED
                 _stop_all(self._makers)
                 raise
             if reply is None:  # its start reply
@@ -404,7 +399,7 @@ class ColdStartIter(Iterator[Any]):
         lost = sorted(i for i, (w, _) in self._tasks.items() if w == worker_id)
         restarts = self._restarts.get(worker_id, 0)
         if restarts >= self._options.max_worker_restarts:
-            self._state = _State.EXHAUSTED
+            self._state = IterState.EXHAUSTED
             _stop_all(self._makers)
             what = f"while making batch {lost[0]} (indices {short_indices(self._tasks[lost[0]][1])})" if lost else ""
             raise WorkerDiedError(

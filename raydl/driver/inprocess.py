@@ -20,16 +20,9 @@ from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
 from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
-from .checkpoint import (
-    Deal,
-    draw_base_seed,
-    global_rng_record,
-    iterator_base_seed,
-    next_epoch_draws_global,
-    restore_sampler,
-    saved_base_seed,
-)
+from .checkpoint import Deal, restore_sampler
 from .device import pin_memory, pin_memory_target, warn_pin_memory_args
+from .draws import draw_base_seed, global_rng_record, iterator_base_seed, next_epoch_draws_global, saved_base_seed
 from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 from .state_layout import (
     FINISHED,

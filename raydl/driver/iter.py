@@ -56,7 +56,6 @@ from __future__ import annotations
 import logging
 import time
 import weakref
-from enum import IntEnum
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from torch.utils.data import IterableDataset
@@ -74,9 +73,11 @@ from ..worker.actor import BatchFailed, BatchMeta
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .calls import CallSender
-from .checkpoint import Tracker, iterator_base_seed
+from .checkpoint import Tracker
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
+from .draws import iterator_base_seed
 from .lane import LaneLost
+from .lifecycle import IterState
 from .pool_choice import make_pool, worker_payload
 from .recovery import Recovery
 from .schedule import Schedule, Task
@@ -89,14 +90,6 @@ if TYPE_CHECKING:
 __all__ = ["_RayLoaderIter"]
 
 logger = logging.getLogger(__name__)
-
-
-class _State(IntEnum):
-    """Lifecycle of an iterator; it only moves up, except `_reset` (persistent workers) back to RUNNING."""
-
-    RUNNING = 0
-    EXHAUSTED = 1
-    SHUT_DOWN = 2
 
 
 class _Failed(Exception):
@@ -139,7 +132,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._persistent_workers = loader.persistent_workers
         self._in_order = loader.in_order
         self._IterableDataset_len_called = loader._IterableDataset_len_called
-        self._state = _State.RUNNING
+        self._state = IterState.RUNNING
         self._pinned: Optional[PinnedBatches] = None  # made at the first pinned batch
         # a dataset streamed through the node cache, which is told the epoch's order (NOTE [ raydl node cache ])
         self._feed = CacheFeed.for_dataset(
@@ -268,11 +261,11 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _set_num_workers(self, num_workers: int) -> None:
         """Resize the pool now, mid-epoch included (NOTE [ raydl elastic pool ])."""
-        if self._state != _State.SHUT_DOWN:
+        if self._state != IterState.SHUT_DOWN:
             self._elastic.resize(num_workers)
 
     def __next__(self) -> Any:
-        if self._state == _State.SHUT_DOWN:
+        if self._state == IterState.SHUT_DOWN:
             raise StopIteration
         t0 = time.perf_counter()
         # Batches arrive encoded (NOTE [ raydl zero-copy ]): tensors over the object store, or copied once into pinned memory.
@@ -297,9 +290,9 @@ class _RayLoaderIter(Iterator[Any]):
 
     def shutdown(self) -> None:
         """Release the pin thread, buffered refs and worker actors; idempotent (NOTE [ raydl shutdown ])."""
-        if self._state == _State.SHUT_DOWN:
+        if self._state == IterState.SHUT_DOWN:
             return
-        self._state = _State.SHUT_DOWN
+        self._state = IterState.SHUT_DOWN
         if self._pinned is not None:
             self._pinned.shutdown()
             self._pinned = None
@@ -320,7 +313,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._drop_all_tasks()
             self._epoch += 1
             self._pool.epoch = self._epoch
-            self._state = _State.RUNNING
+            self._state = IterState.RUNNING
             if self._pinned is not None:
                 self._pinned.source_ended = False
         if not epoch_begun:
@@ -403,7 +396,7 @@ class _RayLoaderIter(Iterator[Any]):
         """The next batch, per NOTE [ raydl ordering ]; raises StopIteration at the end of the epoch."""
         from ray.exceptions import RayTaskError
 
-        if self._state != _State.RUNNING:
+        if self._state != IterState.RUNNING:
             raise StopIteration
         if not self._pool.is_ready:
             self._wait_workers_ready()
@@ -476,7 +469,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._pool.shutdown()
 
     def _end_epoch(self) -> None:
-        self._state = _State.EXHAUSTED
+        self._state = IterState.EXHAUSTED
         if self._feed is not None:
             self._feed.close()
         if not self._persistent_workers:
@@ -484,14 +477,14 @@ class _RayLoaderIter(Iterator[Any]):
 
     def fail(self) -> None:
         """An unrecoverable error: no more batches from this iterator; the workers go now."""
-        self._state = _State.EXHAUSTED
+        self._state = IterState.EXHAUSTED
         self._release_workers()
 
     @property
     def reusable(self) -> bool:
         """Whether a persistent loader can start its next epoch on this iterator's workers (they live in this
         process's current Ray session: after the user's `ray.shutdown()` a new iterator starts anew)."""
-        return self._state != _State.SHUT_DOWN and self._pool.alive and self._pool.in_session()
+        return self._state != IterState.SHUT_DOWN and self._pool.alive and self._pool.in_session()
 
     def _first_ready_idx(self) -> int:
         """in_order=False: the idx of whichever worker's oldest task finishes first (bounded by timeout)."""
@@ -551,7 +544,7 @@ class _RayLoaderIter(Iterator[Any]):
 
     @property
     def running(self) -> bool:
-        return self._state == _State.RUNNING
+        return self._state == IterState.RUNNING
 
     def _pool_node(self, worker_id: Optional[int]) -> Optional[str]:
         """Where worker `worker_id` runs (or is planned to run); None if not known."""
@@ -570,7 +563,7 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _await_start(self) -> None:
         """A state taken before the workers started waits for them: their start replies hold their snapshots."""
-        if self._state == _State.RUNNING and not self._pool.is_ready:
+        if self._state == IterState.RUNNING and not self._pool.is_ready:
             self._wait_workers_ready()
 
     def on_workers_ready(self) -> None:
@@ -597,7 +590,7 @@ class _RayLoaderIter(Iterator[Any]):
             recorder = self.stats_recorder
             self._pinned = PinnedBatches(self, self._pin_device, self._copier, recorder.timed_pin)
         try:
-            return self._pinned.next(self._next_data, lambda: self._state == _State.RUNNING)
+            return self._pinned.next(self._next_data, lambda: self._state == IterState.RUNNING)
         except StopIteration:
             if not self._persistent_workers:
                 self.shutdown()
