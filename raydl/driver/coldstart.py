@@ -65,7 +65,7 @@ import logging
 import multiprocessing
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 
 from torch.utils.data import IterableDataset
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
@@ -87,6 +87,7 @@ from .pool_choice import worker_payload
 from .startup_makers import ForkedMaker, InProcessMaker, MakerDied
 from .state_layout import RAYDL
 from .stats import make_recorder
+from .waits import BatchWaits
 
 if TYPE_CHECKING:
     from ..loader import DataLoader
@@ -135,6 +136,13 @@ def _stop_all(makers: dict) -> None:
     makers.clear()
 
 
+class _Sent(NamedTuple):
+    """A task sent to a start-up maker and not handed out yet."""
+
+    worker_id: int
+    index: Any
+
+
 class _Handover:
     """What the Ray iterator takes as it is from the start-up part of the epoch: no draw is made again."""
 
@@ -170,6 +178,7 @@ class ColdStartIter(Iterator[Any]):
         self._auto_collation = loader.batch_sampler is not None
         self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
         self._timeout = loader.timeout  # torch's: the bound on one batch, as the user gave it
+        self._waits = BatchWaits(self._timeout, lambda w: self._makers[w].describe())  # NOTE [ raydl waits ]
         self._inner: Optional[_RayLoaderIter] = None
         options = RayOptions.from_loader(loader)
         self._options = options
@@ -221,7 +230,7 @@ class ColdStartIter(Iterator[Any]):
         self._state = IterState.RUNNING
         self._send_idx = 0  # idx of the next task to send: made by worker idx % num_workers
         self._rcvd_idx = 0  # idx of the next task to hand out
-        self._tasks: dict[int, tuple[int, Any]] = {}
+        self._tasks: dict[int, _Sent] = {}
         self._sampler_done = False
         self._draining = self._max_in_driver == 0
         self.stats_recorder.begin_epoch()
@@ -344,7 +353,7 @@ class ColdStartIter(Iterator[Any]):
             self._send_idx += 1
             self._tracker.on_draw(idx, self._sampler_iter)
             worker_id = idx % self._num_workers
-            self._tasks[idx] = (worker_id, index)
+            self._tasks[idx] = _Sent(worker_id, index)
             self._maker(worker_id).send(self._epoch, idx, index)
 
     def _next_made(self) -> Any:
@@ -374,10 +383,7 @@ class ColdStartIter(Iterator[Any]):
             maker = self._makers[worker_id]
             remaining = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not maker.poll(remaining):
-                raise RuntimeError(
-                    f"DataLoader timed out after {self._timeout} seconds (waiting for batch {idx}, "
-                    f"indices {short_indices(self._tasks[idx][1])}, from {maker.describe()})"
-                )
+                self._waits.raise_timeout(idx, self._tasks[idx])  # torch's error, as the Ray iterator raises it
             try:
                 reply = maker.read()
             except MakerDied as e:
@@ -401,7 +407,7 @@ class ColdStartIter(Iterator[Any]):
         if restarts >= self._options.max_worker_restarts:
             self._state = IterState.EXHAUSTED
             _stop_all(self._makers)
-            what = f"while making batch {lost[0]} (indices {short_indices(self._tasks[lost[0]][1])})" if lost else ""
+            what = f"while making batch {lost[0]} (indices {short_indices(self._tasks[lost[0]].index)})" if lost else ""
             raise WorkerDiedError(
                 f"{cause} {what} after {restarts} restart(s) (ray_max_worker_restarts="
                 f"{self._options.max_worker_restarts}). If this batch kills every worker it reaches, a sample in it "
@@ -411,7 +417,7 @@ class ColdStartIter(Iterator[Any]):
         logger.warning("raydl: %s; starting a replacement and resending %d batch(es)", cause, len(lost))
         maker = self._maker(worker_id, self._tracker.restart_state(worker_id))
         for i in lost:
-            maker.send(self._epoch, i, self._tasks[i][1])
+            maker.send(self._epoch, i, self._tasks[i].index)
 
     def _started(self, worker_id: int, maker: Any) -> None:
         """A maker's start reply: once every worker's is in, the tracker has each one's snapshot as it started
