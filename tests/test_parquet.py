@@ -689,3 +689,23 @@ def test_flipped_bits_in_cached_units_are_never_read(ray_session, folder, tmp_pa
     figures = ray.get(_live_cache(ds).stats.remote(), timeout=30)  # the restarted job's cache, from its start
     assert figures["corrupt"] == len(units) and figures["adopted"] >= len(units), figures
     assert figures["bytes_fetched"] == ds.nbytes, figures  # each unit fetched again, once
+
+
+def test_parquet_page_checksums_are_verified(tmp_path):
+    """A file written with page CRCs (`write_page_checksum`) and a byte flipped inside a data page at the source:
+    decoding raises naming the file and row group instead of handing out a wrong value."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    path = tmp_path / "paged.parquet"
+    x = np.arange(4096, dtype=np.float64)
+    pq.write_table(pa.table({"x": x}), path, compression="none", write_page_checksum=True, row_group_size=4096)
+    ds = raydl.ParquetDataset(str(path), cache_dir=str(tmp_path / "c"))
+    (off, n), *_ = ds._segments[0]
+    with open(path, "r+b") as f:  # a byte of the values, past the page header
+        f.seek(off + n // 2)
+        byte = f.read(1)
+        f.seek(off + n // 2)
+        f.write(bytes([byte[0] ^ 0x01]))
+    with pytest.raises(ValueError, match=r"row group 0 of .*paged.parquet.*corrupt"):
+        ds.__getitems__(list(range(4096)))
