@@ -1,7 +1,7 @@
 """Arrow data in memory: rows per second through each loader, against one process's index_select ceiling.
 
-    python benchmarks/bench_arrow.py                       # 200,000 rows, batch 1024, 2 workers, 2 epochs each
-    python benchmarks/bench_arrow.py --rows 50000 --epochs 1
+    python -m benchmarks.bench_arrow                       # 200,000 rows, batch 1024, 2 workers, 2 epochs each
+    python -m benchmarks.bench_arrow --rows 50000 --epochs 1
 
 The table (issue 38): 16 float32 columns, an int64 label and a 64-float32 embedding as a
 fixed-size list (328 bytes a row). Every loader shuffles and yields batches of `--batch` rows as
@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on loopback only
 
 import numpy as np  # noqa: E402
 import pyarrow as pa  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import default_collate  # noqa: E402
+
+from benchmarks.common.results import printed_report
 
 
 def make_table(rows: int) -> pa.Table:
@@ -132,4 +132,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_arrow", quick="--quick" in sys.argv):
+        main()

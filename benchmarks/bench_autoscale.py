@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """The autoscaler (`ray_max_workers`, NOTE [ raydl elastic pool ] in raydl/cluster/elastic.py) against fixed pools.
 
-    python benchmarks/bench_autoscale.py            # ~2-3 min on an idle 2-core machine
-    python benchmarks/bench_autoscale.py --quick    # shorter windows
+    python -m benchmarks.bench_autoscale            # ~2-3 min on an idle 2-core machine
+    python -m benchmarks.bench_autoscale --quick    # shorter windows
 
 Two targets of issue 11, in one run, on a local Ray this script starts:
   1. I/O-bound dataset (4 ms sleep per sample, 3x64x64 float32, batch 16), a loop that takes
@@ -27,19 +27,16 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 import warnings
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import raydl
+from benchmarks.common.machine import LoadMonitor, describe_machine, machine_info
+from benchmarks.common.results import md_table, printed_report
+from benchmarks.common.workloads import Workload, WorkloadDataset, batch_samples, register_by_value
 
-import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray)
-
-import raydl  # noqa: E402
-
-IO = C.Workload("io", "4 ms sleep per sample", n=400_000, batch_size=16, kind="io")
+IO = Workload("io", "4 ms sleep per sample", n=400_000, batch_size=16, kind="io")
 SLOW_LOOP_STEP_S = 0.040
 
 
@@ -48,7 +45,7 @@ COLD = False  # --cold: every worker a new process
 
 def _loader(num_workers: int, max_workers=None, batch_size: int = IO.batch_size) -> raydl.DataLoader:
     return raydl.DataLoader(
-        C.WorkloadDataset(IO),
+        WorkloadDataset(IO),
         batch_size=batch_size,
         num_workers=num_workers,
         timeout=300,
@@ -72,10 +69,10 @@ def fixed(num_workers: int, measure_s: float, warm_workers: int) -> dict:
     for _ in range(20):
         next(it)
     samples = 0
-    with C.LoadMonitor() as mon:
+    with LoadMonitor() as mon:
         t0 = time.perf_counter()
         for batch in it:
-            samples += C.batch_samples(batch)
+            samples += batch_samples(batch)
             if time.perf_counter() - t0 >= measure_s:
                 break
         wall = time.perf_counter() - t0
@@ -94,14 +91,14 @@ def autoscaled(max_workers: int, measure_s: float, cap_s: float) -> dict:
     last_state, change_k, t_change = None, 0, t_start
     window: list[tuple[float, int]] = []  # (time, samples) since the last change
     k = 0
-    with C.LoadMonitor() as mon:
+    with LoadMonitor() as mon:
         for k, batch in enumerate(it):
             now = time.perf_counter()
             state = (tuple(it._sched.active), tuple(it._pool.joining), len(it._elastic.decisions))
             if state != last_state:
                 last_state, change_k, t_change, window = state, k, now, []
                 continue
-            window.append((now, C.batch_samples(batch)))
+            window.append((now, batch_samples(batch)))
             if now - t_change >= measure_s + 1.0 or now - t_start >= cap_s:
                 break
     settled = [(t, n) for t, n in window if t >= t_change + 1.0]
@@ -128,7 +125,7 @@ def slow_loop(max_workers: int, batches: int) -> dict:
     _prepare(max_workers)
     it = iter(_loader(1, max_workers, batch_size=4))
     t0 = time.perf_counter()
-    with C.LoadMonitor() as mon:
+    with LoadMonitor() as mon:
         for k, _ in enumerate(it):
             time.sleep(SLOW_LOOP_STEP_S)  # the training step
             if k + 1 >= batches:
@@ -162,9 +159,9 @@ def main() -> int:
 
     import ray
 
-    C.register_by_value()
+    register_by_value()
     ray.init(address="local", include_dashboard=False)
-    info = C.machine_info()
+    info = machine_info()
     print(json.dumps({"machine": info, "cold": COLD}), flush=True)
     records = [
         autoscaled(args.max_workers, measure_s, args.cap_s),
@@ -178,9 +175,9 @@ def main() -> int:
         print(json.dumps(r), flush=True)
     auto, many, one, slow = records
     print()
-    print(C.describe_machine(info))
+    print(describe_machine(info))
     print(
-        C.md_table(
+        md_table(
             ["config", "samples/s", "vs fixed 8", "vs fixed 1", "settled at", "foreign cores"],
             [
                 [
@@ -218,4 +215,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with printed_report("bench_autoscale", quick="--quick" in sys.argv):
+        sys.exit(main())

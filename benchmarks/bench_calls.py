@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The trainer's core per batch: driver CPU and samples/s at the overhead floor, by batches per actor call.
 
-    python benchmarks/bench_calls.py            # ~3 min on 2 cores
-    python benchmarks/bench_calls.py --quick    # ~1 min
-    python benchmarks/bench_calls.py --unordered  # every loader with in_order=False
+    python -m benchmarks.bench_calls            # ~3 min on 2 cores
+    python -m benchmarks.bench_calls --quick    # ~1 min
+    python -m benchmarks.bench_calls --unordered  # every loader with in_order=False
 
 Overhead floor: a 16-float sample, batch 64, 2 workers, default prefetch_factor (2), the loop does nothing
 with a batch. For torch's DataLoader; raydl with every call through Ray (`ray_lane=False`), one call per
@@ -20,20 +20,17 @@ Prints a Markdown table (median and range over repetitions); writes JSON lines t
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
-import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-import torch  # noqa: E402
-import torch.utils.data  # noqa: E402
+import torch
+import torch.utils.data
 
-import raydl  # noqa: E402
+import raydl
+from benchmarks.common.results import Results
+from benchmarks.common.workloads import Workload, WorkloadDataset
 
-WORKLOAD = C.Workload("trivial", "overhead floor: 16-float sample, batch 64", 64 * 400, 64, "trivial")
+WORKLOAD = Workload("trivial", "overhead floor: 16-float sample, batch 64", 64 * 400, 64, "trivial")
 NAMES = ("torch", "raydl Ray calls, k=1", "raydl Ray calls, auto", "raydl default (lanes)")
 
 
@@ -48,7 +45,7 @@ def make(name: str, ds: torch.utils.data.Dataset, prefetch_factor: int, in_order
 
 def measure(name: str, epochs: int, n: int, prefetch_factor: int, in_order: bool = True) -> dict:
     """One loader: a warm-up epoch, then `epochs` measured ones (driver CPU us per batch, samples/s)."""
-    loader = make(name, C.WorkloadDataset(WORKLOAD, n), prefetch_factor, in_order)
+    loader = make(name, WorkloadDataset(WORKLOAD, n), prefetch_factor, in_order)
     for _ in loader:  # start-up and warm-up
         pass
     it = getattr(loader, "_iterator", None)
@@ -108,29 +105,34 @@ def main() -> None:
     def fmt(values: list[float], spec: str) -> str:
         return f"{statistics.median(values):{spec}} ({min(values):{spec}}–{max(values):{spec}})"
 
-    print(
-        f"\n{WORKLOAD.description}, 2 workers, prefetch_factor {args.prefetch_factor}"
+    lines = [
+        f"{WORKLOAD.description}, 2 workers, prefetch_factor {args.prefetch_factor}"
         f"{', in_order=False' if args.unordered else ''}; "
-        f"{reps} repetitions x {epochs} epochs of {n} samples\n"
-    )
-    print("| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call | calls over lanes |")
-    print("|---|---|---|---|---|---|")
+        f"{reps} repetitions x {epochs} epochs of {n} samples",
+        "",
+        "| loader | driver CPU per batch (µs) | samples/s | ratio to torch | batches per call | calls over lanes |",
+        "|---|---|---|---|---|---|",
+    ]
     for name in names:
         r = rows[name]
         per_call = [x["batches_per_call"] for x in r if x["batches_per_call"]]
         lanes = [x["lane_share"] for x in r if x["lane_share"] is not None]
-        print(
+        lines.append(
             f"| {name} | {fmt([x['driver_cpu_us_per_batch'] for x in r], '.0f')} | "
             f"{fmt([x['samples_per_s'] for x in r], ',.0f')} | {fmt([x['ratio_to_torch'] for x in r], '.2f')} | "
             f"{fmt(per_call, '.2f') if per_call else '-'} | {fmt([100 * x for x in lanes], '.0f') + ' %' if lanes else '-'} |"
         )
-    os.makedirs(os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"), exist_ok=True)
-    out = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "bench_calls.jsonl")
-    with open(out, "a") as f:
-        for name in names:
-            for x in rows[name]:
-                fields = {"time": time.time(), "prefetch_factor": args.prefetch_factor, "in_order": not args.unordered}
-                f.write(json.dumps({**fields, **x}) + "\n")
+    report = "\n".join(lines)
+    print("\n" + report)
+    res = Results("bench_calls", args.quick)
+    for name in names:
+        for x in rows[name]:
+            res.write(
+                {"time": time.time(), "prefetch_factor": args.prefetch_factor, "in_order": not args.unordered, **x}
+            )
+    md = res.write_text(".md", report + "\n")
+    res.close()
+    print(f"\nresults: {res.jsonl_path}\n         {md}")
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ Compares, in one run and with the same dataset and worker count:
   * raydl.DataLoader(ray_device="cuda"): batches arrive on the GPU, copied on a side stream.
 GPU busy time is measured with CUDA events around each training step; idle = wall - busy.
 
-    python benchmarks/bench_gpu.py --workers 4 --epochs 3 --reps 3
+    python -m benchmarks.bench_gpu --workers 4 --epochs 3 --reps 3
 
 Each repetition builds a new loader of each kind, in rotated order (so slow drifts hit all of
 them); the table shows medians and each loader's samples/s over torch's in the same repetition.
@@ -17,14 +17,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 import time
-
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")  # a local Ray on loopback only
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import Dataset  # noqa: E402
+
+from benchmarks.common.results import printed_report
 
 
 class Images(Dataset):
@@ -155,4 +156,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_gpu", quick="--quick" in sys.argv):
+        main()

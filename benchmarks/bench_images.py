@@ -1,10 +1,10 @@
 #!/usr/bin/env python3
 """A JPEG image pipeline (ImageNet-shaped) through raydl and the loaders users would pick instead.
 
-    python benchmarks/bench_images.py            # full run (about 11-15 minutes on 2 cores; +70 s once for the JPEGs)
-    python benchmarks/bench_images.py --quick    # smoke run (about 1 minute; +20 s once for its JPEGs)
-    python benchmarks/bench_images.py --report benchmarks/results/images-<stamp>.jsonl   # re-render a run
-    python benchmarks/bench_images.py --offload [--quick]   # the offload shape (bench_images_offload.py)
+    python -m benchmarks.bench_images            # full run (about 11-15 minutes on 2 cores; +70 s once for the JPEGs)
+    python -m benchmarks.bench_images --quick    # smoke run (about 1 minute; +20 s once for its JPEGs)
+    python -m benchmarks.bench_images --report benchmarks/results/bench_images-<stamp>.jsonl   # re-render a run
+    python -m benchmarks.bench_images --offload [--quick]   # the offload shape (bench_images_offload.py)
 
 The workload: a folder of generated 500x375 JPEGs that decode like photos (1/f texture, light
 gradient, soft-edged objects, sensor noise; ~100 KB each, quality 90), one folder per class, the
@@ -42,7 +42,8 @@ child: driver, workers, Ray's raylet, GCS, agents and Ray worker processes; spli
 PSS (sum over every process under the child, sampled every --pss-interval-s by this parent).
 Repetitions rotate the loaders' order; ratios are paired (same repetition). A measurement during
 which other processes used > 0.25 cores is rerun once (within --retry-budget-s).
-Outputs: Markdown on stdout and in benchmarks/results/images-<stamp>.md, JSON lines (.jsonl), a PNG.
+Outputs: Markdown on stdout and in benchmarks/results/bench_images-<stamp>.md, JSON lines (.jsonl) beside it, and
+the chart benchmarks/figures/bench_images.png (a --quick run's beside its report).
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ import subprocess
 import sys
 import threading
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Optional
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(REPO, "examples"))
-from _child import RESULT_PREFIX, child_result  # noqa: E402 - no torch, no Ray
+from benchmarks.common import REPO
+from benchmarks.common.machine import DISTURBED_FOREIGN_CORES, LoadMonitor, QuietGate, describe_machine, machine_info
+from benchmarks.common.peers import Loader, make_loader
+from benchmarks.common.processes import RESULT_PREFIX, child_result, script_command
+from benchmarks.common.results import Results, figure_path, log, md_table
 
 LOADERS = ("torch", "raydl", "raydl-threads2", "raydata", "spdl", "spdl-io", "nodes", "ceiling")
 PEERS = ("torch", "raydata", "spdl", "spdl-io", "nodes")
@@ -146,211 +147,6 @@ def cpu_split(cpu0: dict, cpu1: dict, kind_of: Callable) -> dict:
     return split
 
 
-class Loader:
-    """One loader under test: `epoch()` iterates one epoch of (images, labels); `worker_pids()`; `close()`."""
-
-    ray_workers_are_workers = False
-
-    def epoch(self) -> Iterator:
-        raise NotImplementedError
-
-    def worker_pids(self) -> set:
-        return set()
-
-    def close(self) -> None:
-        pass
-
-
-class TorchLike(Loader):
-    def __init__(self, kind: str, ds, args, raydl_kwargs: Optional[dict] = None) -> None:
-        import torch
-
-        common = dict(batch_size=args.batch_size, shuffle=True, num_workers=args.num_workers, persistent_workers=True)
-        if kind == "torch":
-            self.loader = torch.utils.data.DataLoader(ds, **common)
-        else:
-            import raydl
-
-            kw = {"ray_threads_per_worker": 2} if kind == "raydl-threads2" else {}
-            self.loader = raydl.DataLoader(ds, **common, **kw, **(raydl_kwargs or {}))
-        self.kind = kind
-
-    def epoch(self) -> Iterator:
-        return iter(self.loader)
-
-    def worker_pids(self) -> set:
-        if self.kind == "torch":
-            it = getattr(self.loader, "_iterator", None)
-            return {w.pid for w in getattr(it, "_workers", [])}
-        return {r.pid for r in self.loader.worker_records if r is not None}
-
-    def close(self) -> None:
-        if hasattr(self.loader, "shutdown"):
-            self.loader.shutdown()
-        self.loader = None
-
-
-def _raydata_row(row: dict, _transform=[]) -> dict:  # noqa: B006 - a per-process cache of the transform
-    """Ray Data's map function: the same load + transform as the dataset's __getitem__, numpy out."""
-    from PIL import Image
-    from train_image_classifier import TrainTransform
-
-    if not _transform:
-        _transform.append(TrainTransform(224))
-    with open(row["path"], "rb") as f:
-        img = Image.open(f).convert("RGB")
-    return {"image": _transform[0](img).numpy(), "label": row["label"]}
-
-
-class RayDataLoader(Loader):
-    ray_workers_are_workers = True
-
-    def __init__(self, ds, args, remote_args: Optional[dict] = None) -> None:
-        """`remote_args`: Ray remote arguments of the shuffle's and the map's tasks (where they run)."""
-        import ray
-
-        _start_local_ray_like_raydl()
-        import ray.data
-        import train_image_classifier
-        from ray import cloudpickle
-
-        cloudpickle.register_pickle_by_value(train_image_classifier)  # the transform travels by value
-        ctx = ray.data.DataContext.get_current()
-        ctx.enable_progress_bars = False
-        # Ray Data's per-operator CPU reservation leaves its map 1 task at a time on 2 CPUs (see
-        # bench_throughput.py); off unless --raydata-reservation, so the map really runs 2 tasks.
-        ctx.op_resource_reservation_enabled = args.raydata_reservation
-        items = [{"path": p, "label": y} for p, y in ds.samples]
-        # One block per batch of paths: with from_items' default (up to 200 blocks) the per-epoch
-        # shuffle and the map are hundreds of tiny tasks (measured 60 vs 250-340 images/s).
-        blocks = max(1, -(-len(items) // args.batch_size))
-        ra = remote_args or {}
-        self.ds = ray.data.from_items(items, override_num_blocks=blocks).random_shuffle(**ra).map(_raydata_row, **ra)
-        self.batch_size = args.batch_size
-        self._ray = ray
-
-    def epoch(self) -> Iterator:
-        for b in self.ds.iter_torch_batches(batch_size=self.batch_size):
-            yield b["image"], b["label"]
-
-    def close(self) -> None:
-        self.ds = None
-
-
-def _start_local_ray_like_raydl() -> None:
-    """The local Ray raydl starts for itself (loopback, no dashboard, workers at the driver's niceness,
-    dropped objects freed every 100 ms), so Ray Data runs on the same Ray."""
-    import ray
-
-    from raydl.cluster import connect
-
-    if not ray.is_initialized():
-        connect._start_local_ray()
-
-
-class SpdlLoader(Loader):
-    """An SPDL pipeline per epoch (threads in this process): the same per-sample code, or spdl.io's decoder."""
-
-    def __init__(self, kind: str, ds, args) -> None:
-        import spdl.pipeline  # noqa: F401
-        import torch
-
-        self.kind, self.ds, self.args = kind, ds, args
-        self.generator = torch.Generator()
-        self.generator.manual_seed(int(time.time()))
-        if kind == "spdl-io":
-            import spdl.io
-
-            spdl.io.demux_image(ds.samples[0][0])  # loads FFmpeg's libraries (raises here if missing)
-            self.mean = torch.tensor((0.485, 0.456, 0.406)).view(1, 3, 1, 1)
-            self.std = torch.tensor((0.229, 0.224, 0.225)).view(1, 3, 1, 1)
-
-    def _decode(self, i: int):
-        import spdl.io
-        import torch
-        from train_image_classifier import random_resized_crop_box
-
-        path, label = self.ds.samples[i]
-        packets = spdl.io.demux_image(path)
-        left, top, w, h = random_resized_crop_box(packets.width, packets.height)
-        flip = ",hflip" if torch.rand(1).item() < 0.5 else ""
-        desc = f"crop={w}:{h}:{left}:{top},scale=224:224:flags=bilinear{flip},format=rgb24"
-        return spdl.io.decode_packets(packets, filter_desc=desc), label
-
-    def _batch_frames(self, items: list):
-        import spdl.io
-        import torch
-
-        frames = [f for f, _ in items]
-        x = torch.from_numpy(spdl.io.to_numpy(spdl.io.convert_frames(frames)))  # B x H x W x 3 uint8
-        x = x.permute(0, 3, 1, 2).contiguous().float().div_(255)
-        x.sub_(self.mean).div_(self.std)
-        return x, torch.tensor([y for _, y in items])
-
-    def epoch(self) -> Iterator:
-        import torch
-        from spdl.pipeline import PipelineBuilder
-        from torch.utils.data import default_collate
-
-        order = torch.randperm(len(self.ds), generator=self.generator).tolist()
-        c = self.args.spdl_threads or self.args.num_workers
-        if self.kind == "spdl":
-            b = PipelineBuilder().add_source(order).pipe(self.ds.__getitem__, concurrency=c)
-            b = b.aggregate(self.args.batch_size).pipe(default_collate)
-        else:
-            b = PipelineBuilder().add_source(order).pipe(self._decode, concurrency=c)
-            b = b.aggregate(self.args.batch_size).pipe(self._batch_frames)
-        pipeline = b.add_sink(3).build(num_threads=c)
-        with pipeline.auto_stop():
-            yield from pipeline.get_iterator(timeout=120)
-
-
-class _MapAndCollate:
-    """torchdata.nodes' DataLoader-migration recipe: a batch of indices -> collate([dataset[i], ...])."""
-
-    def __init__(self, ds) -> None:
-        self.ds = ds
-
-    def __call__(self, indices: list):
-        from torch.utils.data import default_collate
-
-        return default_collate([self.ds[i] for i in indices])
-
-
-class NodesLoader(Loader):
-    def __init__(self, ds, args) -> None:
-        import torch
-        import torchdata.nodes as tn
-
-        node = tn.SamplerWrapper(torch.utils.data.RandomSampler(ds))
-        node = tn.Batcher(node, batch_size=args.batch_size, drop_last=False)
-        node = tn.ParallelMapper(
-            node,
-            map_fn=_MapAndCollate(ds),
-            num_workers=args.num_workers,
-            method="process",
-            multiprocessing_context="fork",
-            in_order=True,
-        )
-        node = tn.Prefetcher(node, prefetch_factor=args.num_workers * 2)
-        self.loader = tn.Loader(node)
-
-    def epoch(self) -> Iterator:
-        return iter(self.loader)
-
-
-def make_loader(kind: str, ds, args) -> Loader:
-    if kind in ("torch", "raydl", "raydl-threads2"):
-        return TorchLike(kind, ds, args)
-    if kind == "raydata":
-        return RayDataLoader(ds, args)
-    if kind in ("spdl", "spdl-io"):
-        return SpdlLoader(kind, ds, args)
-    if kind == "nodes":
-        return NodesLoader(ds, args)
-    raise ValueError(kind)
-
-
 def run_epoch(loader: Loader, t0: float, expect: int, batch_size: int) -> dict:
     """One epoch; checks every batch's shape and dtype; the first batch's arrival and the epoch's end."""
     import torch
@@ -388,11 +184,11 @@ def child(kind: str, args) -> None:
     if kind == "ceiling":
         print(RESULT_PREFIX + json.dumps(ceiling_child(args)), flush=True)
         return
-    import _common as C  # sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 and usage stats off before Ray is imported
     import psutil
     import torch  # noqa: F401
     from PIL import Image  # noqa: F401
-    from train_image_classifier import JpegFolder, TrainTransform
+
+    from examples.train_image_classifier import JpegFolder, TrainTransform
 
     ds = JpegFolder(args.data_dir, TrainTransform(224), limit=args.images)
     n = len(ds)
@@ -404,7 +200,7 @@ def child(kind: str, args) -> None:
         marks = _Marks(t0)
         raydl_log.setLevel(logging.DEBUG)
         raydl_log.addHandler(marks)
-        with C.LoadMonitor() as start_mon:
+        with LoadMonitor() as start_mon:
             loader = make_loader(kind, ds, args)
             e1 = run_epoch(loader, t0, n, args.batch_size)
         raydl_log.removeHandler(marks)
@@ -413,7 +209,7 @@ def child(kind: str, args) -> None:
         rec["first_epoch_s"] = e1["end"] - t0
         rec["foreign_cores_startup"] = round(start_mon.foreign_cores, 3)
         worker_pids = loader.worker_pids()
-        with C.LoadMonitor() as mon:
+        with LoadMonitor() as mon:
             cpu0 = cpu_snapshot(psutil)
             t1 = time.perf_counter()
             images, next_ttfb = 0, []
@@ -483,7 +279,8 @@ def _ceiling_part(part: int, args, barrier, results) -> None:
     """One process of the ceiling: its share of each epoch's shuffled order, batch by batch, no loader."""
     import torch
     from torch.utils.data import default_collate
-    from train_image_classifier import JpegFolder, TrainTransform
+
+    from examples.train_image_classifier import JpegFolder, TrainTransform
 
     torch.set_num_threads(1)  # as torch's and raydl's workers do
     ds = JpegFolder(args.data_dir, TrainTransform(224), limit=args.images)
@@ -511,8 +308,6 @@ def ceiling_child(args) -> dict:
     """The machine's ceiling for this pipeline (the `ceiling` loader of the module's docstring)."""
     import multiprocessing as mp
 
-    import _common as C
-
     ctx = mp.get_context("spawn")  # fresh interpreters, as a loader's workers are fresh processes
     parties = args.num_workers
     barrier, results = ctx.Barrier(parties + 1), ctx.Queue()
@@ -521,7 +316,7 @@ def ceiling_child(args) -> dict:
         p.start()
     try:
         barrier.wait(timeout=600)  # every part finished its first epoch
-        with C.LoadMonitor() as mon:
+        with LoadMonitor() as mon:
             barrier.wait(timeout=600)  # and its steady epochs
         parts = [results.get(timeout=60) for _ in procs]
     finally:
@@ -640,14 +435,13 @@ class PssSampler:
 
 def run_child_once(kind: str, args, data_dir: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.path.join(REPO, "examples"), env.get("PYTHONPATH")]))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, env.get("PYTHONPATH")]))
     env["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     env["RAY_USAGE_STATS_ENABLED"] = "0"
     if args.ffmpeg_lib_dir and kind == "spdl-io":
         env["LD_LIBRARY_PATH"] = os.pathsep.join(filter(None, [args.ffmpeg_lib_dir, env.get("LD_LIBRARY_PATH")]))
     cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *script_command("bench_images"),
         "--child",
         kind,
         "--data-dir",
@@ -690,7 +484,6 @@ def run_child_once(kind: str, args, data_dir: str) -> dict:
 def measure(kind: str, args, data_dir: str, state: dict, rep: int) -> dict:
     """One child run of `kind`: a child that failed is run again (3 attempts in all); one during whose steady
     epochs other processes used > 0.25 cores is rerun once (within --retry-budget-s), the less disturbed kept."""
-    import _common as C
 
     kept, failures, attempts = None, 0, 0
     while True:
@@ -700,7 +493,7 @@ def measure(kind: str, args, data_dir: str, state: dict, rep: int) -> dict:
             rec = run_child_once(kind, args, data_dir)
         except (RuntimeError, subprocess.TimeoutExpired) as e:
             failures += 1
-            C.log(f"  {kind} rep {rep}: child failed (attempt {attempts}): {str(e).strip().splitlines()[-1][:300]}")
+            log(f"  {kind} rep {rep}: child failed (attempt {attempts}): {str(e).strip().splitlines()[-1][:300]}")
             if failures == 3:
                 raise
             continue
@@ -708,14 +501,14 @@ def measure(kind: str, args, data_dir: str, state: dict, rep: int) -> dict:
         if kept is None or rec["foreign_cores"] < kept["foreign_cores"]:
             kept = rec
         if (
-            rec["foreign_cores"] <= C.DISTURBED_FOREIGN_CORES
+            rec["foreign_cores"] <= DISTURBED_FOREIGN_CORES
             or args.quick
             or attempts - failures >= 2
             or state["retry_s"] >= args.retry_budget_s
         ):
             break
         state["retry_s"] += rec["steady_s"]
-        C.log(f"  {kind} rep {rep}: other processes used {rec['foreign_cores']:.2f} cores: rerunning")
+        log(f"  {kind} rep {rep}: other processes used {rec['foreign_cores']:.2f} cores: rerunning")
     return dict(kept, attempts=attempts, failed_attempts=failures)
 
 
@@ -754,9 +547,8 @@ def med(xs: list) -> float:
 
 def _quiet(r: dict) -> bool:
     """Whether other processes used at most _common's threshold of cores during r's steady epochs."""
-    import _common as C
 
-    return r["foreign_cores"] <= C.DISTURBED_FOREIGN_CORES
+    return r["foreign_cores"] <= DISTURBED_FOREIGN_CORES
 
 
 def paired(runs: dict, a: str, b: Callable[[int], Optional[float]], quiet_only: bool = False) -> list:
@@ -794,14 +586,12 @@ def fmt_range(xs: list, f: str = "{:,.0f}") -> str:
     return f"{f.format(med(xs))} ({f.format(min(xs))}–{f.format(max(xs))})"
 
 
-def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes: list, elapsed_s: float) -> str:
-    import _common as C
-
-    peers = [k for k in loaders if k in PEERS]
+def _report_head(args, info: dict, vers: dict) -> list:
+    """The report's title, machine, versions and workload."""
     lines = [
         f"## Images: a JPEG pipeline through raydl and its peers ({'quick' if args.quick else 'full'} run)",
         "",
-        C.describe_machine(info),
+        describe_machine(info),
         "",
         "Versions: " + ", ".join(f"{k} {v}" for k, v in vers.items() if v),
         "",
@@ -812,6 +602,12 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
         "per repetition.",
         "",
     ]
+    return lines
+
+
+def _loaders_table(runs: dict, loaders: list) -> list:
+    """Per loader: images/s, first batches, CPU per image, peak PSS, foreign load."""
+    lines: list = []
     rows = []
     for k in loaders:
         rs = runs.get(k, [])
@@ -830,7 +626,7 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
             ]
         )
     lines.append(
-        C.md_table(
+        md_table(
             [
                 "loader",
                 "images/s",
@@ -845,6 +641,13 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
         )
     )
     lines.append("")
+    return lines
+
+
+def _ratio_tables(runs: dict, loaders: list) -> list:
+    """raydl's variants against torch, Ray Data, the fastest peer (and the ceiling), all and undisturbed."""
+    lines: list = []
+    peers = [k for k in loaders if k in PEERS]
     for quiet in (False, True):
         rrows = []
         for k in [x for x in loaders if x.startswith("raydl")]:
@@ -867,14 +670,14 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
                 "Ratios of images/s, paired per repetition: median (min–max) [repetitions]"
                 + (
                     f", only repetitions in which no measurement compared had foreign load > "
-                    f"{C.DISTURBED_FOREIGN_CORES} cores:"
+                    f"{DISTURBED_FOREIGN_CORES} cores:"
                     if quiet
                     else ":"
                 )
             )
             lines.append("")
             lines.append(
-                C.md_table(
+                md_table(
                     [
                         "raydl variant",
                         "/ torch (target ≥ 1.1×)",
@@ -886,6 +689,12 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
                 )
             )
             lines.append("")
+    return lines
+
+
+def _ceiling_table(runs: dict, loaders: list) -> list:
+    """Every loader's share of the machine's ceiling, when the ceiling was measured."""
+    lines: list = []
     if "ceiling" in runs:
         crows = []
         for k in loaders:
@@ -899,8 +708,14 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
             "side by side, no loader), paired per repetition:"
         )
         lines.append("")
-        lines.append(C.md_table(["loader", "all repetitions", "undisturbed"], crows))
+        lines.append(md_table(["loader", "all repetitions", "undisturbed"], crows))
         lines.append("")
+    return lines
+
+
+def _startup_section(runs: dict, loaders: list) -> list:
+    """Cold start: Ray up, raydl's workers ready, first batch (and raydl's first batches against Ray Data's)."""
+    lines: list = []
     if "raydl" in runs and "raydata" in runs:
         ratio_cold = med([r["ttfb_cold_s"] for r in runs["raydl"]]) / med([r["ttfb_cold_s"] for r in runs["raydata"]])
         ratio_warm = med([r["ttfb_warm_s"] for r in runs["raydl"]]) / med([r["ttfb_warm_s"] for r in runs["raydata"]])
@@ -928,7 +743,7 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
     )
     lines.append("")
     lines.append(
-        C.md_table(
+        md_table(
             [
                 "loader",
                 "Ray up (s)",
@@ -940,6 +755,12 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
         )
     )
     lines.append("")
+    return lines
+
+
+def _cpu_and_pss_tables(runs: dict, loaders: list) -> list:
+    """CPU per image and peak PSS, split by process kind."""
+    lines: list = []
     kinds = ["driver", "workers", "raylet", "gcs", "ray agents", "idle Ray workers", "other"]
     crow = []
     for k in loaders:
@@ -953,7 +774,7 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
         )
     lines.append("CPU ms per image over the steady epochs, by process (median over repetitions):")
     lines.append("")
-    lines.append(C.md_table(["loader"] + kinds + ["cores used"], crow))
+    lines.append(md_table(["loader"] + kinds + ["cores used"], crow))
     lines.append("")
     mrow = []
     for k in loaders:
@@ -963,7 +784,15 @@ def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes:
         mrow.append([k] + [f"{med([r['peak_pss_by_kind_mib'].get(kind, 0.0) for r in rs]):,.0f}" for kind in kinds])
     lines.append("PSS (MiB) at the sample with the highest total, by process kind (median over repetitions):")
     lines.append("")
-    lines.append(C.md_table(["loader"] + kinds, mrow))
+    lines.append(md_table(["loader"] + kinds, mrow))
+    return lines
+
+
+def build_report(args, info: dict, vers: dict, runs: dict, loaders: list, notes: list, elapsed_s: float) -> str:
+    """The run's Markdown report: its sections in order, then the notes and the run's time."""
+    lines = _report_head(args, info, vers)
+    for section in (_loaders_table, _ratio_tables, _ceiling_table, _startup_section, _cpu_and_pss_tables):
+        lines += section(runs, loaders)
     for n in notes:
         lines += ["", f"Note: {n}"]
     lines += [
@@ -1027,11 +856,8 @@ def plot(path: str, runs: dict, loaders: list, title: str) -> Optional[str]:
     return path
 
 
-def main() -> int:
-    if "--offload" in sys.argv[1:]:  # its own driver, pinned to one core before torch is imported (no child processes)
-        import bench_images_offload
-
-        return bench_images_offload.main([a for a in sys.argv[1:] if a != "--offload"])
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (the parent's options, and the child's hidden ones)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--offload",
@@ -1084,64 +910,54 @@ def main() -> int:
     )
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--data-dir", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
-    if args.report:
-        return rerender(args.report, p)
-    args.images = args.images or (640 if args.quick else 2560)
-    args.epochs = args.epochs or (1 if args.quick else 2)
-    if args.child:
-        child(args.child, args)
-        return 0
-    args.reps = args.reps or (1 if args.quick else 3)
-    args.child_timeout_s = args.child_timeout_s or (240.0 if args.quick else 420.0)
-    args.quiet_wait_s = args.quiet_wait_s if args.quiet_wait_s is not None else (0.0 if args.quick else 10.0)
+    return p
 
-    import _common as C
-    import psutil
 
-    start = time.perf_counter()
-    import importlib.metadata
-
-    info = C.machine_info(ray_version=importlib.metadata.version("ray"))
-    vers = versions()
-    res = C.Results("images", args.quick)
-    res.write({"section": "machine", **info, "versions": vers, "argv": sys.argv[1:]})
-    C.log(C.describe_machine(info))
-
-    from train_image_classifier import write_jpeg_folder
+def prepare_dataset(args, res) -> str:
+    """The JPEG folder of this run (written once, then reused): its path; sets args.avg_kb."""
+    from examples.train_image_classifier import write_jpeg_folder
 
     data_dir = os.path.join(args.cache_dir, f"500x375-n{args.images}-c{args.classes}-q90")
     t = time.perf_counter()
     write_jpeg_folder(data_dir, args.images, args.classes, size=(500, 375), quality=90)
     files = [os.path.join(d, f) for d, _, fs in os.walk(data_dir) for f in fs if f.endswith(".jpg")]
     args.avg_kb = sum(os.path.getsize(f) for f in files) / len(files) / 1024
-    C.log(
+    log(
         f"{len(files)} JPEGs in {data_dir} (avg {args.avg_kb:.0f} KB; {time.perf_counter() - t:.0f} s to write or find)"
     )
     res.write({"section": "dataset", "dir": data_dir, "images": len(files), "avg_kb": args.avg_kb})
+    return data_dir
 
+
+def choose_loaders(p: argparse.ArgumentParser, args, notes: list) -> list:
+    """--loaders, checked; spdl-io left out (with a note) where spdl.io cannot load FFmpeg."""
     loaders = [k for k in args.loaders.split(",") if k]
     bad = [k for k in loaders if k not in LOADERS]
     if bad:
         p.error(f"unknown loaders {bad}")
-    notes: list = []
     if "spdl-io" in loaders:
         why = spdl_io_available(args)
         if why:
             loaders.remove("spdl-io")
             notes.append(f"spdl-io skipped: spdl.io cannot load FFmpeg here ({why}); pass --ffmpeg-lib-dir.")
-            C.log(notes[-1])
+            log(notes[-1])
+    return loaders
 
-    def our_raylets() -> int:
-        """raylet processes of this environment's Ray (other engineers' Rays on this machine are not ours)."""
-        return sum(
-            1
-            for q in psutil.process_iter(["name", "exe"])
-            if q.info["name"] == "raylet" and (q.info["exe"] or "").startswith(sys.prefix)
-        )
 
-    raylets_before = our_raylets()
-    state = {"gate": C.QuietGate(args.quiet_wait_s, args.quiet_budget_s), "retry_s": 0.0}
+def our_raylets() -> int:
+    """raylet processes of this environment's Ray (other engineers' Rays on this machine are not ours)."""
+    import psutil
+
+    return sum(
+        1
+        for q in psutil.process_iter(["name", "exe"])
+        if q.info["name"] == "raylet" and (q.info["exe"] or "").startswith(sys.prefix)
+    )
+
+
+def run_repetitions(args, loaders: list, data_dir: str, res, notes: list) -> tuple:
+    """Every loader in every repetition, in rotated order: (runs by loader, the quiet gate and retry state)."""
+    state = {"gate": QuietGate(args.quiet_wait_s, args.quiet_budget_s), "retry_s": 0.0}
     runs: dict = {}
     for rep in range(args.reps):
         order = loaders[rep % len(loaders) :] + loaders[: rep % len(loaders)]
@@ -1150,28 +966,21 @@ def main() -> int:
                 rec = measure(kind, args, data_dir, state, rep)
             except Exception as e:  # one loader failing must not lose the others' numbers
                 notes.append(f"{kind} rep {rep} failed: {str(e).strip().splitlines()[-1][:300]}")
-                C.log(notes[-1])
+                log(notes[-1])
                 continue
             res.write({"section": "run", **rec})
             runs.setdefault(kind, []).append(rec)
-            C.log(
+            log(
                 f"rep {rep} {kind:15s} {rec['images_per_s']:7.1f} images/s  first batch cold {rec['ttfb_cold_s']:.2f} s "
                 f"warm {rec['ttfb_warm_s']:.2f} s  CPU {rec['cpu_s_per_image'] * 1e3:.2f} ms/image  peak PSS "
                 f"{rec['peak_pss_mib']:,.0f} MiB  foreign {rec['foreign_cores']:.2f}"
                 + (f"  (killed leftovers {rec['leftover_pids_killed']})" if rec["leftover_pids_killed"] else "")
             )
-    gate = state["gate"]
-    notes.append(
-        f"Before each child the run waited up to {args.quiet_wait_s:g} s for a quiet second (waited "
-        f"{gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy); reruns took "
-        f"{state['retry_s']:.0f} s of steady epochs."
-    )
-    raylets_after = our_raylets()
-    notes.append(
-        f"raylet processes of this environment's Ray before the run {raylets_before}, after {raylets_after}; "
-        f"processes of a child left behind and killed: "
-        f"{sum(len(r['leftover_pids_killed']) for rs in runs.values() for r in rs)}."
-    )
+    return runs, state
+
+
+def summarize(runs: dict, loaders: list) -> dict:
+    """Medians per loader and raydl's paired ratios, for the run's summary line."""
     peers = [k for k in loaders if k in PEERS]
     summary = {}
     for k, rs in runs.items():
@@ -1190,6 +999,55 @@ def main() -> int:
                     "vs_fastest_peer_paired": paired(runs, k, fastest_peer_in_rep(runs, peers)),
                 }
             )
+    return summary
+
+
+def main() -> int:
+    if "--offload" in sys.argv[1:]:  # its own driver, pinned to one core before torch is imported (no child processes)
+        from benchmarks import bench_images_offload
+
+        return bench_images_offload.main([a for a in sys.argv[1:] if a != "--offload"])
+    p = build_parser()
+    args = p.parse_args()
+    if args.report:
+        return rerender(args.report, p)
+    args.images = args.images or (640 if args.quick else 2560)
+    args.epochs = args.epochs or (1 if args.quick else 2)
+    if args.child:
+        child(args.child, args)
+        return 0
+    args.reps = args.reps or (1 if args.quick else 3)
+    args.child_timeout_s = args.child_timeout_s or (240.0 if args.quick else 420.0)
+    args.quiet_wait_s = args.quiet_wait_s if args.quiet_wait_s is not None else (0.0 if args.quick else 10.0)
+
+    start = time.perf_counter()
+    import importlib.metadata
+
+    info = machine_info(ray_version=importlib.metadata.version("ray"))
+    vers = versions()
+    res = Results("bench_images", args.quick)
+    res.write({"section": "machine", **info, "versions": vers, "argv": sys.argv[1:]})
+    log(describe_machine(info))
+
+    data_dir = prepare_dataset(args, res)
+    notes: list = []
+    loaders = choose_loaders(p, args, notes)
+
+    raylets_before = our_raylets()
+    runs, state = run_repetitions(args, loaders, data_dir, res, notes)
+    gate = state["gate"]
+    notes.append(
+        f"Before each child the run waited up to {args.quiet_wait_s:g} s for a quiet second (waited "
+        f"{gate.waited_s:.0f} s in all; {gate.gave_up} times the machine stayed busy); reruns took "
+        f"{state['retry_s']:.0f} s of steady epochs."
+    )
+    raylets_after = our_raylets()
+    notes.append(
+        f"raylet processes of this environment's Ray before the run {raylets_before}, after {raylets_after}; "
+        f"processes of a child left behind and killed: "
+        f"{sum(len(r['leftover_pids_killed']) for rs in runs.values() for r in rs)}."
+    )
+    summary = summarize(runs, loaders)
     res.write({"section": "images_summary", **summary})
     res.write(
         {
@@ -1199,25 +1057,33 @@ def main() -> int:
             "date": time.strftime("%Y-%m-%d %H:%M %Z"),
         }
     )
-    md, png = render(
-        args, info, vers, runs, loaders, notes, time.perf_counter() - start, res.prefix, time.strftime("%Y-%m-%d")
-    )
+    elapsed_s, date = time.perf_counter() - start, time.strftime("%Y-%m-%d")
+    md, png = render(args, info, vers, runs, loaders, notes, elapsed_s, res.prefix, res.figure_path(), date)
     res.close()
     print(f"\nresults: {res.jsonl_path}\n         {md}\n         {png or '(no chart: pip install matplotlib)'}")
     return 0
 
 
 def render(
-    args, info: dict, vers: dict, runs: dict, loaders: list, notes: list, elapsed_s: float, prefix: str, date: str
+    args,
+    info: dict,
+    vers: dict,
+    runs: dict,
+    loaders: list,
+    notes: list,
+    elapsed_s: float,
+    prefix: str,
+    png_path: str,
+    date: str,
 ) -> tuple:
-    """Print the report and write it (prefix.md) and the chart (prefix.png); returns both paths."""
+    """Print the report and write it (prefix.md) and the chart (png_path); returns both paths."""
     report = build_report(args, info, vers, runs, loaders, notes, elapsed_s)
     print(report)
     md = prefix + ".md"
     with open(md, "w") as f:
         f.write(report + "\n")
     png = plot(
-        prefix + ".png",
+        png_path,
         runs,
         loaders,
         f"JPEG pipeline, {args.num_workers} workers, batch {args.batch_size}, raydl {info['raydl_commit']}, "
@@ -1227,7 +1093,8 @@ def render(
 
 
 def rerender(path: str, parser: argparse.ArgumentParser) -> int:
-    """--report: the report and chart of a finished run again, from its .jsonl (written next to it, -report.*)."""
+    """--report: the report and chart of a finished run again, from its .jsonl (the report next to it, -report.md;
+    the chart where the run drew it: figures/bench_images.png for a full run)."""
     recs = [json.loads(line) for line in open(path)]
     machine = next(r for r in recs if r.get("section") == "machine")
     args = parser.parse_args([a for a in machine["argv"] if a != "--report"])
@@ -1253,6 +1120,7 @@ def rerender(path: str, parser: argparse.ArgumentParser) -> int:
         extra.get("notes", []),
         extra.get("elapsed_s", 0.0),
         path[: -len(".jsonl")] + "-report",
+        figure_path("bench_images", args.quick),
         date[:10],
     )
     print(f"\n{md}\n{png}")

@@ -3,9 +3,9 @@
 raydl's workers run on a second (loopback) Ray node on the other core, and every batch is
 followed by a training step as costly as making the batch.
 
-    python benchmarks/bench_images.py --offload            # full run (about 8-10 minutes on 2 cores; +45 s once)
-    python benchmarks/bench_images.py --offload --quick    # smoke run (about 2 minutes)
-    python benchmarks/bench_images_offload.py [--quick]    # the same
+    python -m benchmarks.bench_images --offload            # full run (about 8-10 minutes on 2 cores; +45 s once)
+    python -m benchmarks.bench_images --offload --quick    # smoke run (about 2 minutes)
+    python -m benchmarks.bench_images_offload [--quick]    # the same
 
 Shape (bench_offload.py's helpers, imported): this driver is pinned to the first usable CPU
 before torch or Ray start a thread (importing bench_offload does it), so torch's forked workers
@@ -41,28 +41,30 @@ measured contention, where the workers ran (checked), the target (>= 1.7x torch 
 
 from __future__ import annotations
 
+# First: importing the offload module pins this process to the trainer's CPU before torch starts its threads.
+from benchmarks.common import offload as O
+
+# isort: split
+
+import argparse
+import functools
+import gc
+import importlib.metadata
+import logging
 import os
 import sys
+import time
+from typing import Any, Callable
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(HERE)
-EXAMPLES = os.path.join(REPO, "examples")
-sys.path.insert(0, HERE)
-sys.path.insert(0, EXAMPLES)
-import argparse  # noqa: E402
-import functools  # noqa: E402
-import gc  # noqa: E402
-import importlib.metadata  # noqa: E402
-import logging  # noqa: E402
-import time  # noqa: E402
-from typing import Any, Callable  # noqa: E402
+import torch
+from torch.utils.data import default_collate
 
-import _common as C  # noqa: E402
-import bench_images as B  # noqa: E402
-import bench_offload as O  # noqa: E402 - first: pins this process to the trainer's CPU, then imports torch
-import torch  # noqa: E402
-import train_image_classifier as T  # noqa: E402
-from torch.utils.data import default_collate  # noqa: E402
+from benchmarks.common import REPO
+from benchmarks.common.clusters import LocalCluster, disconnect_and_stop
+from benchmarks.common.machine import LoadMonitor, QuietGate, describe_machine, machine_info
+from benchmarks.common.peers import Loader, RayDataLoader, TorchLike
+from benchmarks.common.results import Results, log, md_table, median
+from examples import train_image_classifier as T
 
 LOADERS = ("torch", "raydl-auto", "raydl-hinted", "raydl-ray", "raydata")
 TARGET = 1.7  # issue 20: with the offload node, at least 1.7x torch at S = D
@@ -92,9 +94,9 @@ def step_ms(step: O.TrainStep, calls: int = 3) -> float:
 
 
 class Epochs:
-    """An iterable of one epoch per iter() over a bench_images Loader (what O.run_epochs iterates)."""
+    """An iterable of one epoch per iter() over a peers Loader (what O.run_epochs iterates)."""
 
-    def __init__(self, loader: B.Loader) -> None:
+    def __init__(self, loader: Loader) -> None:
         self.loader = loader
 
     def __iter__(self):
@@ -173,30 +175,30 @@ def main(argv: list | None = None) -> int:
     start = time.perf_counter()
 
     info = {
-        **C.machine_info(ray_version=importlib.metadata.version("ray")),
+        **machine_info(ray_version=importlib.metadata.version("ray")),
         "trainer_cpu": O.TRAINER_CPU,
         "data_cpu": O.DATA_CPU,
     }
-    res = C.Results("images-offload", args.quick)
+    res = Results("bench_images_offload", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:] if argv is None else argv})
-    C.log(C.describe_machine(info))
+    log(describe_machine(info))
 
     data_dir = os.path.join(args.cache_dir, f"500x375-n{n}-c{args.classes}-q90")
     t = time.perf_counter()
     T.write_jpeg_folder(data_dir, n, args.classes, size=(500, 375), quality=90)
     ds = T.JpegFolder(data_dir, T.TrainTransform(224))
     avg_kb = sum(os.path.getsize(path) for path, _ in ds.samples) / len(ds) / 1024
-    C.log(f"{len(ds)} JPEGs in {data_dir} (avg {avg_kb:.0f} KB; {time.perf_counter() - t:.0f} s to write or find)")
+    log(f"{len(ds)} JPEGs in {data_dir} (avg {avg_kb:.0f} KB; {time.perf_counter() - t:.0f} s to write or find)")
 
     # Ray's workers on both nodes import the example's module (Ray Data's map does) from this checkout.
-    pythonpath = os.pathsep.join(filter(None, [REPO, EXAMPLES, os.environ.get("PYTHONPATH")]))
-    cluster = C.LocalCluster(
+    pythonpath = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    cluster = LocalCluster(
         args.cluster_dir,
         args.port,
         args.dashboard_port,
         env={"RAYDL_CLUSTER_HEAD_CPUS": "1", "RAYDL_CLUSTER_OBJECT_STORE_BYTES": "500000000", "PYTHONPATH": pythonpath},
     )
-    gate = C.QuietGate(
+    gate = QuietGate(
         args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 10),
         args.quiet_budget_s,
         cluster.pids,
@@ -205,19 +207,19 @@ def main(argv: list | None = None) -> int:
     # One batch's data work in this process, then the fixed steps, on the idle trainer core before Ray starts.
     gate.wait()
     d_all = data_ms_per_batch(ds, bs, 3 if args.quick else 8)
-    data_direct = C.median(d_all)
-    C.log(f"one batch of {bs} made in this process: {data_direct:.0f} ms ({min(d_all):.0f}–{max(d_all):.0f})")
+    data_direct = median(d_all)
+    log(f"one batch of {bs} made in this process: {data_direct:.0f} ms ({min(d_all):.0f}–{max(d_all):.0f})")
     s_real: dict = {}
 
     def make_step(ms: float) -> O.TrainStep:
         step = O.TrainStep(ms)
         s_real[ms] = step_ms(step) if ms else 0.0
-        C.log(f"train step {ms:g} ms -> {step.reps} matmuls ({s_real[ms]:.0f} ms measured now)")
+        log(f"train step {ms:g} ms -> {step.reps} matmuls ({s_real[ms]:.0f} ms measured now)")
         return step
 
     fixed = {float(x): make_step(float(x)) for x in wanted if x != "D"}
     busy_code = (
-        f"sys.path.insert(0, {EXAMPLES!r})\nfrom train_image_classifier import JpegFolder, TrainTransform\n"
+        "from examples.train_image_classifier import JpegFolder, TrainTransform\n"
         f"ds = JpegFolder({data_dir!r}, TrainTransform(224))\ni = 0\n"
         "while True:\n    ds[i % len(ds)]; i += 1"
     )
@@ -230,7 +232,7 @@ def main(argv: list | None = None) -> int:
         sample_code=busy_code,
         settle_s=3.0,
     )
-    C.log(
+    log(
         f"contention: an image takes {contention[0]:.2f}x as long, a train step {contention[1]:.2f}x, "
         "while the other core is busy"
     )
@@ -254,20 +256,20 @@ def main(argv: list | None = None) -> int:
         import ray
         from ray import cloudpickle
 
-        for mod in (T, B, sys.modules[__name__]):  # the workers cannot import these by name
+        for mod in (T, sys.modules["benchmarks.common.peers"], sys.modules[__name__]):  # shipped by value
             cloudpickle.register_pickle_by_value(mod)
         driver_node = ray.get_runtime_context().get_node_id()
 
-        def make(name: str) -> B.Loader:
+        def make(name: str) -> Loader:
             if name == "torch":
-                return B.TorchLike("torch", ds, args)
+                return TorchLike("torch", ds, args)
             if name == "raydl-auto":  # no placement hints: raydl's own plan decides the node
-                return B.TorchLike("raydl", ds, args)
+                return TorchLike("raydl", ds, args)
             if name == "raydl-hinted":
-                return B.TorchLike("raydl", ds, args, raydl_kwargs={"ray_remote_args": hint})
+                return TorchLike("raydl", ds, args, raydl_kwargs={"ray_remote_args": hint})
             if name == "raydl-ray":
-                return B.TorchLike("raydl", ds, args, raydl_kwargs={"ray_lane": False})
-            return B.RayDataLoader(ds, args, remote_args=hint)
+                return TorchLike("raydl", ds, args, raydl_kwargs={"ray_lane": False})
+            return RayDataLoader(ds, args, remote_args=hint)
 
         # Where everything runs: checked, not assumed.
         placement["driver_affinity"] = sorted(os.sched_getaffinity(0))
@@ -300,12 +302,12 @@ def main(argv: list | None = None) -> int:
         loader.close()
         del loader
         res.write({"section": "placement", **placement})
-        C.log(f"placement: {placement}")
+        log(f"placement: {placement}")
 
         for x in wanted:
             if x == "D":  # the balanced row: a step as costly as torch's data work per batch on the one core
                 d_ms = data_torch or data_direct
-                C.log(
+                log(
                     f"D = {d_ms:.0f} ms per batch ({'torch, no step' if data_torch else 'in this process'}): "
                     f"adding a {round(d_ms)} ms step"
                 )
@@ -317,7 +319,7 @@ def main(argv: list | None = None) -> int:
                 gc.collect()
                 loader = make(name)
                 gate.wait()
-                with C.LoadMonitor(extra_roots=cluster.pids) as mon:
+                with LoadMonitor(extra_roots=cluster.pids) as mon:
                     run = functools.partial(forked, O.run_epochs) if name == "torch" else O.run_epochs
                     r = run(Epochs(loader), epochs, step)
                 loader.close()
@@ -339,18 +341,18 @@ def main(argv: list | None = None) -> int:
                 }
                 res.write(rec)
                 got[name].append(rec)
-                C.log(
+                log(
                     f"train {ms:g} ms/batch rep {rep} {name:12s} {r['samples_per_s']:6.1f} images/s "
                     f"(foreign load {mon.foreign_cores:.2f} cores)"
                 )
             tr = [r["images_per_s"] for r in got["torch"]]
             if ms == 0:
-                data_torch = 1e3 * bs / C.median(tr)
+                data_torch = 1e3 * bs / median(tr)
             d_ideal = data_torch or data_direct
             ideal, contended = O.offload_ceilings(d_ideal, ms, contention)
             n_batches = -(-len(ds) // bs)
             in_epoch = O.epoch_ceiling(d_ideal, ms, contention, n_batches)
-            row = [f"{ms:g}" + (" (S = D)" if x == "D" else ""), f"{C.median(tr):,.0f} ({min(tr):,.0f}–{max(tr):,.0f})"]
+            row = [f"{ms:g}" + (" (S = D)" if x == "D" else ""), f"{median(tr):,.0f} ({min(tr):,.0f}–{max(tr):,.0f})"]
             for name in variants:
                 d = [r["images_per_s"] for r in got[name]]
                 paired, cells = O.paired_cells(d, tr)
@@ -360,9 +362,9 @@ def main(argv: list | None = None) -> int:
                         "section": "offload_summary",
                         "loader": name,
                         "train_ms": ms,
-                        "torch_median": C.median(tr),
-                        "median": C.median(d),
-                        "ratio_paired_median": C.median(paired),
+                        "torch_median": median(tr),
+                        "median": median(d),
+                        "ratio_paired_median": median(paired),
                         "ratio_paired_all": paired,
                         "ideal": ideal,
                         "contended_ceiling": contended,
@@ -370,19 +372,19 @@ def main(argv: list | None = None) -> int:
                     }
                 )
                 if x == "D" and name.startswith("raydl"):
-                    verdict = "met" if C.median(paired) >= TARGET else "NOT met"
+                    verdict = "met" if median(paired) >= TARGET else "NOT met"
                     share = ""
                     if in_epoch != "—":
-                        share = f", {100 * C.median(paired) / float(in_epoch.rstrip('×')):.0f} % of the epoch's"
+                        share = f", {100 * median(paired) / float(in_epoch.rstrip('×')):.0f} % of the epoch's"
                     notes.append(
-                        f"target ≥ {TARGET}× torch at S = D: {name} {C.median(paired):.2f}× — {verdict} "
+                        f"target ≥ {TARGET}× torch at S = D: {name} {median(paired):.2f}× — {verdict} "
                         f"(ideal {ideal}, ceiling with the cores contended {contended}, over an epoch {in_epoch}"
                         f"{share})"
                     )
-            fl = C.median([r["foreign_cores"] for name in names for r in got[name]])
+            fl = median([r["foreign_cores"] for name in names for r in got[name]])
             rows.append(row + [ideal, contended, in_epoch, f"{fl:.2f}"])
     finally:
-        C.disconnect_and_stop(cluster)
+        disconnect_and_stop(cluster)
 
     if data_torch:
         d_text = (
@@ -403,7 +405,7 @@ def main(argv: list | None = None) -> int:
         f"## Images, offload shape: JPEG pipeline, trainer on one core, workers on a second node "
         f"({'quick' if args.quick else 'full'} run)",
         "",
-        C.describe_machine(info),
+        describe_machine(info),
         "",
         f"{len(ds)} generated JPEGs (500x375, ~{avg_kb:.0f} KB) per epoch, PIL decode + RandomResizedCrop(224) + "
         f"flip + to tensor + normalize, batch {bs}, shuffled, {W} workers, persistent. Trainer (this process, "
@@ -431,7 +433,7 @@ def main(argv: list | None = None) -> int:
     for name in variants:
         header += [f"{name} images/s", f"{name} / torch (paired)"]
     lines.append(
-        C.md_table(
+        md_table(
             header + ["ideal offload ratio", "ceiling, cores contended", "same, over an epoch", "foreign load (cores)"],
             rows,
         )

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """A job pool (`ray_job`) against private pools per rank: a straggler worker, balanced load, sample seeding.
 
-    python benchmarks/bench_job.py            # ~3 min
-    python benchmarks/bench_job.py --quick    # ~1 min
+    python -m benchmarks.bench_job            # ~3 min
+    python -m benchmarks.bench_job --quick    # ~1 min
 
 Two DDP ranks are two loaders in this process stepping in lockstep, as DDP's ranks do (a step
 waits for every rank's batch), each with `DistributedSampler(num_replicas=2, rank=r)` and
@@ -16,7 +16,7 @@ step = both ranks' batches), and ratios are paired within a repetition.
 Also: `ray_seed="sample"` against `"batch"` on the overhead floor (a 16-float sample, batch 64,
 one rank, 2 workers): samples/s, paired.
 
-    python benchmarks/bench_job.py --autoscale   # ~4 min: the job's autoscaler (NOTE [ raydl job elastic ])
+    python -m benchmarks.bench_job --autoscale   # ~4 min: the job's autoscaler (NOTE [ raydl job elastic ])
 
 Two lockstep ranks on an I/O-bound dataset (`--io-ms` of sleep per sample: a remote read), one
 long epoch: a job pool fixed at 1 worker per rank, one fixed at `--max-per-rank`, and one with
@@ -32,14 +32,13 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import numpy as np
+import torch
+from torch.utils.data import Dataset, get_worker_info
+from torch.utils.data.distributed import DistributedSampler
 
-import _common as C  # noqa: E402  (sets the loopback variable before Ray is imported)
-import numpy as np  # noqa: E402
-import torch  # noqa: E402
-from torch.utils.data import Dataset, get_worker_info  # noqa: E402
-from torch.utils.data.distributed import DistributedSampler  # noqa: E402
+from benchmarks.common.machine import describe_machine, machine_info
+from benchmarks.common.results import Results, log, md_table, median
 
 
 class Spin(Dataset):
@@ -106,7 +105,7 @@ def job_steps_per_s(args, job: bool, straggler: bool, rep: int) -> float:
     finally:
         for loader in loaders:
             loader.shutdown()
-    return C.median(rates)
+    return median(rates)
 
 
 class Sleepy(Dataset):
@@ -186,7 +185,7 @@ def autoscale_report(args, runs: list) -> list:
         rows.append(
             [
                 label,
-                f"{C.median([r['settled_steps_per_s'] for r in rs]):.1f}",
+                f"{median([r['settled_steps_per_s'] for r in rs]):.1f}",
                 ", ".join(str(r["final_size"]) for r in rs),
                 ", ".join(str(r["last_change_step"]) for r in rs),
             ]
@@ -195,10 +194,10 @@ def autoscale_report(args, runs: list) -> list:
         f"Job autoscaler: 2 ranks in lockstep, batch {args.batch} per rank, {args.io_ms} ms of sleep per sample "
         f"(I/O), {args.autoscale_steps} steps, {args.reps} repetition(s); steps/s over the second half",
         "",
-        C.md_table(["pool", "job steps/s, settled", "job workers at the end", "step of the last change"], rows),
+        md_table(["pool", "job steps/s, settled", "job workers at the end", "step of the last change"], rows),
         "",
-        f"autoscaled / fixed at {args.max_per_rank} per rank (paired): {C.median(auto_vs_max):.2f}x "
-        f"({min(auto_vs_max):.2f}-{max(auto_vs_max):.2f}); autoscaled / fixed at 1: {C.median(auto_vs_one):.2f}x "
+        f"autoscaled / fixed at {args.max_per_rank} per rank (paired): {median(auto_vs_max):.2f}x "
+        f"({min(auto_vs_max):.2f}-{max(auto_vs_max):.2f}); autoscaled / fixed at 1: {median(auto_vs_one):.2f}x "
         f"({min(auto_vs_one):.2f}-{max(auto_vs_one):.2f})",
         "",
         "Decisions (first repetition): " + "; ".join(by["auto"][0]["decisions"]),
@@ -220,7 +219,7 @@ def seeding_samples_per_s(mode: str, epochs: int) -> float:
                 rates.append(count / (time.perf_counter() - t0))
     finally:
         loader.shutdown()
-    return C.median(rates)
+    return median(rates)
 
 
 def main() -> int:
@@ -241,9 +240,9 @@ def main() -> int:
     args.steps = args.steps or (20 if args.quick else 40)
     import ray
 
-    info = C.machine_info(ray.__version__)
+    info = machine_info(ray.__version__)
     ray.init(address="local", include_dashboard=False)
-    results = C.Results("bench_job", args.quick)
+    results = Results("bench_job", args.quick)
     results.write({"machine": info, "args": vars(args)})
     if args.autoscale:
         args.autoscale_steps = args.autoscale_steps or (300 if args.quick else 1500)
@@ -256,13 +255,13 @@ def main() -> int:
                     run = autoscale_run(args, mode, rep)
                     runs.append(run)
                     results.write(run)
-                    C.log(
+                    log(
                         f"rep {rep}: {mode:9s} {run['settled_steps_per_s']:.1f} steps/s settled, "
                         f"{run['final_size']} workers at the end, last change at step {run['last_change_step']}"
                     )
         finally:
             ray.shutdown()
-        report = "\n".join([C.describe_machine(info), ""] + autoscale_report(args, runs))
+        report = "\n".join([describe_machine(info), ""] + autoscale_report(args, runs))
         print(report)
         results.write_text(".md", report + "\n")
         results.close()
@@ -277,12 +276,12 @@ def main() -> int:
                 rate = job_steps_per_s(args, job, straggler, rep)
                 rows.setdefault((name, straggler), []).append(rate)
                 results.write({"case": name, "straggler": straggler, "rep": rep, "steps_per_s": rate})
-                C.log(f"rep {rep}: {name:7s} straggler={straggler}: {rate:.1f} steps/s")
+                log(f"rep {rep}: {name:7s} straggler={straggler}: {rate:.1f} steps/s")
             for mode in ["batch", "sample"] if rep % 2 == 0 else ["sample", "batch"]:
                 rate = seeding_samples_per_s(mode, args.epochs)
                 seeding[mode].append(rate)
                 results.write({"case": f"seed-{mode}", "rep": rep, "samples_per_s": rate})
-                C.log(f"rep {rep}: ray_seed={mode}: {rate:.0f} samples/s")
+                log(f"rep {rep}: ray_seed={mode}: {rate:.0f} samples/s")
     finally:
         ray.shutdown()
 
@@ -292,37 +291,37 @@ def main() -> int:
     strag, bal = ratio(("job", True), ("private", True)), ratio(("job", False), ("private", False))
     seed_ratio = [s / b for s, b in zip(seeding["sample"], seeding["batch"])]
     lines = [
-        C.describe_machine(info),
+        describe_machine(info),
         "",
         f"2 ranks x {args.num_workers} workers, batch {args.batch} per rank, {args.sample_ms} ms CPU per sample, "
         f"{args.steps} steps per epoch, {args.reps} repetition(s), median of {args.epochs} epochs each",
         "",
-        C.md_table(
+        md_table(
             ["case", "private pools, steps/s", "job pool, steps/s", "job / private (paired), median (min-max)"],
             [
                 [
                     "one worker 3x slower",
-                    f"{C.median(rows[('private', True)]):.1f}",
-                    f"{C.median(rows[('job', True)]):.1f}",
-                    f"**{C.median(strag):.2f}x** ({min(strag):.2f}-{max(strag):.2f})",
+                    f"{median(rows[('private', True)]):.1f}",
+                    f"{median(rows[('job', True)]):.1f}",
+                    f"**{median(strag):.2f}x** ({min(strag):.2f}-{max(strag):.2f})",
                 ],
                 [
                     "balanced",
-                    f"{C.median(rows[('private', False)]):.1f}",
-                    f"{C.median(rows[('job', False)]):.1f}",
-                    f"**{C.median(bal):.2f}x** ({min(bal):.2f}-{max(bal):.2f})",
+                    f"{median(rows[('private', False)]):.1f}",
+                    f"{median(rows[('job', False)]):.1f}",
+                    f"**{median(bal):.2f}x** ({min(bal):.2f}-{max(bal):.2f})",
                 ],
             ],
         ),
         "",
-        C.md_table(
+        md_table(
             ["overhead floor, 1 rank, 2 workers", "samples/s", "vs batch (paired)"],
             [
-                ["ray_seed='batch'", f"{C.median(seeding['batch']):.0f}", "1.00x"],
+                ["ray_seed='batch'", f"{median(seeding['batch']):.0f}", "1.00x"],
                 [
                     "ray_seed='sample'",
-                    f"{C.median(seeding['sample']):.0f}",
-                    f"{C.median(seed_ratio):.2f}x ({min(seed_ratio):.2f}-{max(seed_ratio):.2f})",
+                    f"{median(seeding['sample']):.0f}",
+                    f"{median(seed_ratio):.2f}x ({min(seed_ratio):.2f}-{max(seed_ratio):.2f})",
                 ],
             ],
         ),

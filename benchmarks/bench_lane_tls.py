@@ -1,7 +1,7 @@
 """CPU per MB of a TCP lane with TLS (NOTE [ raydl lane TLS ]) against a plain one, on loopback: the driver's reader
 and the worker's writer, each its own thread's CPU time, over the lanes' own send_reply / recv_reply.
 
-    .venv/bin/python benchmarks/bench_lane_tls.py [--mb 64] [--batch-mb 4] [--reps 5]
+    .venv/bin/python -m benchmarks.bench_lane_tls [--mb 64] [--batch-mb 4] [--reps 5]
 
 Makes a throwaway CA and node certificate with `openssl` in a temporary directory (no Ray needed).
 """
@@ -13,12 +13,14 @@ import os
 import socket
 import statistics
 import subprocess
+import sys
 import tempfile
 import threading
 import time
 
 import numpy as np
 
+from benchmarks.common.results import printed_report
 from raydl._constants import LANE_TCP_WAKE_BYTES
 from raydl.driver.lane import listen_for_lane
 from raydl.worker.lane import connect_lane, recv_reply, send_reply
@@ -104,4 +106,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_lane_tls", quick="--quick" in sys.argv):
+        main()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """Memory of a metadata dataset under torch's DataLoader and raydl: Python objects vs raydl.ArrowDataset.
 
-    python benchmarks/bench_memory.py            # full run: 5 M rows, 8 workers, batch 256, 2 epochs
-    python benchmarks/bench_memory.py --quick    # smoke run: 200 k rows, 4 workers
-    python benchmarks/bench_memory.py --rows 2000000
+    python -m benchmarks.bench_memory            # full run: 5 M rows, 8 workers, batch 256, 2 epochs
+    python -m benchmarks.bench_memory --quick    # smoke run: 200 k rows, 4 workers
+    python -m benchmarks.bench_memory --rows 2000000
 
 The dataset: `rows` rows of (path "images/00001234.jpg", int label, a short caption), about
 200 bytes a row as Python objects, about 60 as Arrow. Each loader runs in its own fresh
@@ -37,21 +37,22 @@ import gc
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Any
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-import pyarrow as pa  # noqa: E402
-import pyarrow.compute as pc  # noqa: E402
-import torch  # noqa: E402
-import torch.utils.data  # noqa: E402
+import numpy as np
+import psutil
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.utils.data
 
-import raydl  # noqa: E402
+import raydl
+from benchmarks.common import REPO
+from benchmarks.common.machine import describe_machine, machine_info, object_store_stats
+from benchmarks.common.processes import script_command
+from benchmarks.common.results import Results, log, md_table
 
 LOADERS = ("torch-list", "raydl-list", "raydl-arrow", "torch-arrow", "raydl-arrow-mmap")
 # Idle workers: a 64-row dataset; "-arrow" holds a 64-row ArrowDataset (the worker imports pyarrow).
@@ -190,7 +191,7 @@ def run_one(kind: str, rows: int, workers: int, batch_size: int, epochs: int, ip
     gc.collect()
     if uses_ray:
         worker_pids = [r.pid for r in loader.worker_records]
-        store = C.object_store_stats().get("used_bytes", 0)
+        store = object_store_stats().get("used_bytes", 0)
         system = sum(pss(p)["pss"] for p in ray_system_pids() if psutil.pid_exists(p))
     else:
         worker_pids = [c.pid for c in psutil.Process().children()]
@@ -247,8 +248,7 @@ def getitems_speed(rows: int, batch_size: int, batches: int) -> dict:
 
 def _child(kind: str, args: argparse.Namespace, ipc_path: str) -> dict:
     cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *script_command("bench_memory"),
         "--one",
         kind,
         "--rows",
@@ -263,7 +263,7 @@ def _child(kind: str, args: argparse.Namespace, ipc_path: str) -> dict:
         ipc_path,
     ]
     env = dict(os.environ)
-    env["PYTHONPATH"] = C.REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout_s, env=env)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
@@ -337,8 +337,8 @@ def main() -> None:
         print("RESULT " + json.dumps(record))
         return
 
-    info = C.machine_info()
-    results = C.Results("bench_memory", args.quick)
+    info = machine_info()
+    results = Results("bench_memory", args.quick)
     start = time.perf_counter()
     folder = tempfile.mkdtemp(prefix="raydl_bench_memory_")
     ipc_path = os.path.join(folder, "metadata.arrow")
@@ -350,14 +350,14 @@ def main() -> None:
     del table
     speed = getitems_speed(min(args.rows, 1_000_000), args.batch_size, args.speed_batches)
     results.write({"speed": speed, **info})
-    C.log(
+    log(
         f"__getitems__ {speed['getitems_ms']:.2f} ms/batch vs row by row {speed['row_by_row_ms']:.2f} ms: {speed['speedup']:.1f}x"
     )
     idle = {}
     for kind in IDLE:
         idle[kind] = _child(kind, argparse.Namespace(**{**vars(args), "rows": 64}), ipc_path)
         results.write(idle[kind])
-        C.log(f"{kind}: {idle[kind].get('error') or [round(x / MB) for x in idle[kind]['worker_pss_each']]}")
+        log(f"{kind}: {idle[kind].get('error') or [round(x / MB) for x in idle[kind]['worker_pss_each']]}")
     records = {}
     only = args.only.split(",") if args.only else LOADERS
     free_at_start = psutil.virtual_memory().available
@@ -371,14 +371,14 @@ def main() -> None:
                 "error": f"skipped: would need about {need / 2**30:.1f} GiB, "
                 f"{psutil.virtual_memory().available / 2**30:.1f} GiB available (use fewer --rows)",
             }
-            C.log(records[kind]["error"])
+            log(records[kind]["error"])
             continue
-        C.log(f"{kind}: running ({psutil.virtual_memory().available / 2**30:.1f} GiB available)")
+        log(f"{kind}: running ({psutil.virtual_memory().available / 2**30:.1f} GiB available)")
         records[kind] = _child(kind, args, ipc_path)
         records[kind]["available_before"] = psutil.virtual_memory().available
         results.write(records[kind])
         r = records[kind]
-        C.log(
+        log(
             f"{kind}: "
             + (
                 r["error"][-300:]
@@ -396,7 +396,7 @@ def main() -> None:
     lines = [
         f"# bench_memory: {args.rows:,} rows, {args.workers} workers, batch {args.batch_size}, {args.epochs} epochs (shuffled)",
         "",
-        C.describe_machine(info),
+        describe_machine(info),
         f"Memory available at start: {free_at_start / 2**30:.1f} GiB of {psutil.virtual_memory().total / 2**30:.1f} (a shared machine).",
         f"One copy of the Arrow table: {_mb(table_bytes)} MiB.",
         "",
@@ -436,7 +436,7 @@ def main() -> None:
                 _mb(r["ray_system_pss"]) if kind.startswith("raydl") else "–",
             ]
         )
-    lines += [C.md_table(header, rows), ""]
+    lines += [md_table(header, rows), ""]
     lines += [
         "fixed = the driver's PSS before the dataset existed + workers × an idle worker's PSS (below; for raydl over "
         "Arrow, an idle worker holding a 64-row ArrowDataset, i.e. with pyarrow imported).",
@@ -454,7 +454,7 @@ def main() -> None:
     lines += [
         "Idle worker (a 64-row dataset), mean over the workers:",
         "",
-        C.md_table(["worker", "PSS (MiB)", "USS (MiB)"], idle_rows),
+        md_table(["worker", "PSS (MiB)", "USS (MiB)"], idle_rows),
         "",
     ]
     ra = records.get("raydl-arrow")
@@ -475,7 +475,7 @@ def main() -> None:
         f"Run took {(time.perf_counter() - start) / 60:.1f} min; load average at end "
         f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.",
     ]
-    png = results.prefix + ".png"
+    png = results.figure_path()
     try:
         _chart(
             records,
@@ -484,7 +484,7 @@ def main() -> None:
             png,
             f"{args.rows:,} rows, {args.workers} workers: memory at the end of epoch {args.epochs}",
         )
-        lines.append(f"Chart: {os.path.relpath(png, C.REPO)}")
+        lines.append(f"Chart: {os.path.relpath(png, REPO)}")
     except Exception as e:  # matplotlib missing: the table is the result
         lines.append(f"(no chart: {e})")
     report = "\n".join(lines)

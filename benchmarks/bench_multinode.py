@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Batches made on other Ray nodes: per-batch latency and bandwidth through Ray's object transfer.
 
-    python benchmarks/bench_multinode.py            # full run (about 3-5 minutes with cluster start-up)
-    python benchmarks/bench_multinode.py --quick    # smoke run (about 1-2 minutes)
+    python -m benchmarks.bench_multinode            # full run (about 3-5 minutes with cluster start-up)
+    python -m benchmarks.bench_multinode --quick    # smoke run (about 1-2 minutes)
 
 A local multi-node cluster (cluster/local_cluster.sh: a head node with the driver and 2 worker
 nodes with resource "data", every node its own raylet and object store, all on 127.0.0.1; own
@@ -32,17 +32,17 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.metadata
-import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402
-import torch  # noqa: E402
-import torch.utils.data  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import torch
+import torch.utils.data
+from torch.utils.data import Dataset
 
-import raydl  # noqa: E402
+import raydl
+from benchmarks.common.clusters import LocalCluster, connect_driver, disconnect_and_stop, wait_for_nodes
+from benchmarks.common.machine import LoadMonitor, QuietGate, describe_machine, machine_info
+from benchmarks.common.results import Results, log, md_table, median, percentile
 
 SIZES = [64 << 10, 256 << 10, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
 
@@ -96,12 +96,12 @@ def main() -> int:
     budget = (128 << 20) if args.quick else (768 << 20)  # bytes per epoch and size
     start = time.perf_counter()
 
-    info = C.machine_info(ray_version=importlib.metadata.version("ray"))
-    res = C.Results("multinode", args.quick)
+    info = machine_info(ray_version=importlib.metadata.version("ray"))
+    res = Results("bench_multinode", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
-    C.log(C.describe_machine(info))
+    log(describe_machine(info))
 
-    cluster = C.LocalCluster(
+    cluster = LocalCluster(
         args.cluster_dir,
         args.port,
         args.dashboard_port,
@@ -112,14 +112,14 @@ def main() -> int:
     try:
         t0 = time.perf_counter()
         cluster.start(2)
-        C.connect_driver(cluster.address)
+        connect_driver(cluster.address)
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        C.wait_for_nodes(3)
+        wait_for_nodes(3)
         cluster_start_s = time.perf_counter() - t0
         driver_node = ray.get_runtime_context().get_node_id()
-        C.log(f"cluster up in {cluster_start_s:.1f} s; driver on node {driver_node[:8]}")
+        log(f"cluster up in {cluster_start_s:.1f} s; driver on node {driver_node[:8]}")
         remote_args = {
             "remote": {"resources": {"data": 1}},
             "remote-ray": {"resources": {"data": 1}},
@@ -154,8 +154,8 @@ def main() -> int:
             if hasattr(loader, "shutdown"):
                 loader.shutdown()
             return {
-                "p50_ms": C.percentile(lat, 50) * 1e3,
-                "p95_ms": C.percentile(lat, 95) * 1e3,
+                "p50_ms": percentile(lat, 50) * 1e3,
+                "p95_ms": percentile(lat, 95) * 1e3,
                 "mean_ms": sum(lat) / len(lat) * 1e3,
                 "batches": len(lat),
                 "worker_nodes": nodes,
@@ -184,7 +184,7 @@ def main() -> int:
                 "worker_nodes": nodes,
             }
 
-        gate = C.QuietGate(
+        gate = QuietGate(
             args.quiet_wait_s if args.quiet_wait_s is not None else (0 if args.quick else 5), 90, cluster.pids
         )
         for size in SIZES:
@@ -199,7 +199,7 @@ def main() -> int:
                 for where in order:
                     gc.collect()
                     gate.wait()
-                    with C.LoadMonitor(extra_roots=cluster.pids) as mon:
+                    with LoadMonitor(extra_roots=cluster.pids) as mon:
                         lat = latency(where, size, n_lat)
                         bw = bandwidth(where, size, n_bw)
                     rec = {
@@ -215,17 +215,17 @@ def main() -> int:
                     res.write(rec)
                     results.setdefault((size, where), []).append(rec)
                     placement_seen.setdefault(where, set()).update(lat["worker_nodes"] + bw["worker_nodes"])
-                    C.log(
+                    log(
                         f"{human(size):>6s} {where:10s} rep {rep}: p50 {lat['p50_ms']:8.2f} ms  p95 {lat['p95_ms']:8.2f} ms  "
                         f"{bw['mb_per_s']:8.0f} MB/s  driver CPU {bw['driver_cpu_ms_per_batch']:7.2f} ms/batch  "
                         f"(workers on {bw['worker_nodes']}; foreign load {mon.foreign_cores:.2f})"
                     )
     finally:
-        C.disconnect_and_stop(cluster)
+        disconnect_and_stop(cluster)
 
     rows = []
     for size in SIZES:
-        get = lambda where, key: C.median([r[key] for r in results[(size, where)]])  # noqa: E731
+        get = lambda where, key: median([r[key] for r in results[(size, where)]])  # noqa: E731
         rows.append(
             [
                 human(size),
@@ -239,13 +239,13 @@ def main() -> int:
                 f"{get('torch', 'bw_mb_per_s'):,.0f}",
                 f"{get('remote', 'bw_mb_per_s') / get('local', 'bw_mb_per_s'):.2f}×",
                 f"{get('remote', 'bw_driver_cpu_ms_per_batch'):.2f} / {get('remote-ray', 'bw_driver_cpu_ms_per_batch'):.2f}",
-                f"{C.median([r['foreign_cores'] for w in WHERE for r in results[(size, w)]]):.2f}",
+                f"{median([r['foreign_cores'] for w in WHERE for r in results[(size, w)]]):.2f}",
             ]
         )
     lines = [
         f"## raydl multi-node transfer benchmark ({'quick' if args.quick else 'full'} run)",
         "",
-        C.describe_machine(info),
+        describe_machine(info),
         "",
         'Local cluster: head (driver, {"trainer": 1}, 1 CPU) + 2 worker nodes ({"data": 4}, 2 CPUs each), every '
         f"node its own raylet and object store ({args.object_store_bytes / 1e9:g} GB), all on 127.0.0.1 of this one "
@@ -261,7 +261,7 @@ def main() -> int:
         "",
     ]
     lines.append(
-        C.md_table(
+        md_table(
             [
                 "batch",
                 "remote p50/p95 ms",

@@ -4,7 +4,7 @@ driver in the head's namespace. MB/s of batches handed to the loop for TCP lanes
 started with Ray's TLS) and Ray's transfer (`ray_lane=False`, with and without TLS), against the head's link cap
 (every batch enters the driver's node through its one link).
 
-    .venv/bin/python benchmarks/bench_netns.py [--rate 10gbit] [--mb 512] [--reps 3]
+    .venv/bin/python -m benchmarks.bench_netns [--rate 10gbit] [--mb 512] [--reps 3]
 
 Needs root (network namespaces). Starts and removes two clusters (one plain, one TLS) of its own.
 """
@@ -19,7 +19,9 @@ import subprocess
 import sys
 import time
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from benchmarks.common.processes import REPO, script_command
+from benchmarks.common.results import printed_report
+
 BATCH_MB = 4
 
 
@@ -73,12 +75,11 @@ def _driver(mb: int, reps: int, modes: list) -> dict:
 
 
 def _run_cluster(tls: bool, rate: str, mb: int, reps: int, modes: list) -> dict:
-    sys.path.insert(0, os.path.join(REPO, "cluster"))
-    import netns_cluster
+    from cluster import netns_cluster
 
     cluster = netns_cluster.NetnsCluster(workers=2, tag=f"b{os.getpid()}{'t' if tls else ''}", rate=rate, tls=tls)
     with cluster:
-        cmd = [*cluster.exec_prefix(0), sys.executable, os.path.abspath(__file__), "--driver", ",".join(modes)]
+        cmd = [*cluster.exec_prefix(0), *script_command("bench_netns", "--driver", ",".join(modes))]
         cmd += ["--mb", str(mb), "--reps", str(reps)]
         env = dict(cluster.driver_env(), PYTHONPATH=REPO)
         proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
@@ -102,8 +103,7 @@ def main() -> None:
     for tls in (False, True):
         for mode, res in _run_cluster(tls, a.rate, a.mb, a.reps, ["lanes", "ray"]).items():
             results[("TCP lanes" if mode == "lanes" else "Ray's transfer") + (" + TLS" if tls else "")] = res
-    sys.path.insert(0, os.path.join(REPO, "cluster"))
-    from netns_cluster import _rate_bits
+    from cluster.netns_cluster import _rate_bits
 
     cap = _rate_bits(a.rate) / 8 / 1e6
     print(f"\n{BATCH_MB} MiB batches, 2 worker nodes -> driver, links {a.rate} (head's link: {cap:.0f} MB/s), ")
@@ -119,4 +119,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_netns", quick="--quick" in sys.argv, enabled="--driver" not in sys.argv):
+        main()

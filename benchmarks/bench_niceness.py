@@ -1,7 +1,7 @@
 """CPU-bound throughput with every core busy: torch vs raydl with its workers at the driver's niceness vs at Ray's +15.
 
-    python benchmarks/bench_niceness.py                  # 3 repetitions, about 4 minutes on 2 cores
-    python benchmarks/bench_niceness.py --reps 5 --batches 60
+    python -m benchmarks.bench_niceness                  # 3 repetitions, about 4 minutes on 2 cores
+    python -m benchmarks.bench_niceness --reps 5 --batches 60
 
 Every measurement is a fresh Python process (`--child MODE`), so each raydl run starts its own
 local Ray with the niceness setting under test:
@@ -27,11 +27,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
+from benchmarks.common.processes import REPO, child_result, script_command, with_retries  # no torch, no Ray
+from benchmarks.common.results import printed_report
 
-REPO = os.path.dirname(HERE)
 MODES = ("torch", "raydl", "raydl-nice15")
 
 
@@ -43,10 +41,9 @@ def _busy(ms: float) -> None:
 
 
 def child(mode: str, batches: int, step_ms: float, workers: int) -> None:
-    sys.path.insert(0, HERE)
-    import _common as C  # noqa: E402 - sets the loopback env var before Ray is imported
+    from benchmarks.common.workloads import Workload, WorkloadDataset, register_by_value
 
-    wl = C.Workload("cpu", "CPU-bound", 64 * (batches + 4), 64, "cpu", cpu_iters=C_ITERS)
+    wl = Workload("cpu", "CPU-bound", 64 * (batches + 4), 64, "cpu", cpu_iters=C_ITERS)
     if mode == "torch":
         from torch.utils.data import DataLoader
 
@@ -54,10 +51,10 @@ def child(mode: str, batches: int, step_ms: float, workers: int) -> None:
     else:
         import raydl
 
-        C.register_by_value()
+        register_by_value()
         DataLoader = raydl.DataLoader
         kwargs = {}
-    loader = DataLoader(C.WorkloadDataset(wl), batch_size=64, num_workers=workers, persistent_workers=True, **kwargs)
+    loader = DataLoader(WorkloadDataset(wl), batch_size=64, num_workers=workers, persistent_workers=True, **kwargs)
     for _ in loader:  # warm-up epoch: start-up excluded
         _busy(step_ms)
     start = time.perf_counter()
@@ -97,8 +94,7 @@ def _run_child_once(mode: str, args) -> dict:
     if mode == "raydl-nice15":
         env["RAY_worker_niceness"] = "15"
     cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *script_command("bench_niceness"),
         "--child",
         mode,
         "--batches",
@@ -116,7 +112,7 @@ def _run_child_once(mode: str, args) -> dict:
 
 
 def run_child(*args, **kwargs) -> dict:
-    """One measurement in a child process, retried when the child fails (see _child.with_retries)."""
+    """One measurement in a child process, retried when the child fails (see processes.with_retries)."""
     return with_retries(_run_child_once, *args, **kwargs)
 
 
@@ -159,4 +155,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_niceness", quick="--quick" in sys.argv, enabled="--child" not in sys.argv):
+        main()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The trainer's CPU per batch against the size of the pool: 4, 16, 32 and 64 workers over cluster_utils nodes.
 
-    python benchmarks/bench_pool_cpu.py                       # 4, 16, 32, 64 workers, 5 stretches each (~10 min)
-    python benchmarks/bench_pool_cpu.py --sizes 4 64 --reps 3 # a quicker look
-    python benchmarks/bench_pool_cpu.py --profile 4 64        # also a cProfile of one more stretch at 4 and 64
+    python -m benchmarks.bench_pool_cpu                       # 4, 16, 32, 64 workers, 5 stretches each (~10 min)
+    python -m benchmarks.bench_pool_cpu --sizes 4 64 --reps 3 # a quicker look
+    python -m benchmarks.bench_pool_cpu --profile 4 64        # also a cProfile of one more stretch at 4 and 64
 
 A `ray.cluster_utils.Cluster` (every raylet on 127.0.0.1): a head with the driver (resource "trainer", no
 worker goes there) and 8 data nodes of 2 CPUs each. Each pool size has a resource of its own on the nodes
@@ -46,13 +46,13 @@ import time
 from collections import Counter
 from typing import Optional
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-import numpy as np  # noqa: E402
-import psutil  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import numpy as np
+import psutil
+from torch.utils.data import Dataset
 
-import raydl  # noqa: E402
+import raydl
+from benchmarks.common.machine import describe_machine, machine_info
+from benchmarks.common.results import RESULTS_DIR, Results, log, md_table, median
 
 NODES = 8
 WORKERS_PER_NODE = 8
@@ -137,7 +137,7 @@ class Pool:
         self.wall_us.append((time.perf_counter() - w0) / n * 1e6)
         self.calls.append((sched.calls_sent - calls0) / n)
         fetch = sched._fetch_s.values()  # each worker's moving average of its batch time: the call sizes
-        self.fetch_ms.append(C.median([x * 1e3 for x in fetch]))
+        self.fetch_ms.append(median([x * 1e3 for x in fetch]))
         return cpu_us
 
     def profile(self, n: int, profile_dir: str) -> None:
@@ -153,7 +153,7 @@ class Pool:
             path = os.path.join(profile_dir, f"pool_cpu_{self.size}_{key}.txt")
             with open(path, "w") as f:
                 f.write(out.getvalue())
-            C.log(f"  profile ({key}) written to {path}")
+            log(f"  profile ({key}) written to {path}")
 
     def record(self) -> dict:
         lanes = self.it._calls._lanes
@@ -196,7 +196,7 @@ def main() -> int:
         help="also a stretch with every call carrying this many batches after each adaptive one (0: none)",
     )
     p.add_argument("--profile", type=int, nargs="*", default=[], help="pool sizes to profile (cProfile)")
-    p.add_argument("--profile-dir", default=C.RESULTS_DIR)
+    p.add_argument("--profile-dir", default=RESULTS_DIR)
     p.add_argument("--quick", action="store_true", help="4 and 64 workers, 1 stretch")
     args = p.parse_args()
     if args.quick:
@@ -208,13 +208,12 @@ def main() -> int:
     import ray
     from ray.cluster_utils import Cluster
 
-    sys.path.insert(0, C.REPO)
     from tests._session import patient_clusters
 
-    info = C.machine_info(ray_version=importlib.metadata.version("ray"))
-    res = C.Results("pool_cpu", args.quick)
+    info = machine_info(ray_version=importlib.metadata.version("ray"))
+    res = Results("bench_pool_cpu", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
-    C.log(C.describe_machine(info))
+    log(describe_machine(info))
     patient_clusters()
     t0 = time.perf_counter()
     cluster = Cluster(
@@ -237,19 +236,19 @@ def main() -> int:
         ray.init(address=cluster.address)
         cluster.wait_for_nodes()
         cluster_start_s = time.perf_counter() - t0
-        C.log(f"cluster up in {cluster_start_s:.1f} s: head + {NODES} nodes")
+        log(f"cluster up in {cluster_start_s:.1f} s: head + {NODES} nodes")
         # The first size is the baseline: its pool stays up while each other size's pool is started, measured in
         # stretches alternating with it, and ended (its workers killed: 116 idle workers importing torch do not
         # fit this host's memory at once), so every ratio is paired with the baseline measured in the same minutes.
         base = Pool(args.sizes[0], args)
-        C.log(f"{base.size:3d} workers started and warmed up in {base.start_s:.0f} s")
+        log(f"{base.size:3d} workers started and warmed up in {base.start_s:.0f} s")
         idle = idle_cpu_per_s(args.idle_s)
         ratios: dict[int, list[float]] = {base.size: [1.0] * args.reps}
         fixed: dict[int, list[float]] = {base.size: [1.0] * args.reps if args.fixed_k else []}
         others: list[Pool] = []
         for size in args.sizes[1:]:
             pool = Pool(size, args)
-            C.log(f"{size:3d} workers started and warmed up in {pool.start_s:.0f} s")
+            log(f"{size:3d} workers started and warmed up in {pool.start_s:.0f} s")
             os_threads = max(os_threads, psutil.Process().num_threads())
             ratios[size], fixed[size] = [], []
             for rep in range(args.reps):
@@ -261,7 +260,7 @@ def main() -> int:
                     for p in pair:
                         p.stretch(args.batches, args.fixed_k)
                     fixed[size].append(pool.cpu_us_fixed[-1] / base.cpu_us_fixed[-1])
-                C.log(
+                log(
                     f"rep {rep}: {base.size}: {base.cpu_us[-1]:.0f} us ({base.calls[-1]:.2f} calls)/batch, "
                     f"{size}: {pool.cpu_us[-1]:.0f} us ({pool.calls[-1]:.2f} calls)/batch"
                 )
@@ -276,11 +275,11 @@ def main() -> int:
             rec["paired_ratio_fixed_k"] = fixed[rec["workers"]]
             res.write({"section": "pool_cpu", **rec, "idle_cpu_ms_per_s": idle * 1e3, "process_os_threads": os_threads})
             results.append(rec)
-            C.log(
-                f"{rec['workers']:3d} workers on {rec['nodes']} nodes: {C.median(rec['cpu_us_per_batch']):6.1f} us "
+            log(
+                f"{rec['workers']:3d} workers on {rec['nodes']} nodes: {median(rec['cpu_us_per_batch']):6.1f} us "
                 f"CPU/batch {[round(x, 1) for x in rec['cpu_us_per_batch']]}, paired ratio "
-                f"{C.median(rec['paired_ratio']):.2f}, wall {C.median(rec['wall_us_per_batch']):6.1f} us/batch, "
-                f"{C.median(rec['calls_per_batch']):.2f} calls/batch (workers' batch {C.median(rec['worker_batch_ms']):.2f} ms), threads {rec['py_threads']} Python "
+                f"{median(rec['paired_ratio']):.2f}, wall {median(rec['wall_us_per_batch']):6.1f} us/batch, "
+                f"{median(rec['calls_per_batch']):.2f} calls/batch (workers' batch {median(rec['worker_batch_ms']):.2f} ms), threads {rec['py_threads']} Python "
                 f"({rec['thread_names']})"
             )
         base.close()
@@ -292,13 +291,13 @@ def main() -> int:
         [
             r["workers"],
             r["nodes"],
-            f"{C.median(r['cpu_us_per_batch']):.0f} ({min(r['cpu_us_per_batch']):.0f}-{max(r['cpu_us_per_batch']):.0f})",
-            f"{C.median(r['paired_ratio']):.2f}× ({min(r['paired_ratio']):.2f}-{max(r['paired_ratio']):.2f})",
-            f"{C.median(r['calls_per_batch']):.2f}",
-            f"{C.median(r['worker_batch_ms']):.2f}",
-            f"{C.median(r['wall_us_per_batch']):.0f}",
+            f"{median(r['cpu_us_per_batch']):.0f} ({min(r['cpu_us_per_batch']):.0f}-{max(r['cpu_us_per_batch']):.0f})",
+            f"{median(r['paired_ratio']):.2f}× ({min(r['paired_ratio']):.2f}-{max(r['paired_ratio']):.2f})",
+            f"{median(r['calls_per_batch']):.2f}",
+            f"{median(r['worker_batch_ms']):.2f}",
+            f"{median(r['wall_us_per_batch']):.0f}",
             (
-                f"{C.median(r['cpu_us_per_batch_fixed_k']):.0f}, {C.median(r['paired_ratio_fixed_k']):.2f}×"
+                f"{median(r['cpu_us_per_batch_fixed_k']):.0f}, {median(r['paired_ratio_fixed_k']):.2f}×"
                 if r["cpu_us_per_batch_fixed_k"]
                 else "-"
             ),
@@ -309,7 +308,7 @@ def main() -> int:
     lines = [
         f"## raydl trainer CPU per batch against pool size ({'quick' if args.quick else 'full'} run)",
         "",
-        C.describe_machine(info),
+        describe_machine(info),
         "",
         f"ray.cluster_utils: head (driver) + {NODES} nodes of 2 CPUs, {WORKERS_PER_NODE} workers a node, all on "
         f"127.0.0.1; batch of {BATCH} trivial samples; driver process CPU (time.process_time) per batch over "
@@ -318,7 +317,7 @@ def main() -> int:
         f"ray_batches_per_call={args.batches_per_call or 'auto'}. Idle driver with every pool up: {idle * 1e3:.1f} ms "
         f"CPU/s; at most {os_threads} OS threads in the process (Ray's included).",
         "",
-        C.md_table(
+        md_table(
             [
                 "workers",
                 "nodes",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """What mid-epoch resume costs: state_dict() in the driver, steady-state throughput, first batch after a load.
 
-    python benchmarks/bench_resume.py            # full run
-    python benchmarks/bench_resume.py --quick    # smoke run
+    python -m benchmarks.bench_resume            # full run
+    python -m benchmarks.bench_resume --quick    # smoke run
 
 Measures (NOTE [ raydl checkpoint ] in raydl/driver/checkpoint.py):
   (a) `DataLoader.state_dict()` in the driver, mid-epoch, map-style, with 2 and 32 workers,
@@ -25,22 +25,20 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 
-os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
+from torch.utils.data import Dataset
 
-import torch  # noqa: E402
-from torch.utils.data import Dataset  # noqa: E402
+import raydl
+from benchmarks.common.machine import LoadMonitor, describe_machine, machine_info
+from benchmarks.common.results import Results, log, md_table, median, percentile
+from benchmarks.common.workloads import Workload, WorkloadDataset, calibrate_cpu_iters
+from raydl.driver.checkpoint import Tracker
+from raydl.worker.actor import BatchMeta
 
-import raydl  # noqa: E402
-from benchmarks import _common as C  # noqa: E402
-from raydl.driver.checkpoint import Tracker  # noqa: E402
-from raydl.worker.actor import BatchMeta  # noqa: E402
 
-
-class NoisyWorkload(C.WorkloadDataset):
+class NoisyWorkload(WorkloadDataset):
     """The workload's sample plus a draw from torch's global RNG (random augmentation)."""
 
     def __getitem__(self, i: int):
@@ -61,12 +59,12 @@ def _loader(ds: Dataset, workers: int, batch_size: int, **kw) -> raydl.DataLoade
     )
 
 
-def bench_state_dict(res: C.Results, quick: bool) -> list:
+def bench_state_dict(res: Results, quick: bool) -> list:
     rows = []
     for workers in (2, 32):
         for noisy in (False, True):
-            wl = C.Workload("trivial", "", 64 * 200, 64, "trivial")
-            ds = NoisyWorkload(wl) if noisy else C.WorkloadDataset(wl)
+            wl = Workload("trivial", "", 64 * 200, 64, "trivial")
+            ds = NoisyWorkload(wl) if noisy else WorkloadDataset(wl)
             with _loader(ds, workers, 64, persistent_workers=True) as loader:
                 it = iter(loader)
                 for _ in range(3 * workers):  # every worker has handed out batches
@@ -81,8 +79,8 @@ def bench_state_dict(res: C.Results, quick: bool) -> list:
                 "bench": "state_dict",
                 "workers": workers,
                 "worker_rng": noisy,
-                "median_us": C.median(ts) * 1e6,
-                "p99_us": C.percentile(ts, 99) * 1e6,
+                "median_us": median(ts) * 1e6,
+                "p99_us": percentile(ts, 99) * 1e6,
                 "state_chars": size,
             }
             res.write(rec)
@@ -95,7 +93,7 @@ def bench_state_dict(res: C.Results, quick: bool) -> list:
                     f"{size / 1e3:.0f} k",
                 ]
             )
-            C.log(f"state_dict {rec}")
+            log(f"state_dict {rec}")
     return rows
 
 
@@ -103,7 +101,7 @@ class _FakeLoader:
     """What Tracker reads from a loader, for timing its hooks alone."""
 
     def __init__(self, n: int, workers: int) -> None:
-        self.dataset = C.WorkloadDataset(C.Workload("trivial", "", n, 64, "trivial"))
+        self.dataset = WorkloadDataset(Workload("trivial", "", n, 64, "trivial"))
         self.num_workers, self.batch_size, self.drop_last = workers, 64, False
         self.sampler = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(0))
         self.batch_sampler = torch.utils.data.BatchSampler(self.sampler, 64, False)
@@ -126,18 +124,18 @@ def _bookkeeping_once() -> float:
         tracker.on_draw(idx, it)
         tracker.on_batch_made(idx, idx % 2, metas[idx % 2])
         tracker.on_handed_out()
-    return (time.perf_counter() - t0) / 2000 - C.median(draws)
+    return (time.perf_counter() - t0) / 2000 - median(draws)
 
 
-def bench_bookkeeping(res: C.Results) -> float:
+def bench_bookkeeping(res: Results) -> float:
     """(b) Median of 7 epochs: one epoch alone can catch a full collection of the benchmark's heap."""
     runs = [_bookkeeping_once() * 1e6 for _ in range(7)]
-    res.write({"bench": "bookkeeping", "per_batch_us": C.median(runs), "runs_us": runs})
-    C.log(f"bookkeeping {C.median(runs):.1f} us/batch (runs {min(runs):.1f}-{max(runs):.1f})")
-    return C.median(runs)
+    res.write({"bench": "bookkeeping", "per_batch_us": median(runs), "runs_us": runs})
+    log(f"bookkeeping {median(runs):.1f} us/batch (runs {min(runs):.1f}-{max(runs):.1f})")
+    return median(runs)
 
 
-def bench_worker_capture(res: C.Results) -> list:
+def bench_worker_capture(res: Results) -> list:
     """(e) What a worker adds to each batch (no Ray): reading the generators, unchanged and changed."""
     from raydl.worker.state import RngTracker
 
@@ -158,9 +156,9 @@ def bench_worker_capture(res: C.Results) -> list:
             walls.append((time.perf_counter() - w0) / 500)
             cpus.append((time.thread_time() - c0) / 500)
         res.write(
-            {"bench": "worker_capture", "case": case, "wall_us": C.median(walls) * 1e6, "cpu_us": C.median(cpus) * 1e6}
+            {"bench": "worker_capture", "case": case, "wall_us": median(walls) * 1e6, "cpu_us": median(cpus) * 1e6}
         )
-        rows.append([case, f"{C.median(walls) * 1e6:.1f}", f"{C.median(cpus) * 1e6:.1f}"])
+        rows.append([case, f"{median(walls) * 1e6:.1f}", f"{median(cpus) * 1e6:.1f}"])
     return rows
 
 
@@ -171,11 +169,11 @@ def _epoch_rate(loader, n: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def bench_throughput(res: C.Results, quick: bool) -> list:
-    iters = C.calibrate_cpu_iters()
+def bench_throughput(res: Results, quick: bool) -> list:
+    iters = calibrate_cpu_iters()
     workloads = [
-        C.Workload("cpu", "CPU-bound ~1 ms/sample, batch 64", 64 * (8 if quick else 48), 64, "cpu", iters),
-        C.Workload("trivial", "overhead floor: 16 floats, batch 64", 64 * (40 if quick else 640), 64, "trivial"),
+        Workload("cpu", "CPU-bound ~1 ms/sample, batch 64", 64 * (8 if quick else 48), 64, "cpu", iters),
+        Workload("trivial", "overhead floor: 16 floats, batch 64", 64 * (40 if quick else 640), 64, "trivial"),
     ]
     # Epochs of 2 s (CPU-bound) and ~1 s (overhead floor), 8 pairs: shorter ones (0.3 s) could not
     # tell 2 % from the machine's own drift, even quiet.
@@ -192,7 +190,7 @@ def bench_throughput(res: C.Results, quick: bool) -> list:
         for r in range(reps):
             order = ("on", "off") if r % 2 == 0 else ("off", "on")
             for variant in order:
-                with C.LoadMonitor() as mon:
+                with LoadMonitor() as mon:
                     rate = _epoch_rate(loaders[variant], wl.n)
                 rates[variant].append(rate)
                 res.write(
@@ -211,22 +209,22 @@ def bench_throughput(res: C.Results, quick: bool) -> list:
         rows.append(
             [
                 wl.description,
-                f"{C.median(rates['on']):.0f}",
-                f"{C.median(rates['off']):.0f}",
-                f"{C.median(ratios):.3f}",
+                f"{median(rates['on']):.0f}",
+                f"{median(rates['off']):.0f}",
+                f"{median(ratios):.3f}",
                 f"{min(ratios):.3f}-{max(ratios):.3f}",
             ]
         )
-        C.log(f"throughput {wl.name}: {rows[-1]}")
+        log(f"throughput {wl.name}: {rows[-1]}")
     return rows
 
 
-def bench_first_batch(res: C.Results, quick: bool) -> list:
+def bench_first_batch(res: Results, quick: bool) -> list:
     n, bs, k = 64 * 400, 64, 300
-    wl = C.Workload("trivial", "", n, bs, "trivial")
+    wl = Workload("trivial", "", n, bs, "trivial")
     rows = []
     for rep in range(2 if quick else 5):
-        with _loader(C.WorkloadDataset(wl), 2, bs) as loader:
+        with _loader(WorkloadDataset(wl), 2, bs) as loader:
             it = iter(loader)
             for _ in range(k):
                 next(it)
@@ -237,11 +235,11 @@ def bench_first_batch(res: C.Results, quick: bool) -> list:
         for _ in range(k):
             next(bit)
         ff_s = time.perf_counter() - t0
-        with _loader(C.WorkloadDataset(wl), 2, bs) as loader:
+        with _loader(WorkloadDataset(wl), 2, bs) as loader:
             t0 = time.perf_counter()
             next(iter(loader))
             fresh_s = time.perf_counter() - t0
-        with _loader(C.WorkloadDataset(wl), 2, bs) as loader:
+        with _loader(WorkloadDataset(wl), 2, bs) as loader:
             loader.load_state_dict(state)
             t0 = time.perf_counter()
             next(iter(loader))
@@ -257,7 +255,7 @@ def bench_first_batch(res: C.Results, quick: bool) -> list:
             }
         )
         rows.append((ff_s, fresh_s, resumed_s))
-    ff, fresh, resumed = (C.median([r[i] for r in rows]) for i in range(3))
+    ff, fresh, resumed = (median([r[i] for r in rows]) for i in range(3))
     return [
         [
             f"{k} of {n // bs}",
@@ -274,12 +272,12 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only-worker", action="store_true", help="only (e), the worker-side cost (no Ray)")
     args = parser.parse_args()
-    res = C.Results("resume", args.quick)
+    res = Results("bench_resume", args.quick)
     worker_rows = bench_worker_capture(res)
     worker_md = [
         "## (e) per batch in a worker: reading the generators (one process, no Ray)",
         "",
-        C.md_table(["case", "wall µs/batch", "CPU µs/batch"], worker_rows),
+        md_table(["case", "wall µs/batch", "CPU µs/batch"], worker_rows),
         "",
     ]
     if args.only_worker:
@@ -289,14 +287,12 @@ def main() -> None:
     import ray
 
     ray.init(address="local", include_dashboard=False)
-    info = C.machine_info(ray.__version__)
-    out = [f"# bench_resume ({'quick' if args.quick else 'full'})", "", C.describe_machine(info), ""]
+    info = machine_info(ray.__version__)
+    out = [f"# bench_resume ({'quick' if args.quick else 'full'})", "", describe_machine(info), ""]
     out += [
         "## (a) state_dict() in the driver, mid-epoch",
         "",
-        C.md_table(
-            ["workers", "dataset", "median µs", "p99 µs", "state size (repr)"], bench_state_dict(res, args.quick)
-        ),
+        md_table(["workers", "dataset", "median µs", "p99 µs", "state size (repr)"], bench_state_dict(res, args.quick)),
         "",
     ]
     out += [
@@ -308,7 +304,7 @@ def main() -> None:
     out += [
         "## (c) steady-state throughput, worker RNG tracking on vs off (2 workers, persistent)",
         "",
-        C.md_table(
+        md_table(
             ["workload", "on (samples/s)", "off (samples/s)", "on/off median", "on/off range"],
             bench_throughput(res, args.quick),
         ),
@@ -317,7 +313,7 @@ def main() -> None:
     out += [
         "## (d) first batch after load_state_dict() + iter(), 2 workers",
         "",
-        C.md_table(
+        md_table(
             [
                 "state at batch",
                 "sampler fast-forward ms",

@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Per-batch cost of `ray_seed="batch"` and per-sample cost of `ray_seed="sample"` (raydl/worker/seeding.py).
 
-    python benchmarks/bench_seeding.py            # ~20 s
-    python benchmarks/bench_seeding.py --quick    # ~5 s
+    python -m benchmarks.bench_seeding            # ~20 s
+    python -m benchmarks.bench_seeding --quick    # ~5 s
 
 Measures, in this process (no Ray), what a worker does before each batch under `ray_seed="batch"`:
   * `seed_batch`: SeedSequence(base_seed, spawn_key=(epoch, idx)) + seeding random, torch and NumPy
@@ -29,11 +29,10 @@ import statistics
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
+from benchmarks.common.results import printed_report
 from raydl.worker.seeding import _SavedRNG, batch_seed_words, sample_seed, seed_batch, seed_sample  # noqa: E402
 
 
@@ -115,4 +114,5 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with printed_report("bench_seeding", quick="--quick" in sys.argv):
+        sys.exit(main())

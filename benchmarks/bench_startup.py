@@ -1,7 +1,7 @@
 """Cold start-up: time to the first batch of the first loader in a new process with no Ray running.
 
-    python benchmarks/bench_startup.py                # 3 repetitions
-    python benchmarks/bench_startup.py --reps 5 --num-workers 4
+    python -m benchmarks.bench_startup                # 3 repetitions
+    python -m benchmarks.bench_startup --reps 5 --num-workers 4
 
 Each measurement is a fresh Python process (`--child MODE`), timed from before `import torch`
 to the first batch in hand, with no Ray running beforehand; the loader is built and iterated at once:
@@ -24,7 +24,7 @@ as median and range over the repetitions, with the load other processes put on t
 Results: one JSON line per run, then markdown tables.
 """
 
-t0 = __import__("time").perf_counter()  # the clock starts before anything is imported
+t0 = __import__("time").perf_counter()  # the clock starts before anything is imported (but `benchmarks`: os only)
 
 import argparse  # noqa: E402
 import functools  # noqa: E402
@@ -35,11 +35,9 @@ import subprocess  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
+from benchmarks.common.processes import REPO, child_result, script_command, with_retries  # noqa: E402 - no torch, no Ray
+from benchmarks.common.results import printed_report  # noqa: E402
 
-REPO = os.path.dirname(HERE)
 MODES = ("torch", "raydl", "raydl-in-process", "raydl-no-cold", "raydl+start")
 
 
@@ -174,8 +172,7 @@ def _run_child_once(mode: str, num_workers: int, build_s: float) -> dict:
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     cmd = [
-        sys.executable,
-        os.path.abspath(__file__),
+        *script_command("bench_startup"),
         "--child",
         mode,
         "--num-workers",
@@ -192,7 +189,7 @@ def _run_child_once(mode: str, num_workers: int, build_s: float) -> dict:
 
 
 def run_child(*args, **kwargs) -> dict:
-    """One measurement in a child process, retried when the child fails (see _child.with_retries)."""
+    """One measurement in a child process, retried when the child fails (see processes.with_retries)."""
     return with_retries(_run_child_once, *args, **kwargs)
 
 
@@ -290,4 +287,5 @@ def _print_ratios(runs: dict, modes: list, reps: int) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_startup", quick="--quick" in sys.argv, enabled="--child" not in sys.argv):
+        main()

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The cost of raydl's stats (`ray_stats=True` vs `False`), and the README's timeline picture.
 
-    python benchmarks/bench_stats.py                 # 8 alternating repetitions per workload (~10 min on 2 cores)
-    python benchmarks/bench_stats.py --quick         # smoke run (~2 min)
-    python benchmarks/bench_stats.py --picture docs/stats_timeline.png   # only the picture
+    python -m benchmarks.bench_stats                 # 8 alternating repetitions per workload (~10 min on 2 cores)
+    python -m benchmarks.bench_stats --quick         # smoke run (~2 min)
+    python -m benchmarks.bench_stats --picture       # only the picture: benchmarks/figures/bench_stats.png
 
 Throughput is measured exactly as bench_throughput.py measures it (a new persistent loader per
 repetition, 1 + --epochs epochs, samples/s over the epochs after the first), on its overhead-floor
@@ -21,38 +21,38 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-import bench_throughput as T  # noqa: E402
-
-import raydl  # noqa: E402
+import raydl
+from benchmarks import bench_throughput as T
+from benchmarks.common.machine import QuietGate, describe_machine, machine_info
+from benchmarks.common.results import Results, figure_path, log, md_table, median
+from benchmarks.common.workloads import Workload, WorkloadDataset, calibrate_cpu_iters, register_by_value
 
 VARIANTS = ("raydl", "raydl-nostats")
 
 
-def measure(args: argparse.Namespace, res: C.Results) -> tuple[list, dict]:
+def measure(args: argparse.Namespace, res: Results) -> tuple[list, dict]:
     b = T.Bench(args)
     b.retry_s = 0.0
-    b.gate = C.QuietGate(args.quiet_wait_s, 90.0)
+    b.gate = QuietGate(args.quiet_wait_s, 90.0)
     q = 0.3 if args.quick else 1.0
-    iters = C.calibrate_cpu_iters()
+    iters = calibrate_cpu_iters()
     workloads = [
-        C.Workload("trivial", "overhead floor: 16-float sample, batch 64", int(64 * 160 * q) // 64 * 64, 64, "trivial"),
-        C.Workload(
+        Workload("trivial", "overhead floor: 16-float sample, batch 64", int(64 * 160 * q) // 64 * 64, 64, "trivial"),
+        Workload(
             "cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", max(384, int(2048 * q) // 64 * 64), 64, "cpu", iters
         ),
     ]
-    C.register_by_value()
+    register_by_value()
     T.consume(b.make("raydl", workloads[0], n=64 * 8), time.perf_counter())  # start Ray and warm workers: not measured
     out: dict = {}
     for wl in workloads:
-        C.log(f"{wl.name}: {wl.n} samples/epoch, {args.reps} reps of {VARIANTS}")
+        log(f"{wl.name}: {wl.n} samples/epoch, {args.reps} reps of {VARIANTS}")
         for rep in range(args.reps):
             order = VARIANTS if rep % 2 == 0 else VARIANTS[::-1]
             for v in order:
                 rec = T.measure_throughput(b, res, wl, v, rep)
                 out.setdefault((wl.name, v), []).append(rec)
-                C.log(
+                log(
                     f"  rep {rep} {v:14s} {rec['samples_per_s']:9.0f} samples/s  foreign load {rec['foreign_cores']:.2f}"
                 )
     return workloads, out
@@ -107,7 +107,7 @@ def micro(n: int = 20000) -> dict:
 
 
 def report(info: dict, args: argparse.Namespace, workloads: list, out: dict, mic: dict) -> str:
-    lines = ["## raydl stats overhead (`benchmarks/bench_stats.py`)", "", C.describe_machine(info), ""]
+    lines = ["## raydl stats overhead (`benchmarks/bench_stats.py`)", "", describe_machine(info), ""]
     rows = []
     for wl in workloads:
         on = {r["rep"]: r["samples_per_s"] for r in out[(wl.name, "raydl")]}
@@ -119,12 +119,12 @@ def report(info: dict, args: argparse.Namespace, workloads: list, out: dict, mic
                 wl.description,
                 T.fmt_rate(list(off.values())),
                 T.fmt_rate(list(on.values())),
-                f"{C.median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})",
-                f"{C.median(foreign):.2f}",
+                f"{median(ratios):.3f} ({min(ratios):.3f}–{max(ratios):.3f})",
+                f"{median(foreign):.2f}",
             ]
         )
     lines.append(
-        C.md_table(
+        md_table(
             [
                 "workload",
                 "ray_stats=False samples/s",
@@ -135,7 +135,7 @@ def report(info: dict, args: argparse.Namespace, workloads: list, out: dict, mic
             rows,
         )
     )
-    floor = C.median([r["samples_per_s"] for r in out[(workloads[0].name, "raydl-nostats")]]) / workloads[0].batch_size
+    floor = median([r["samples_per_s"] for r in out[(workloads[0].name, "raydl-nostats")]]) / workloads[0].batch_size
     lines.append("")
     lines.append(
         f"CPU time of the stats hooks themselves (`micro()`): {mic['driver_us_per_batch']:.1f} µs per batch in "
@@ -153,10 +153,10 @@ def report(info: dict, args: argparse.Namespace, workloads: list, out: dict, mic
 
 def picture(path: str) -> None:
     """An epoch worth looking at: 3 workers on an I/O-like dataset, one of them on a slow 'disk', a fast loop."""
-    wl = C.Workload("io", "I/O-like", 16 * 18, 16, "io")
-    C.register_by_value()
+    wl = Workload("io", "I/O-like", 16 * 18, 16, "io")
+    register_by_value()
     loader = raydl.DataLoader(
-        C.WorkloadDataset(wl), batch_size=16, num_workers=3, persistent_workers=True, ray_name="picture"
+        WorkloadDataset(wl), batch_size=16, num_workers=3, persistent_workers=True, ray_name="picture"
     )
     with loader:
         for _ in loader:  # epoch 0: start-up
@@ -179,7 +179,13 @@ def main() -> int:
     p.add_argument("--epochs", type=int, default=None, help="measured epochs after the first (default 3; quick 1)")
     p.add_argument("--quiet-wait-s", type=float, default=5.0)
     p.add_argument("--micro", action="store_true", help="only the CPU time per batch of the stats hooks")
-    p.add_argument("--picture", default="", help="only write the timeline picture to this .png path")
+    p.add_argument(
+        "--picture",
+        nargs="?",
+        default="",
+        const=figure_path("bench_stats"),
+        help="only draw the timeline picture, to benchmarks/figures/bench_stats.png or this .png path",
+    )
     args = p.parse_args()
     if args.picture:
         picture(args.picture)
@@ -193,8 +199,8 @@ def main() -> int:
     args.reps = args.reps or (2 if args.quick else 8)
     args.epochs = args.epochs or (1 if args.quick else 3)
     args.max_retries, args.retry_budget_s = 1, 120.0
-    info = {**C.machine_info(ray_version=importlib.metadata.version("ray")), "num_workers": args.num_workers}
-    res = C.Results("stats", args.quick)
+    info = {**machine_info(ray_version=importlib.metadata.version("ray")), "num_workers": args.num_workers}
+    res = Results("bench_stats", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
     try:
         workloads, out = measure(args, res)

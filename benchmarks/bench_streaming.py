@@ -12,7 +12,7 @@ Each reader runs `--epochs` (2) epochs of batches of 64 with a shuffle, 2 worker
 Prints one JSON line per reader (samples/s per epoch, bytes fetched per epoch / data size, cache
 peak / limit, first batch) and a Markdown table.
 
-    .venv/bin/python benchmarks/bench_streaming.py
+    .venv/bin/python -m benchmarks.bench_streaming
 """
 
 from __future__ import annotations
@@ -25,13 +25,11 @@ import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import _common  # noqa: F401  (loopback Ray, no usage stats)
 import numpy as np
 import torch
 
-sys.path.insert(0, _common.REPO)
-
-from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder  # noqa: E402
+from benchmarks.common.results import figure_path, printed_report
+from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 
 
 def write_corpus(folder: str, files: int, groups: int, rows: int, payload: int) -> None:
@@ -151,7 +149,7 @@ def main() -> None:
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--naive-s", type=float, default=30.0)
     p.add_argument("--skip", default="", help="comma-separated readers to skip: raydl,raydata,naive,ceiling")
-    p.add_argument("--png", default=os.path.join(_common.HERE, "figures", "bench_streaming.png"), help="'' for none")
+    p.add_argument("--png", default=figure_path("bench_streaming"), help="'' for none")
     args = p.parse_args()
     gbps = checksum_cost()
     print(
@@ -301,4 +299,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_streaming", quick="--quick" in sys.argv):
+        main()

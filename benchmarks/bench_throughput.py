@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """raydl.DataLoader vs torch's DataLoader vs Ray Data, in one process, on one machine.
 
-    python benchmarks/bench_throughput.py            # full run (about 6-10 minutes on 2 cores)
-    python benchmarks/bench_throughput.py --quick    # smoke run (about 1-2 minutes)
+    python -m benchmarks.bench_throughput            # full run (about 6-10 minutes on 2 cores)
+    python -m benchmarks.bench_throughput --quick    # smoke run (about 1-2 minutes)
 
 What it measures (see benchmarks/README.md for what each number means):
   (e) start-up: time to first batch, cold (first loader of the process: for raydl Ray's start
@@ -30,13 +30,30 @@ import threading
 import time
 from typing import Any, Callable
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-import _common as C  # noqa: E402  (sets RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 before Ray is imported)
-import psutil  # noqa: E402
-import torch  # noqa: E402
-import torch.utils.data  # noqa: E402
+import psutil
+import torch
+import torch.utils.data
 
-import raydl  # noqa: E402  (does not import ray: raydl imports it on first iteration)
+import raydl  # (does not import ray: raydl imports it on first iteration)
+from benchmarks.common.machine import (
+    DISTURBED_FOREIGN_CORES,
+    LoadMonitor,
+    QuietGate,
+    describe_machine,
+    machine_info,
+    object_store_stats,
+)
+from benchmarks.common.results import Results, log, md_table, median
+from benchmarks.common.workloads import (
+    IO_SLEEP_S,
+    RayDataMap,
+    Workload,
+    WorkloadDataset,
+    batch_samples,
+    calibrate_cpu_iters,
+    register_by_value,
+    sample_cost_s,
+)
 
 LOADERS = ("torch", "raydl", "raydata")
 
@@ -50,9 +67,9 @@ class Bench:
         self.W = args.num_workers
         self.has_threads = "ray_threads_per_worker" in inspect.signature(raydl.DataLoader.__init__).parameters
 
-    def make(self, loader: str, wl: C.Workload, n: int | None = None, **kw: Any) -> Any:
+    def make(self, loader: str, wl: Workload, n: int | None = None, **kw: Any) -> Any:
         """An iterable over one epoch of workload `wl` for `loader` (construction only)."""
-        ds = C.WorkloadDataset(wl, n)
+        ds = WorkloadDataset(wl, n)
         if loader == "torch":
             return torch.utils.data.DataLoader(ds, batch_size=wl.batch_size, num_workers=self.W, **kw)
         if loader.startswith("raydl"):
@@ -74,7 +91,7 @@ class RayDataEpochs:
 
     reservation = False
 
-    def __init__(self, wl: C.Workload, n: int, num_workers: int) -> None:
+    def __init__(self, wl: Workload, n: int, num_workers: int) -> None:
         import ray.data
 
         ctx = ray.data.DataContext.get_current()
@@ -86,7 +103,7 @@ class RayDataEpochs:
         # one read block per 4 batches: enough blocks for W tasks to stream, few enough to stay cheap
         blocks = max(num_workers, n // (wl.batch_size * 4))
         self.ds = ray.data.range(n, override_num_blocks=blocks).map_batches(
-            C.RayDataMap(wl), batch_size=wl.batch_size, batch_format="numpy", concurrency=num_workers
+            RayDataMap(wl), batch_size=wl.batch_size, batch_format="numpy", concurrency=num_workers
         )
         self.batch_size = wl.batch_size
 
@@ -100,7 +117,7 @@ def consume(iterable: Any, t0: float, probe: Callable[[Any, int], None] | None =
     times, counts = [], []
     for k, batch in enumerate(it):
         times.append(time.perf_counter())
-        counts.append(C.batch_samples(batch))
+        counts.append(batch_samples(batch))
         if probe is not None:
             probe(it, k)
         del batch
@@ -111,22 +128,22 @@ def consume(iterable: Any, t0: float, probe: Callable[[Any, int], None] | None =
 # --------------------------------------------------------------------------- sections
 
 
-def section_cold(b: Bench, res: C.Results) -> dict:
+def section_cold(b: Bench, res: Results) -> dict:
     """(e) cold: the first loader of each kind in this process. torch first (before any Ray exists)."""
     wl = b.startup_wl
     out: dict = {}
-    C.log("cold start: torch's first loader")
+    log("cold start: torch's first loader")
     t0 = time.perf_counter()
     r = consume(b.make("torch", wl), t0)
     out["torch"] = r["ttfb_s"]
     res.write({"section": "startup", "case": "cold", "loader": "torch", "ttfb_s": r["ttfb_s"]})
 
-    C.log("cold start: raydl's first loader (imports ray, starts a local Ray, starts the actors)")
+    log("cold start: raydl's first loader (imports ray, starts a local Ray, starts the actors)")
     t0 = time.perf_counter()
     import ray  # noqa: F401  (timed: a user pays it on raydl's first iteration)
 
     t_import = time.perf_counter() - t0
-    C.register_by_value()  # the workload classes travel by value to Ray's workers
+    register_by_value()  # the workload classes travel by value to Ray's workers
     ray_up: list[float] = []
     stop = threading.Event()
 
@@ -158,7 +175,7 @@ def section_cold(b: Bench, res: C.Results) -> dict:
         }
     )
 
-    C.log("cold start: Ray Data's first dataset (Ray already up)")
+    log("cold start: Ray Data's first dataset (Ray already up)")
     t0 = time.perf_counter()
     import ray.data  # noqa: F401
 
@@ -180,7 +197,7 @@ def section_cold(b: Bench, res: C.Results) -> dict:
     return out
 
 
-def section_warm(b: Bench, res: C.Results) -> dict:
+def section_warm(b: Bench, res: Results) -> dict:
     """(e) warm: new loaders while Ray is up; next epoch of a persistent loader."""
     wl = b.startup_wl
     reps = b.args.startup_reps
@@ -201,7 +218,7 @@ def section_warm(b: Bench, res: C.Results) -> dict:
             ts.append(r["ttfb_s"])
             res.write({"section": "startup", "case": "warm", "loader": name, "rep": rep, "ttfb_s": r["ttfb_s"]})
         out[(name, "warm")] = ts
-        C.log(f"warm start {name}: median {C.median(ts) * 1e3:.0f} ms")
+        log(f"warm start {name}: median {median(ts) * 1e3:.0f} ms")
     for name in ("torch", "raydl", "raydata"):
         kw = {} if name == "raydata" else {"persistent_workers": True}
         loader = b.make(name, wl, **kw)
@@ -216,11 +233,11 @@ def section_warm(b: Bench, res: C.Results) -> dict:
             loader.shutdown()
         del loader
         out[(name, "next_epoch")] = ts
-        C.log(f"next epoch {name}: median {C.median(ts) * 1e3:.0f} ms")
+        log(f"next epoch {name}: median {median(ts) * 1e3:.0f} ms")
     return out
 
 
-def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, rep: int) -> dict:
+def measure_throughput(b: Bench, res: Results, wl: Workload, loader: str, rep: int) -> dict:
     """`1 + --epochs` epochs of one new loader; steady state = the epochs after the first.
 
     torch and raydl run with persistent_workers=True (the usual multi-epoch setting); Ray Data
@@ -236,7 +253,7 @@ def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, re
         gc.collect()
         kw = {} if loader == "raydata" else {"persistent_workers": True}
         b.gate.wait()
-        with C.LoadMonitor() as mon:
+        with LoadMonitor() as mon:
             t0 = time.perf_counter()
             obj = b.make(loader, wl, **kw)
             first = consume(obj, t0)
@@ -265,7 +282,7 @@ def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, re
             "samples_per_s": n / (t2 - t1),
             "first_epoch_samples_per_s": wl.n / first["total_s"],
             "ttfb_s": first["ttfb_s"],
-            "next_epoch_ttfb_s": C.median(ttfb_next),
+            "next_epoch_ttfb_s": median(ttfb_next),
             "foreign_cores": round(mon.foreign_cores, 3),
             "our_cores": round(mon.ours_cores, 3),
             "loadavg1": round(os.getloadavg()[0], 2),
@@ -277,7 +294,7 @@ def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, re
             break
         b.retry_s += mon.wall_s
         again = attempt < b.args.max_retries and b.retry_s < b.args.retry_budget_s
-        C.log(
+        log(
             f"  {wl.name}/{loader} rep {rep}: other processes used {mon.foreign_cores:.2f} cores: "
             f"{'rerunning' if again else 'keeping the least disturbed attempt'}"
         )
@@ -288,7 +305,7 @@ def measure_throughput(b: Bench, res: C.Results, wl: C.Workload, loader: str, re
     return best
 
 
-def section_throughput(b: Bench, res: C.Results, workloads: list[C.Workload], notes: list[str]) -> dict:
+def section_throughput(b: Bench, res: Results, workloads: list[Workload], notes: list[str]) -> dict:
     results: dict = {}
     for wl in workloads:
         variants = list(LOADERS)
@@ -300,20 +317,20 @@ def section_throughput(b: Bench, res: C.Results, workloads: list[C.Workload], no
                     "raydl.DataLoader has no `ray_threads_per_worker` keyword: the threads_per_worker=8 "
                     "variant of the I/O workload was skipped."
                 )
-        C.log(f"throughput: {wl.name} ({wl.n} samples/epoch, batch {wl.batch_size}, {b.args.reps} reps of {variants})")
+        log(f"throughput: {wl.name} ({wl.n} samples/epoch, batch {wl.batch_size}, {b.args.reps} reps of {variants})")
         for rep in range(b.args.reps):
             order = variants[rep % len(variants) :] + variants[: rep % len(variants)]
             for loader in order:
                 rec = measure_throughput(b, res, wl, loader, rep)
                 results.setdefault((wl.name, loader), []).append(rec)
-                C.log(
+                log(
                     f"  rep {rep} {loader:15s} {rec['samples_per_s']:9.0f} samples/s  first batch "
                     f"{rec['ttfb_s'] * 1e3:6.0f} ms  foreign load {rec['foreign_cores']:.2f} cores"
                 )
     return results
 
 
-def section_memory(b: Bench, res: C.Results) -> dict:
+def section_memory(b: Bench, res: Results) -> dict:
     """(f) 20 epochs (persistent workers): driver RSS, object-store use, batches in flight."""
     import raydl as _raydl
 
@@ -325,7 +342,7 @@ def section_memory(b: Bench, res: C.Results) -> dict:
         _raydl.release_idle_workers()
         gc.collect()
         time.sleep(0.5)
-        base_store = C.object_store_stats()
+        base_store = object_store_stats()
         kw = {} if name == "raydata" else {"persistent_workers": True}
         loader = b.make(name, wl, **kw)
         per_epoch = []
@@ -337,13 +354,13 @@ def section_memory(b: Bench, res: C.Results) -> dict:
             if n is not None:
                 state["max_outstanding"] = max(state["max_outstanding"], n)
             if k % 8 == 4:
-                s = C.object_store_stats()
+                s = object_store_stats()
                 state["max_store"] = max(state["max_store"], s.get("used_bytes", 0))
                 state["max_objects"] = max(state["max_objects"], s.get("num_objects", 0))
 
         for epoch in range(epochs):
             consume(loader, time.perf_counter(), probe)
-            s = C.object_store_stats()
+            s = object_store_stats()
             rec = {
                 "section": "memory",
                 "loader": name,
@@ -357,13 +374,13 @@ def section_memory(b: Bench, res: C.Results) -> dict:
         # Ray's raylet frees released objects in batches (every 1 s, or 100 objects: RAY_free_objects_period_milliseconds,
         # RAY_free_objects_batch_size), so the store right after an epoch still holds batches the driver dropped.
         time.sleep(1.5)
-        settled = C.object_store_stats()
+        settled = object_store_stats()
         if hasattr(loader, "shutdown"):
             loader.shutdown()
         del loader
         gc.collect()
         time.sleep(1.5)
-        after = C.object_store_stats()
+        after = object_store_stats()
         rss = [r["rss_bytes"] for r in per_epoch]
         summary = {
             "section": "memory_summary",
@@ -389,7 +406,7 @@ def section_memory(b: Bench, res: C.Results) -> dict:
         }
         res.write(summary)
         out[name] = summary
-        C.log(
+        log(
             f"memory {name}: RSS {summary['rss_epoch1_mib']:.0f} -> {summary['rss_last_mib']:.0f} MiB "
             f"({summary['rss_growth_pct']:+.1f}%), store max {summary['store_max_bytes_during'] / 2**20:.1f} MiB, "
             f"max outstanding {summary['max_tasks_outstanding']}"
@@ -411,7 +428,7 @@ def paired_ratios(thr: dict, workload: str, loader: str) -> list[float]:
 
 
 def fmt_rate(xs: list[float]) -> str:
-    return f"{C.median(xs):,.0f} ({min(xs):,.0f}–{max(xs):,.0f})"
+    return f"{median(xs):,.0f} ({min(xs):,.0f}–{max(xs):,.0f})"
 
 
 def build_report(
@@ -420,7 +437,7 @@ def build_report(
     lines = [
         f"## raydl throughput benchmark ({'quick' if b.args.quick else 'full'} run)",
         "",
-        C.describe_machine(info),
+        describe_machine(info),
         "",
     ]
     lines.append(
@@ -435,7 +452,7 @@ def build_report(
         "to the first batch of that new loader (raydl: from its warm pool). Foreign load: cores used by "
         "processes other than this benchmark (its own local Ray included) during the measurement, "
         "median over repetitions; a measurement above "
-        f"{C.DISTURBED_FOREIGN_CORES} cores was rerun (at most {b.args.max_retries}×, within "
+        f"{DISTURBED_FOREIGN_CORES} cores was rerun (at most {b.args.max_retries}×, within "
         f"{b.args.retry_budget_s:.0f} s in all) and the least disturbed attempt kept. Before each measurement the "
         f"run waited up to {b.args.quiet_wait_s:g} s for a quiet second (waited {b.gate.waited_s:.0f} s in all; "
         f"{b.gate.gave_up} times the machine stayed busy)."
@@ -449,9 +466,7 @@ def build_report(
             recs = thr[(wl.name, loader)]
             rates = [r["samples_per_s"] for r in recs]
             ratios = paired_ratios(thr, wl.name, loader)
-            ratio = f"{C.median(ratios):.2f}×" + (
-                f" ({min(ratios):.2f}–{max(ratios):.2f})" if loader != "torch" else ""
-            )
+            ratio = f"{median(ratios):.2f}×" + (f" ({min(ratios):.2f}–{max(ratios):.2f})" if loader != "torch" else "")
             retries = sum(r["retries"] for r in recs)
             rows.append(
                 [
@@ -459,12 +474,12 @@ def build_report(
                     loader,
                     fmt_rate(rates),
                     ratio,
-                    f"{C.median([r['ttfb_s'] for r in recs]) * 1e3:,.0f}",
-                    f"{C.median([r['foreign_cores'] for r in recs]):.2f}" + (f" ({retries} reruns)" if retries else ""),
+                    f"{median([r['ttfb_s'] for r in recs]) * 1e3:,.0f}",
+                    f"{median([r['foreign_cores'] for r in recs]):.2f}" + (f" ({retries} reruns)" if retries else ""),
                 ]
             )
     lines.append(
-        C.md_table(
+        md_table(
             ["workload", "loader", "samples/s", "vs torch (paired)", "first batch (ms)", "foreign load (cores)"], rows
         )
     )
@@ -492,7 +507,7 @@ def build_report(
             f"{cold['raydata'] * 1e3:,.0f} (import ray.data {cold['raydata_import_s'] * 1e3:,.0f}; Ray already up)",
         ]
     ]
-    med = lambda k: f"{C.median(warm[k]) * 1e3:,.0f}"  # noqa: E731
+    med = lambda k: f"{median(warm[k]) * 1e3:,.0f}"  # noqa: E731
     rows.append(
         [
             "warm: new loader, Ray up",
@@ -511,7 +526,7 @@ def build_report(
             med(("raydata", "next_epoch")) + " (re-executes the dataset)",
         ]
     )
-    lines.append(C.md_table(["case", "torch", "raydl", "raydl, ray_reuse_workers=False", "Ray Data"], rows))
+    lines.append(md_table(["case", "torch", "raydl", "raydl, ray_reuse_workers=False", "Ray Data"], rows))
     lines.append("")
     lines.append(
         f"Start-up workload: {b.startup_wl.description}, {b.startup_wl.n} samples; warm and next-epoch values "
@@ -543,7 +558,7 @@ def build_report(
             ]
         )
     lines.append(
-        C.md_table(
+        md_table(
             [
                 "loader",
                 "driver RSS MiB, epoch 1 → last",
@@ -592,7 +607,7 @@ def plot(path: str, b: Bench, workloads, thr: dict, cold: dict, warm: dict) -> s
             if not recs:
                 continue
             rates = [r["samples_per_s"] for r in recs]
-            m = C.median(rates)
+            m = median(rates)
             xs.append(i + (j - 1.5) * width)
             ys.append(m)
             errs.append([[m - min(rates)], [max(rates) - m]])
@@ -601,7 +616,7 @@ def plot(path: str, b: Bench, workloads, thr: dict, cold: dict, warm: dict) -> s
             ax.bar(xs, ys, width, label=loader, color=colors[loader], yerr=yerr, capsize=2)
             if loader != "torch":
                 for x, y, wl in zip(xs, ys, [w for w in workloads if thr.get((w.name, loader))]):
-                    ratio = C.median(paired_ratios(thr, wl.name, loader))
+                    ratio = median(paired_ratios(thr, wl.name, loader))
                     ax.annotate(
                         f"{ratio:.2f}×",
                         (x, y),
@@ -620,7 +635,7 @@ def plot(path: str, b: Bench, workloads, thr: dict, cold: dict, warm: dict) -> s
     ax = axes[1]
     cases = ["cold", "warm", "next epoch"]
     for j, loader in enumerate(("torch", "raydl", "raydata")):
-        ys = [cold[loader], C.median(warm[(loader, "warm")]), C.median(warm[(loader, "next_epoch")])]
+        ys = [cold[loader], median(warm[(loader, "warm")]), median(warm[(loader, "next_epoch")])]
         ax.bar([i + (j - 1) * 0.27 for i in range(3)], ys, 0.27, label=loader, color=colors[loader])
     ax.set_xticks(range(3))
     ax.set_xticklabels(cases)
@@ -648,7 +663,7 @@ def main() -> int:
         type=int,
         default=None,
         help="reruns of a throughput measurement during which other processes used > "
-        f"{C.DISTURBED_FOREIGN_CORES} cores (default 1; quick 0)",
+        f"{DISTURBED_FOREIGN_CORES} cores (default 1; quick 0)",
     )
     p.add_argument("--retry-budget-s", type=float, default=120.0, help="total seconds spent on reruns, at most")
     p.add_argument(
@@ -675,22 +690,22 @@ def main() -> int:
     args.memory_epochs = 20
     start = time.perf_counter()
 
-    info = {**C.machine_info(ray_version=importlib.metadata.version("ray")), "num_workers": args.num_workers}
-    res = C.Results("throughput", args.quick)
+    info = {**machine_info(ray_version=importlib.metadata.version("ray")), "num_workers": args.num_workers}
+    res = Results("bench_throughput", args.quick)
     res.write({"section": "machine", **info, "argv": sys.argv[1:]})
-    C.log(C.describe_machine(info))
+    log(describe_machine(info))
 
     q = 0.3 if args.quick else 1.0
     sz = lambda n, bs: max(bs * 6, int(n * q * args.scale) // bs * bs)  # noqa: E731
-    iters = C.calibrate_cpu_iters()
-    cpu_wl = C.Workload("cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", sz(2048, 64), 64, "cpu", iters)
-    per_sample = C.sample_cost_s(cpu_wl.sample)
-    C.log(f"CPU workload: {iters} numpy passes per sample, measured {per_sample * 1e3:.2f} ms/sample in this process")
+    iters = calibrate_cpu_iters()
+    cpu_wl = Workload("cpu", "CPU-bound ~1 ms/sample, 3×64×64 f32, batch 64", sz(2048, 64), 64, "cpu", iters)
+    per_sample = sample_cost_s(cpu_wl.sample)
+    log(f"CPU workload: {iters} numpy passes per sample, measured {per_sample * 1e3:.2f} ms/sample in this process")
     workloads = [
         cpu_wl,
-        C.Workload("trivial", "overhead floor: 16-float sample, batch 64", sz(64 * 160, 64), 64, "trivial"),
-        C.Workload("large", "large: 3×224×224 uint8, batch 256", sz(256 * 12, 256), 256, "large"),
-        C.Workload("io", f"I/O-bound: {C.IO_SLEEP_S * 1e3:.0f} ms sleep/sample, batch 64", sz(64 * 10, 64), 64, "io"),
+        Workload("trivial", "overhead floor: 16-float sample, batch 64", sz(64 * 160, 64), 64, "trivial"),
+        Workload("large", "large: 3×224×224 uint8, batch 256", sz(256 * 12, 256), 256, "large"),
+        Workload("io", f"I/O-bound: {IO_SLEEP_S * 1e3:.0f} ms sleep/sample, batch 64", sz(64 * 10, 64), 64, "io"),
     ]
     if args.only:
         keep = set(args.only.split(","))
@@ -707,9 +722,9 @@ def main() -> int:
     RayDataEpochs.reservation = args.raydata_reservation
     b = Bench(args)
     b.retry_s = 0.0
-    b.gate = C.QuietGate(args.quiet_wait_s, args.quiet_budget_s)
-    b.startup_wl = C.Workload("trivial", "trivial samples, batch 64", 64 * 8, 64, "trivial")
-    b.memory_wl = C.Workload(
+    b.gate = QuietGate(args.quiet_wait_s, args.quiet_budget_s)
+    b.startup_wl = Workload("trivial", "trivial samples, batch 64", 64 * 8, 64, "trivial")
+    b.memory_wl = Workload(
         "mem", "3×64×64 f32 samples (cheap), batch 64", 2048 if not args.quick else 1024, 64, "small"
     )
     notes: list[str] = []
@@ -729,18 +744,18 @@ def main() -> int:
                 "section": "throughput_summary",
                 "workload": wname,
                 "loader": loader,
-                "samples_per_s_median": C.median([r["samples_per_s"] for r in recs]),
+                "samples_per_s_median": median([r["samples_per_s"] for r in recs]),
                 "samples_per_s_all": [r["samples_per_s"] for r in recs],
-                "ratio_to_torch_paired_median": C.median(paired_ratios(thr, wname, loader)),
+                "ratio_to_torch_paired_median": median(paired_ratios(thr, wname, loader)),
                 "ratio_to_torch_paired_all": paired_ratios(thr, wname, loader),
-                "ttfb_s_median": C.median([r["ttfb_s"] for r in recs]),
-                "foreign_cores_median": C.median([r["foreign_cores"] for r in recs]),
+                "ttfb_s_median": median([r["ttfb_s"] for r in recs]),
+                "foreign_cores_median": median([r["foreign_cores"] for r in recs]),
             }
         )
     report = build_report(b, info, cold, warm, thr, mem, workloads, notes, time.perf_counter() - start)
     print(report)
     md = res.write_text(".md", report + "\n")
-    png = plot(res.prefix + ".png", b, workloads, thr, cold, warm)
+    png = plot(res.figure_path(), b, workloads, thr, cold, warm)
     res.close()
     print(f"\nresults: {res.jsonl_path}\n         {md}\n         {png or '(no chart: pip install matplotlib)'}")
     return 0

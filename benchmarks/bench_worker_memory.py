@@ -1,7 +1,7 @@
 """Idle memory per worker (PSS) for 1, 4 and 16 workers: raydl's Ray actors next to torch's forked processes.
 
-    python benchmarks/bench_worker_memory.py                       # 1, 4, 16 workers, 3 repetitions
-    python benchmarks/bench_worker_memory.py --workers 1,4 --reps 1
+    python -m benchmarks.bench_worker_memory                       # 1, 4, 16 workers, 3 repetitions
+    python -m benchmarks.bench_worker_memory --workers 1,4 --reps 1
 
 Each configuration runs in a fresh Python process (`--child`): a loader with persistent workers
 iterates one epoch of a small map-style dataset of tensors (so every worker has imported torch,
@@ -25,11 +25,9 @@ import subprocess
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-from _child import child_result, with_retries  # noqa: E402 - no torch, no Ray
+from benchmarks.common.processes import REPO, child_result, script_command, with_retries  # no torch, no Ray
+from benchmarks.common.results import printed_report
 
-REPO = os.path.dirname(HERE)
 MIB = 2**20
 
 
@@ -104,13 +102,13 @@ def _run_child_once(loader_kind: str, num_workers: int) -> dict:
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
-    cmd = [sys.executable, os.path.abspath(__file__), "--child", loader_kind, "--workers", str(num_workers)]
+    cmd = script_command("bench_worker_memory", "--child", loader_kind, "--workers", str(num_workers))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     return child_result(proc, "")
 
 
 def run_child(*args, **kwargs) -> dict:
-    """One measurement in a child process, retried when the child fails (see _child.with_retries)."""
+    """One measurement in a child process, retried when the child fails (see processes.with_retries)."""
     return with_retries(_run_child_once, *args, **kwargs)
 
 
@@ -162,4 +160,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with printed_report("bench_worker_memory", quick="--quick" in sys.argv, enabled="--child" not in sys.argv):
+        main()

@@ -1,6 +1,8 @@
-"""Measurements in child processes: read a child's `RESULT {json}` line, retry a child that failed.
+"""Measurements in child processes: start a script again as a child, read its `RESULT {json}` line, retry one that failed.
 
-Imports nothing heavy (no torch, no Ray), so a parent that times a cold start stays cold.
+A child is `python -m benchmarks.<script> ...` (`script_command`), as the scripts themselves are
+run, with the repository root on its path (its working directory, or REPO in its PYTHONPATH). Imports nothing heavy (no torch, no Ray), so a
+parent that times a cold start stays cold.
 """
 
 from __future__ import annotations
@@ -10,9 +12,16 @@ import subprocess
 import sys
 from typing import Any, Callable
 
-__all__ = ["child_result", "with_retries"]
+from benchmarks.common import REPO
+
+__all__ = ["REPO", "child_result", "script_command", "with_retries"]
 
 RESULT_PREFIX = "RESULT "
+
+
+def script_command(script: str, *args: str) -> list[str]:
+    """The command that runs benchmarks/<script>.py as a module with `args` (REPO on the child's path)."""
+    return [sys.executable, "-m", f"benchmarks.{script}", *args]
 
 
 def child_result(proc: subprocess.CompletedProcess, what: str) -> dict:
