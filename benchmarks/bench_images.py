@@ -546,7 +546,7 @@ def med(xs: list) -> float:
 
 
 def _quiet(r: dict) -> bool:
-    """Whether other processes used at most _common's threshold of cores during r's steady epochs."""
+    """Whether other processes used at most machine.DISTURBED_FOREIGN_CORES of cores during r's steady epochs."""
 
     return r["foreign_cores"] <= DISTURBED_FOREIGN_CORES
 
