@@ -23,7 +23,8 @@ Arrow buffers hold no reference counts, so reading them writes nothing.
 Reading: `__getitems__` takes a whole batch with one vectorized `Table.take` (one per record
 batch the indices fall in, for a table of several chunks: pyarrow's take on a chunked string
 column copies the whole column first), converts it to Python column by column, then builds rows (and applies `transform` per row); `ds[i]` slices one
-row without copying the table. Rows hold Python values (int, float, str, bytes, None, lists),
+row without copying the table. A `batch_transform` takes the batch's columns instead (NOTE [ raydl batch transforms ]
+in data/columnar.py). Rows hold Python values (int, float, str, bytes, None, lists),
 except lists of numbers, which become 1-D NumPy arrays (so `default_collate` stacks them).
 """
 
@@ -39,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
-from .columnar import collate_columns
+from .columnar import collate_columns, transformed_batch, transformed_row, transformed_rows
 
 __all__ = ["ArrowDataset", "check_columns_and_transform"]
 
@@ -51,14 +52,23 @@ _SUFFIXES = _PARQUET + _IPC + _CSV
 _MAPPED_SLACK_BYTES = 1 << 20
 
 
-def check_columns_and_transform(owner: str, columns: Any, transform: Any) -> Optional[list]:
-    """The `columns=` and `transform=` arguments of a row dataset, checked: the columns as a list (or None)."""
+def check_columns_and_transform(
+    owner: str, columns: Any, transform: Any, batch_transform: Any = None
+) -> Optional[list]:
+    """The `columns=`, `transform=` and `batch_transform=` arguments of a row dataset, checked: the columns as a
+    list (or None)."""
     if columns is not None:
         if isinstance(columns, str) or not all(isinstance(c, str) for c in columns):
             raise TypeError(f"{owner}: columns should be a list of column names, got {columns!r}")
         columns = list(columns)
-    if transform is not None and not callable(transform):
-        raise TypeError(f"{owner}: transform should be callable, got {transform!r}")
+    for name, fn in (("transform", transform), ("batch_transform", batch_transform)):
+        if fn is not None and not callable(fn):
+            raise TypeError(f"{owner}: {name} should be callable, got {fn!r}")
+    if transform is not None and batch_transform is not None:
+        raise ValueError(
+            f"{owner}: transform= (one row at a time) and batch_transform= (the whole batch) were both given; pass "
+            "one: do the per-row work inside batch_transform, or keep transform= and make the batch in collate_fn"
+        )
     return columns
 
 
@@ -82,11 +92,21 @@ class ArrowDataset(Dataset):
             ``None`` (all).
         transform (callable, optional): applied to each row (a dict) to make the sample, e.g.
             to open an image or tokenize a caption. Defaults to ``None`` (the row itself).
+        batch_transform (callable, optional): applied to each whole batch, in the worker, for
+            vectorized preprocessing (as Ray Data's ``map_batches``). It receives a dict
+            {column: NumPy array} of the batch's rows in the sampler's order (numbers in their
+            Arrow dtype, fixed-size lists as N-D arrays, variable-length lists as object arrays
+            of 1-D arrays, strings and bytes as object arrays; private, writable copies), and
+            returns a dict of columns of equal length: tensors or NumPy arrays of numbers, or
+            lists of str / bytes. The batch is those columns as tensors (their own dtype) and
+            lists. ``raydl.pad_tokens`` / ``pack_tokens`` turn a column of token lists into
+            padded or packed tensors. Not with `transform`. Defaults to ``None``. Details: NOTE
+            [ raydl batch transforms ] in data/columnar.py.
 
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: an unknown column, a file that is not of its kind, a folder with no
-            supported files or with several kinds.
+            supported files or with several kinds, both `transform` and `batch_transform`.
         TypeError: a source that is not tabular.
 
     See NOTE [ raydl arrow ] for how the table is shared between raydl's workers.
@@ -98,10 +118,12 @@ class ArrowDataset(Dataset):
         *,
         columns: Optional[Sequence[str]] = None,
         transform: Optional[Callable[[dict], Any]] = None,
+        batch_transform: Optional[Callable[[dict], dict]] = None,
     ) -> None:
-        columns = check_columns_and_transform("ArrowDataset", columns, transform)
+        columns = check_columns_and_transform("ArrowDataset", columns, transform, batch_transform)
         self._columns = columns
         self._transform = transform
+        self._batch_transform = batch_transform
         self._hf: Any = None  # the Hugging Face dataset this reads, if any
         self._mapped: Optional[tuple] = None  # the memory-mapped files this reads, if any
         self._ref: Any = None  # the object-store copy, once a raydl loader made one
@@ -122,6 +144,11 @@ class ArrowDataset(Dataset):
         return self._table.column_names
 
     @property
+    def raydl_batch_transform(self) -> Optional[Callable[[dict], dict]]:
+        """The `batch_transform` this dataset applies to each batch, if any."""
+        return self._batch_transform
+
+    @property
     def is_memory_mapped(self) -> bool:
         """Whether the table is read from memory-mapped files (reopened by path in each process)."""
         return self._mapped is not None
@@ -131,14 +158,19 @@ class ArrowDataset(Dataset):
 
     def __getitem__(self, index: Any) -> Any:
         i = self._check_index(index)
+        if self._batch_transform is not None:
+            return transformed_row(self._batch_transform, self._table.slice(i, 1), "ArrowDataset", i)
         row = _to_rows(self._table.slice(i, 1))[0]
         return self._transform(row) if self._transform is not None else row
 
     def __getitems__(self, indices: Sequence[Any]) -> list:
-        """The samples at `indices`: one vectorized `take` for the whole batch, then per-row transforms."""
+        """The samples at `indices`: one vectorized `take` for the whole batch, then per-row transforms (or the
+        batch transform's rows)."""
         idx = self._in_range(indices)
         if idx is None:
             return [self[i] for i in indices]  # odd index types: let __getitem__ name the bad one
+        if self._batch_transform is not None:
+            return transformed_rows(self._batch_transform, self._take_table(idx), "ArrowDataset")
         rows = _to_rows(self._take_table(idx))
         if self._transform is not None:
             return [self._transform(r) for r in rows]
@@ -150,8 +182,10 @@ class ArrowDataset(Dataset):
         if self._transform is not None:
             return None
         idx = self._in_range(indices)
-        if idx is None:
+        if idx is None or (self._batch_transform is not None and len(idx) == 0):
             return None
+        if self._batch_transform is not None:
+            return transformed_batch(self._batch_transform, self._take_table(idx), "ArrowDataset")
         return collate_columns(self._take_table(idx), lists_as_arrays=True)
 
     def _in_range(self, indices: Sequence[Any]) -> Optional[np.ndarray]:
@@ -208,11 +242,12 @@ class ArrowDataset(Dataset):
     # ------------------------------------------------------------------ pickling (NOTE [ raydl arrow ])
 
     def __reduce__(self):
+        fns = (self._transform, self._batch_transform)
         if self._mapped is not None:
-            return _reopen, (self._mapped, self._columns, self._transform)
+            return _reopen, (self._mapped, self._columns, fns)
         if self._hf is not None:
-            return _from_hf, (self._hf, self._columns, self._transform)
-        return _from_table, (self._table, self._transform)
+            return _from_hf, (self._hf, self._columns, fns)
+        return _from_table, (self._table, fns)
 
     def _raydl_ship_reduce(self, ctx: Any) -> Any:
         """How raydl's payload pickler ships this dataset (NOTE [ raydl shared memory ] in data/share.py)."""
@@ -223,11 +258,11 @@ class ArrowDataset(Dataset):
                 ctx.fingerprints(self._mapped),
                 fallback,
                 self._columns,
-                self._transform,
+                (self._transform, self._batch_transform),
             )
         if self._hf is not None:
             return self.__reduce__()  # the pickler ships the dataset's tables
-        return _from_shared, (self._shared_ref(), self._transform)
+        return _from_shared, (self._shared_ref(), (self._transform, self._batch_transform))
 
     def _shared_ref(self) -> Any:
         """The table in the object store, put once; the driver then reads that copy as well."""
@@ -245,48 +280,50 @@ class ArrowDataset(Dataset):
 
 
 # ---------------------------------------------------------------------- rebuilding (module level: picklable)
+# `fns` is the pair (transform, batch_transform).
 
 
-def _bare(columns: Optional[list], transform: Optional[Callable]) -> ArrowDataset:
+def _bare(columns: Optional[list], fns: tuple) -> ArrowDataset:
     ds = ArrowDataset.__new__(ArrowDataset)
-    ds._columns, ds._transform = columns, transform
+    ds._columns = columns
+    ds._transform, ds._batch_transform = fns
     ds._hf = ds._mapped = ds._ref = ds._ref_owner = ds._batches = ds._starts = None
     return ds
 
 
-def _from_table(table: pa.Table, transform: Optional[Callable]) -> ArrowDataset:
-    ds = _bare(None, transform)
+def _from_table(table: pa.Table, fns: tuple) -> ArrowDataset:
+    ds = _bare(None, fns)
     ds._table = table
     return ds
 
 
-def _from_shared(ref: Any, transform: Optional[Callable]) -> ArrowDataset:
+def _from_shared(ref: Any, fns: tuple) -> ArrowDataset:
     import ray
 
-    return _from_table(ray.get(ref), transform)
+    return _from_table(ray.get(ref), fns)
 
 
-def _from_hf(hf: Any, columns: Optional[list], transform: Optional[Callable]) -> ArrowDataset:
-    ds = _bare(columns, transform)
+def _from_hf(hf: Any, columns: Optional[list], fns: tuple) -> ArrowDataset:
+    ds = _bare(columns, fns)
     ds._hf = hf
     ds._table = _project(_hf_table(hf), columns)
     return ds
 
 
-def _reopen(paths: tuple, columns: Optional[list], transform: Optional[Callable]) -> ArrowDataset:
-    ds = _bare(columns, transform)
+def _reopen(paths: tuple, columns: Optional[list], fns: tuple) -> ArrowDataset:
+    ds = _bare(columns, fns)
     ds._table = _project(_read_ipc_files(list(paths), ds), columns)
     return ds
 
 
 def _reopen_or_shared(
-    paths: tuple, fingerprints: list, fallback: Any, columns: Optional[list], transform: Optional[Callable]
+    paths: tuple, fingerprints: list, fallback: Any, columns: Optional[list], fns: tuple
 ) -> ArrowDataset:
     from .share import files_here
 
     if files_here(paths, fingerprints, fallback, "ArrowDataset"):
-        return _reopen(paths, columns, transform)
-    return _from_shared(fallback, transform)
+        return _reopen(paths, columns, fns)
+    return _from_shared(fallback, fns)
 
 
 # ---------------------------------------------------------------------- sources

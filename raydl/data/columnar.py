@@ -1,4 +1,5 @@
-"""A batch of Arrow rows collated column by column: torch's `default_collate` of the rows, without the rows.
+"""A batch of Arrow rows collated column by column: torch's `default_collate` of the rows, without the rows;
+and a dataset's `batch_transform` run over a whole batch (NOTE [ raydl batch transforms ], below).
 
 NOTE [ raydl columnar batches ]
 `ArrowDataset` and `ParquetDataset` hand torch's DataLoader a list of row dicts, which
@@ -21,14 +22,15 @@ and the worker takes the per-row path, which gives the batch (or raises the erro
 
 from __future__ import annotations
 
-from typing import Optional
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-__all__ = ["collate_columns"]
+__all__ = ["collate_columns", "numpy_batch", "transformed_batch", "transformed_row", "transformed_rows"]
 
 
 def collate_columns(table: pa.Table, lists_as_arrays: bool) -> Optional[dict]:
@@ -80,7 +82,7 @@ def _collate_column(column: pa.ChunkedArray, lists_as_arrays: bool) -> Optional[
 def _collate_lists(column: pa.ChunkedArray) -> Optional[torch.Tensor]:
     """A list column whose rows are 1-D arrays of one length: stacked, as `default_collate` stacks them."""
     v = column.type.value_type
-    if not (pa.types.is_integer(v) or pa.types.is_floating(v) or pa.types.is_boolean(v)):
+    if not _numbers(v):
         return None
     array = column.combine_chunks()
     lengths = pc.list_value_length(array)
@@ -92,3 +94,158 @@ def _collate_lists(column: pa.ChunkedArray) -> Optional[torch.Tensor]:
         return None
     dtype = np.dtype(v.to_pandas_dtype())
     return _fresh(values.to_numpy(zero_copy_only=False), dtype).reshape(len(array), high.as_py())
+
+
+# ---------------------------------------------------------------------- batch transforms
+
+# NOTE [ raydl batch transforms ]
+# `batch_transform=` on `ArrowDataset` / `ParquetDataset` is a function of a whole batch, for vectorized
+# preprocessing (normalize, tokenize or decode many samples at once), as Ray Data's `map_batches`.
+#   * It receives a dict {column: NumPy array}, each array one entry per row of the batch, the rows in the
+#     sampler's order (`numpy_batch`); the arrays are the function's own (private copies, writable).
+#   * It returns a dict {name: column}, every column with the same number of rows (at least one; it may
+#     differ from the input's, e.g. several sequences packed into one row). A column is a tensor or a
+#     NumPy array of numbers or booleans (first dimension: the rows), or a list (or NumPy array) of str
+#     or bytes. Anything else is refused with the key named (`_output_columns`): a list of ints or a
+#     ragged column has no single batched form, and raydl.pad_tokens gives one.
+#   * The batch is those columns as tensors (`torch.from_numpy`: the array's own dtype) and lists,
+#     whatever the loader: in a raydl worker with torch's default_collate it is built once
+#     (`transformed_batch`); on every other path (torch's DataLoader, num_workers=0, a user's
+#     collate_fn) the dataset's `__getitems__` returns its rows (`transformed_rows`), which
+#     default_collate stacks back into exactly the same batch and a user's collate_fn receives as rows.
+#   * It runs where the dataset is read: in the worker (num_workers=0: in the loader's process, as
+#     torch's num_workers=0 does everything). It sees the batch's rows and nothing else, so (deterministic) its
+#     batches are the same at any worker count, after a replacement and on resume; random draws in it
+#     come from the worker's streams, as a per-row transform's do (ray_seed="batch" makes them
+#     independent of the pool; ray_seed="sample" cannot apply, worker/fetch.py refuses it).
+#   * An error in it keeps its type and gains a note naming the function and the dataset.
+
+
+def numpy_batch(table: pa.Table, owner: str) -> dict:
+    """`table`'s columns as the NumPy arrays a batch transform receives (NOTE [ raydl batch transforms ])."""
+    names = table.column_names
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"{owner}: batch_transform needs distinct column names; {twice} appear more than once")
+    return {name: _numpy_column(column, name, owner) for name, column in zip(names, table.columns)}
+
+
+def _numbers(t: pa.DataType) -> bool:
+    return pa.types.is_integer(t) or pa.types.is_floating(t) or pa.types.is_boolean(t)
+
+
+def _own(array: np.ndarray) -> np.ndarray:
+    return array if array.flags.writeable else array.copy()
+
+
+def _no_nulls(array: Any, name: str, owner: str) -> None:
+    if array.null_count:
+        raise ValueError(
+            f"{owner}: column {name!r} has nulls in this batch, and a NumPy array of {array.type} has no null: "
+            "fill them (pyarrow.compute.fill_null) or drop those rows before building the dataset"
+        )
+
+
+def _numpy_column(column: pa.ChunkedArray, name: str, owner: str) -> np.ndarray:
+    t = column.type
+    if _numbers(t):
+        _no_nulls(column, name, owner)
+        return _own(column.to_numpy())
+    shape = []
+    inner = t
+    while pa.types.is_fixed_size_list(inner):  # nested fixed-size lists: one N-D array
+        shape.append(inner.list_size)
+        inner = inner.value_type
+    if shape and _numbers(inner):
+        values = column.combine_chunks()
+        for _ in shape:
+            _no_nulls(values, name, owner)
+            values = values.flatten()
+        _no_nulls(values, name, owner)
+        return _own(values.to_numpy(zero_copy_only=False)).reshape(len(column), *shape)
+    if (pa.types.is_list(t) or pa.types.is_large_list(t)) and _numbers(t.value_type):
+        array = column.combine_chunks()
+        _no_nulls(array, name, owner)
+        values = array.flatten()
+        _no_nulls(values, name, owner)
+        lengths = pc.list_value_length(array).to_numpy(zero_copy_only=False)
+        flat = _own(values.to_numpy(zero_copy_only=False))
+        out = np.empty(len(array), dtype=object)
+        for i, row in enumerate(np.split(flat, np.cumsum(lengths)[:-1])):
+            out[i] = row  # element by element: NumPy would make equal-length rows one 2-D array
+        return out
+    return _own(column.to_numpy())  # strings, bytes (None for a null), timestamps, structs, ...: as Arrow gives them
+
+
+def _describe(fn: Callable) -> str:
+    return getattr(fn, "__qualname__", None) or repr(fn)
+
+
+def transformed_batch(fn: Callable, table: pa.Table, owner: str) -> dict:
+    """The batch `fn` makes of `table`: its output checked, as tensors and lists (NOTE [ raydl batch transforms ])."""
+    batch = numpy_batch(table, owner)
+    try:
+        out = fn(batch)
+    except Exception as e:
+        if hasattr(e, "add_note"):  # Python 3.11+: printed with the traceback, in the worker's message too
+            e.add_note(f"raised by the batch_transform {_describe(fn)} of {owner}, on a batch of {table.num_rows} rows")
+        raise
+    return _output_columns(out, fn, owner)
+
+
+def _output_columns(out: Any, fn: Callable, owner: str) -> dict:
+    where = f"{owner}: batch_transform {_describe(fn)}"
+    if not isinstance(out, Mapping) or not out:
+        raise TypeError(f"{where} returned {type(out).__name__} {out!r:.80}: it should return a dict of columns")
+    columns = {key: _output_column(value, key, where) for key, value in out.items()}
+    rows = {key: len(value) for key, value in columns.items()}
+    if len(set(rows.values())) != 1:
+        raise ValueError(f"{where} returned columns of different lengths {rows}: every column needs one row per sample")
+    if not next(iter(rows.values())):
+        raise ValueError(f"{where} returned no rows: a batch needs at least one sample")
+    return columns
+
+
+def _output_column(value: Any, key: Any, where: str) -> Any:
+    if isinstance(value, torch.Tensor) and value.dim() >= 1:
+        return value
+    if isinstance(value, np.ndarray) and value.ndim >= 1:
+        if value.dtype.kind in "biufc":
+            if not value.flags.writeable or not value.dtype.isnative:
+                value = value.astype(value.dtype.newbyteorder("="), copy=True)
+            return torch.from_numpy(value)
+        if value.ndim == 1 and value.dtype.kind in "USO" and all(isinstance(v, (str, bytes)) for v in value.tolist()):
+            return value.tolist()
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (str, bytes)) for v in value):
+        return list(value)
+    raise TypeError(
+        f"{where} returned {key!r} as {type(value).__name__}{_dtype_of(value)}: a column should be a tensor or NumPy "
+        "array of numbers (one row per sample), or a list of str or bytes; pad a ragged column, e.g. with "
+        "raydl.pad_tokens"
+    )
+
+
+def _dtype_of(value: Any) -> str:
+    dtype = getattr(value, "dtype", None)
+    return f" of {dtype}" if dtype is not None else ""
+
+
+def transformed_rows(fn: Callable, table: pa.Table, owner: str) -> list:
+    """The same batch as rows (dicts), which default_collate stacks back into `transformed_batch`'s output."""
+    if table.num_rows == 0:
+        return []  # no batch to transform: torch's collate names the empty batch
+    columns = transformed_batch(fn, table, owner)
+    n = len(next(iter(columns.values())))
+    return [{key: value[i] for key, value in columns.items()} for i in range(n)]
+
+
+def transformed_row(fn: Callable, table: pa.Table, owner: str, index: int) -> dict:
+    """`ds[index]`: the one row `fn` makes of that row alone."""
+    rows = transformed_rows(fn, table, owner)
+    if len(rows) != 1:
+        raise ValueError(
+            f"{owner}[{index}]: batch_transform {_describe(fn)} made {len(rows)} rows of one; a transform that "
+            "changes the number of rows (packing) makes batches, not samples: read it through a DataLoader with "
+            "batch_size set"
+        )
+    return rows[0]

@@ -49,7 +49,7 @@ from torch.utils.data import Dataset, Sampler
 from torch.utils.data.distributed import DistributedSampler
 
 from .arrow import check_columns_and_transform
-from .columnar import collate_columns
+from .columnar import collate_columns, transformed_batch, transformed_row, transformed_rows
 from .segments import SegmentFile, merge_segments
 
 __all__ = [
@@ -225,6 +225,11 @@ class ParquetDataset(Dataset):
         columns (list of str, optional): read only these columns. Defaults to ``None`` (all).
         transform (callable, optional): applied to each row (a dict) in the worker. Defaults to
             ``None``.
+        batch_transform (callable, optional): applied to each whole batch in the worker, for
+            vectorized preprocessing: a dict {column: NumPy array} in, a dict of equal-length
+            columns (tensors or NumPy arrays of numbers, lists of str / bytes) out, as for
+            `ArrowDataset` (its docstring and NOTE [ raydl batch transforms ] in data/columnar.py
+            say what each Arrow type becomes). Not with `transform`. Defaults to ``None``.
         filesystem (pyarrow.fs.FileSystem, optional): the filesystem the URL's path is on (e.g.
             ``S3FileSystem(endpoint_override=...)`` for MinIO); the scheme is then dropped from
             the URL. Defaults to ``None`` (from the URL, pyarrow's defaults).
@@ -239,8 +244,9 @@ class ParquetDataset(Dataset):
     Raises:
         FileNotFoundError: a path does not exist.
         ValueError: no Parquet file found, a file that is not Parquet (named), files whose
-            schemas disagree, an unknown column, or a `cache_limit` too small for what the
-            loader must hold at once (the message gives the number it needs).
+            schemas disagree, an unknown column, a `cache_limit` too small for what the
+            loader must hold at once (the message gives the number it needs), or both
+            `transform` and `batch_transform`.
     """
 
     def __init__(
@@ -249,14 +255,16 @@ class ParquetDataset(Dataset):
         *,
         columns: Optional[Sequence[str]] = None,
         transform: Optional[Callable[[dict], Any]] = None,
+        batch_transform: Optional[Callable[[dict], dict]] = None,
         filesystem: Any = None,
         cache_dir: Optional[str] = None,
         cache_limit: Union[int, str] = _DEFAULT_LIMIT,
         shuffle_window: Optional[int] = None,
     ) -> None:
-        columns = check_columns_and_transform("ParquetDataset", columns, transform)
+        columns = check_columns_and_transform("ParquetDataset", columns, transform, batch_transform)
         self._columns = columns
         self._transform = transform
+        self._batch_transform = batch_transform
         self.cache_dir = os.path.abspath(cache_dir or os.path.join(tempfile.gettempdir(), "raydl-cache"))
         self.cache_limit = parse_size(cache_limit)
         self.filesystem, infos = _list_files(url_or_files, filesystem)
@@ -358,6 +366,11 @@ class ParquetDataset(Dataset):
         return self._unit_bytes
 
     @property
+    def raydl_batch_transform(self) -> Optional[Callable[[dict], dict]]:
+        """The `batch_transform` this dataset applies to each batch, if any."""
+        return self._batch_transform
+
+    @property
     def column_names(self) -> list:
         return self._columns if self._columns is not None else self._footers[0].schema.to_arrow_schema().names
 
@@ -396,15 +409,24 @@ class ParquetDataset(Dataset):
     # ------------------------------------------------------------------ reading
 
     def __getitem__(self, index: int) -> Any:
+        if self._batch_transform is not None:
+            idx = self._wrapped([index])
+            return transformed_row(self._batch_transform, self._take_table(idx), "ParquetDataset", int(idx[0]))
         return self.__getitems__([index])[0]
 
-    def __getitems__(self, indices: Sequence[int]) -> list:
+    def _wrapped(self, indices: Sequence[int]) -> np.ndarray:
+        """`indices` as row numbers, negative ones wrapped; IndexError names the first out of range."""
         idx = np.asarray([int(i) for i in indices], dtype=np.int64)
         n = len(self)
         bad = idx[(idx < -n) | (idx >= n)]
         if len(bad):
             raise IndexError(f"ParquetDataset: index {int(bad[0])} out of range for {n} rows")
-        idx = np.where(idx < 0, idx + n, idx)
+        return np.where(idx < 0, idx + n, idx)
+
+    def __getitems__(self, indices: Sequence[int]) -> list:
+        idx = self._wrapped(indices)
+        if self._batch_transform is not None:
+            return transformed_rows(self._batch_transform, self._take_table(idx), "ParquetDataset")
         out = self._take_table(idx).to_pylist()
         if self._transform is not None:
             out = [self._transform(r) for r in out]
@@ -419,6 +441,8 @@ class ParquetDataset(Dataset):
         n = len(self)
         if len(idx) == 0 or idx.min() < 0 or idx.max() >= n:
             return None  # the per-row path wraps negative indices and names one out of range
+        if self._batch_transform is not None:
+            return transformed_batch(self._batch_transform, self._take_table(idx), "ParquetDataset")
         return collate_columns(self._take_table(idx), lists_as_arrays=False)
 
     def _take_table(self, idx: np.ndarray) -> Any:

@@ -90,6 +90,12 @@ class MapFetcher:
     def fetch(self, index: Any, before_item: Optional[Callable[[Any], None]] = None) -> Any:
         """The batch for `index`; `before_item(i)` runs right before each `dataset[i]` (one at a time then)."""
         if before_item is not None:
+            if self.auto_collation and getattr(self.dataset, "raydl_batch_transform", None) is not None:
+                raise ValueError(
+                    "ray_seed='sample' seeds each sample before its own dataset[i], but this "
+                    f"{type(self.dataset).__name__}'s batch_transform makes a whole batch at once: use "
+                    "ray_seed='batch' (the same batches at any worker count) or the default ray_seed"
+                )
             if not self.auto_collation:
                 before_item(index)
                 return self.collate_fn(self.dataset[index])
