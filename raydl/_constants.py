@@ -107,6 +107,12 @@ LANE_TCP_KEEPALIVE_IDLE_S = 10
 LANE_TCP_KEEPALIVE_INTERVAL_S = 5
 LANE_TCP_KEEPALIVE_COUNT = 3
 LANE_TCP_USER_TIMEOUT_S = 30
+# ... and, on such a lane, how often the worker writes at least a heartbeat (an empty message), so that the driver
+# can tell a silent node from a slow batch: nothing received for `ray_silence_timeout_s` (default below, at least
+# LANE_SILENCE_MIN_BEATS heartbeats long) means the node went silent (NOTE [ raydl silent node ]).
+LANE_HEARTBEAT_S = 0.5
+LANE_SILENCE_MIN_BEATS = 4
+DEFAULT_SILENCE_TIMEOUT_S = 4.0
 # ... and the longest a worker tries to connect to it (a worker's calls wait meanwhile; a node that cannot reach the
 # driver's, behind a firewall, keeps Ray's calls and is not asked again by this process).
 LANE_TCP_CONNECT_S = 3.0

@@ -8,7 +8,13 @@ from typing import Any, Mapping, Optional, Union
 
 import torch
 
-from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
+from ._constants import (
+    DEFAULT_MAX_WORKER_RESTARTS,
+    DEFAULT_SILENCE_TIMEOUT_S,
+    DEFAULT_STARTUP_TIMEOUT_S,
+    LANE_HEARTBEAT_S,
+    LANE_SILENCE_MIN_BEATS,
+)
 from .worker.seeding import SEED_MODES
 
 __all__ = ["RayOptions"]
@@ -34,6 +40,7 @@ class RayOptions:
     batches_per_call: Optional[int] = None  # None ("auto"): adaptive (NOTE [ raydl calls ] in driver/schedule.py)
     cold_start: Union[bool, str] = True  # True, False or "in_process": NOTE [ raydl cold start ] in driver/coldstart.py
     lane: bool = True  # NOTE [ raydl lane ] in worker/lane.py
+    silence_timeout_s: Optional[float] = DEFAULT_SILENCE_TIMEOUT_S  # NOTE [ raydl silent node ]
 
     def __post_init__(self) -> None:
         if self.address is not None and not isinstance(self.address, str):
@@ -91,6 +98,14 @@ class RayOptions:
                 "ray_cold_start should be True (start-up processes), False (no cold start) or 'in_process' (the "
                 f"first batches made in this process), got {self.cold_start!r}"
             )
+        q = self.silence_timeout_s
+        least = LANE_SILENCE_MIN_BEATS * LANE_HEARTBEAT_S
+        if q is not None and (not isinstance(q, numbers.Real) or isinstance(q, bool) or not q >= least):
+            raise ValueError(
+                f"ray_silence_timeout_s should be None (a silent node is left to TCP's and Ray's own timeouts) or a "
+                f"number of seconds of at least {least:g} ({LANE_SILENCE_MIN_BEATS} of a lane's heartbeats, sent "
+                f"every {LANE_HEARTBEAT_S:g} s), got {q!r}"
+            )
         if not isinstance(self.lane, bool):
             raise TypeError(f"ray_lane should be True or False, got {self.lane!r}")
         if not isinstance(self.stats, bool):
@@ -121,6 +136,7 @@ class RayOptions:
             batches_per_call=_batches_per_call(getattr(loader, "ray_batches_per_call", "auto")),
             cold_start=getattr(loader, "ray_cold_start", defaults.cold_start),
             lane=getattr(loader, "ray_lane", defaults.lane),
+            silence_timeout_s=getattr(loader, "ray_silence_timeout_s", defaults.silence_timeout_s),
         )
 
 

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 from torch.utils.data import Dataset, IterableDataset, Sampler
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_STARTUP_TIMEOUT_S
+from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_SILENCE_TIMEOUT_S, DEFAULT_STARTUP_TIMEOUT_S
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
 from .cluster.locality import warn_if_workers_oversubscribe
@@ -173,6 +173,15 @@ class DataLoader(_TorchDataLoader[T_co]):
             thread here reads each batch as it arrives: one copy, where Ray's transfer costs both
             nodes' raylets). ``ray_job`` and Ray Client keep Ray's calls. The batches are the same
             either way. ``False``: every call through Ray. Defaults to ``True``.
+        ray_silence_timeout_s (float): a worker on another node writes at least a heartbeat on
+            its TCP lane every 0.5 s; when nothing arrives on a lane the loader waits on for
+            this many seconds, the worker's node is taken as silent (a frozen VM, a dead link:
+            no error ever comes): the worker is replaced elsewhere and its batches remade, every
+            batch once and in order, and no worker is placed on that node until Ray reaches it
+            again (NOTE [ raydl silent node ] in raydl/cluster/silent_nodes.py; docs/faults.md).
+            Lower: a silent node costs less; higher: fewer false alarms (one worker replaced each)
+            when workers hold the GIL in native code for long. At least 2. ``None``: TCP's and
+            Ray's own timeouts decide (about a minute). Defaults to ``4.0``.
 
     Construction has no side effects: Ray starts, and actors are created, on first iteration
     (in the background on a cold start: see ``ray_cold_start``).
@@ -218,6 +227,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         ray_batches_per_call: int | str = "auto",
         ray_cold_start: Union[bool, str, None] = None,
         ray_lane: bool = True,
+        ray_silence_timeout_s: Optional[float] = DEFAULT_SILENCE_TIMEOUT_S,
     ) -> None:
         if ray_job is False:
             ray_job = None
@@ -241,6 +251,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             # None: the process-wide default, RAYDL_COLD_START (NOTE [ raydl cold start ])
             cold_start=_default_cold_start() if ray_cold_start is None else ray_cold_start,
             lane=ray_lane,
+            silence_timeout_s=ray_silence_timeout_s,
         )
         if multiprocessing_context is not None and num_workers > 0:
             _warn_mp_context_once()
@@ -259,6 +270,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self.ray_batches_per_call = "auto" if options.batches_per_call is None else options.batches_per_call
         self.ray_cold_start = options.cold_start
         self.ray_lane = options.lane
+        self.ray_silence_timeout_s = options.silence_timeout_s
         self._ray_iters: weakref.WeakSet = weakref.WeakSet()  # live iterators, for set_num_workers
         self.ray_stats = options.stats
         self.ray_name = options.name

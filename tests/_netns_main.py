@@ -2,12 +2,13 @@
 joins it (RAY_ADDRESS, its token and TLS files in the environment) and prints one `FACTS {json}` line.
 
 Scenarios: `plain` (placement over the nodes' addresses, TCP lanes seen on the wire, a node killed mid-epoch: last,
-it takes a node away) and `tls` (the lanes of a TLS cluster: TLS connections, the marker never on the wire).
+it takes a node away, then the other worker node goes silent) and `tls` (the lanes of a TLS cluster: TLS connections, the marker never on the wire).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import secrets
 import signal
@@ -149,6 +150,72 @@ def plain(facts: dict) -> None:
     facts["kill_victim_ip"] = ips[victim]
     facts["kill_survivor_ips"] = sorted({r.node_ip for r in it.worker_records})
     del it, loader
+
+    # (d) the surviving worker node goes silent (its link down: no RST, no FIN) mid-epoch, then comes back
+    _silent_node(cluster, facts, ips)
+
+
+class _Said(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def _silent_node(cluster, facts: dict, ips: list) -> None:
+    """The defaults (shuffle=True, no generator), both workers on the one worker node left, whose link goes down
+    once both have lanes: the epoch goes on, every batch once; the replacements are not placed on the silent node
+    (here: on the head, the only other); the link comes back during the epoch (late replies must be dropped), and
+    the node is a candidate again once Ray reaches it."""
+    from raydl.cluster import silent_nodes
+
+    deadline = time.monotonic() + 120  # the killed node gone from Ray's view first
+    while sum(node["Alive"] for node in ray.nodes()) > 2 and time.monotonic() < deadline:
+        time.sleep(0.5)
+    said = _Said()
+    logging.getLogger("raydl").addHandler(said)
+    n = 240
+    loader = raydl.DataLoader(
+        D.SlowDataset(n, {i: 0.02 for i in range(n)}), batch_size=2, shuffle=True, num_workers=2, timeout=120
+    )
+    it = iter(loader)
+    out = []
+    while it._calls._lanes is None or not all(it._calls._lanes.has_lane(w) for w in (0, 1)):
+        out.append(next(it).flatten().tolist())
+    victim = ips.index(it.worker_records[0].node_ip)
+    facts["silent_workers_ips_before"] = sorted({r.node_ip for r in it.worker_records})
+    t0 = time.monotonic()
+    cluster.link_down(victim)
+    try:
+        last, gaps = t0, []
+        while it._pool.restarts == [0, 0]:  # until a replacement delivered
+            out.append(next(it).flatten().tolist())
+            gaps.append(time.monotonic() - last)
+            last = time.monotonic()
+    finally:
+        cluster.link_up(victim)
+    facts["silent_stall_s"] = round(max(gaps), 1)
+    facts["silent_marked"] = silent_nodes.silent_nodes()
+    out += [b.flatten().tolist() for b in it]  # the rest of the epoch, the link back: late replies come now
+    samples = [i for batch in out for i in batch]
+    facts["silent_complete_once"] = sorted(samples) == list(range(n)) and len(out) == n // 2
+    facts["silent_restarts"] = list(it._pool.restarts)
+    facts["silent_replacement_ips"] = sorted({r.node_ip for r in it.worker_records})
+    facts["silent_victim_ip"] = ips[victim]
+    facts["silent_said"] = [line for line in said.lines if "silent" in line]
+    del it, loader
+    alive_ids = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
+    deadline = time.monotonic() + 60
+    while silent_nodes.silent_nodes() and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = silent_nodes.silent_nodes()
+    # lifted once Ray reaches the node again; a node Ray declared dead meanwhile stays marked (it never returns)
+    facts["silent_mark_right"] = all(node not in alive_ids for node in left) and bool(facts["silent_marked"])
+    facts["silent_node_alive_after"] = any(
+        node["Alive"] and node["NodeManagerAddress"] == ips[victim] for node in ray.nodes()
+    )
 
 
 def tls(facts: dict) -> None:

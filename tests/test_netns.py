@@ -58,3 +58,16 @@ def test_node_killed_mid_epoch_every_batch_once_in_order(cluster, facts):
     assert facts["kill_complete_in_order"], facts
     assert facts["kill_restarts"] >= 1
     assert facts["kill_survivor_ips"] == [ip for ip in (cluster.ip(1), cluster.ip(2)) if ip != facts["kill_victim_ip"]]
+
+
+def test_silent_node_mid_epoch_every_batch_once_no_replacement_there(cluster, facts):
+    """The defaults (shuffle=True, no generator): the worker node's link set down mid-epoch (no RST, no FIN). The
+    silence is named, both workers of the node are replaced once each (never on the silent node: here on the head,
+    the only other node), every sample comes once with the link back before the epoch ends (late replies dropped),
+    and the node's mark is lifted once Ray reaches it again."""
+    assert facts["silent_workers_ips_before"] == [facts["silent_victim_ip"]]
+    assert facts["silent_complete_once"], facts
+    assert facts["silent_restarts"] == [1, 1], facts
+    assert facts["silent_replacement_ips"] == [cluster.ip(0)], facts
+    assert any("went silent" in line for line in facts["silent_said"]), facts["silent_said"]
+    assert facts["silent_mark_right"], facts

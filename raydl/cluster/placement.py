@@ -6,7 +6,8 @@ actors erratically: its SPREAD strategy put three of them on three nodes, then t
 node once the first three were gone (measured on Ray 2.60), and its default strategy packs them on
 the driver's node, whose CPUs the trainer uses. So, when `ray_remote_args` carries no placement
 hint, raydl decides each worker's node itself:
-  * candidates: the alive nodes (`ray.nodes()`) other than the driver's (its CPUs are busy
+  * candidates: the alive nodes (`ray.nodes()`), less those whose lanes went silent (NOTE [ raydl silent
+    node ] in cluster/silent_nodes.py), other than the driver's (its CPUs are busy
     training; for a job's pool, other than every rank's node the job has heard of: the
     first rank's when the pool starts, each joining rank's for workers added or replaced
     later); the trainers' nodes only when no other node is alive. Weights: their free CPUs where
@@ -44,6 +45,8 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
+
+from .silent_nodes import is_silent, silent_nodes
 
 __all__ = ["has_placement_hints", "NodeWeight", "apportion", "Placement", "worker_placement"]
 
@@ -133,6 +136,8 @@ class Placement:
         import ray
 
         rows = [row for row in ray.nodes() if row.get("Alive")]
+        if silent_nodes():  # NOTE [ raydl silent node ]: none placed where a lane went silent
+            rows = [row for row in rows if not is_silent(row["NodeID"])]
         others = [row for row in rows if row["NodeID"] not in self.trainer_nodes]
         rows = others or rows
         free = _free_cpus_by_node()

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from .._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
 from .._measures import batch_nbytes
-from .lane import Lanes, LaneTicket, worker_node
+from .lane import Lanes, LaneSilent, LaneTicket, worker_node
 
 __all__ = ["CallSender"]
 
@@ -24,11 +24,18 @@ class CallSender:
     """The calls of one iterator's pool; `driver_node_id`: the node this process runs on; `lanes`: workers' calls go
     over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py); `max_batches`: the prefetch bound."""
 
-    def __init__(self, pool: Any, driver_node_id: str, lanes: bool = False, max_batches: int = 2) -> None:
+    def __init__(
+        self,
+        pool: Any,
+        driver_node_id: str,
+        lanes: bool = False,
+        max_batches: int = 2,
+        silence_timeout_s: Optional[float] = None,
+    ) -> None:
         self._pool = pool
         self._driver_node_id = driver_node_id
         self._methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
-        self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id, max_batches) if lanes else None
+        self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id, max_batches, silence_timeout_s) if lanes else None
         self._ray_call_bytes = int(RAY_INLINE_SHARE * _ray_inline_bytes())  # NOTE [ raydl calls ]: Ray's inline share
 
     def send(self, worker_id: int, epoch: int, tasks: list) -> tuple[Any, Any]:
@@ -48,13 +55,19 @@ class CallSender:
             self.prefetch([ref])
         return ref, meta_ref
 
-    def receive(self, call: Any, timeout_s: float) -> tuple[list, list]:
-        """A call's (batches, metas), waiting at most `timeout_s` (ray's GetTimeoutError); a lane's end raises
-        LaneLost, a Ray call's worker death Ray's errors."""
+    def receive(self, call: Any, worker_id: int, timeout_s: float) -> tuple[list, list]:
+        """Worker `worker_id`'s call's (batches, metas), waiting at most `timeout_s` (ray's GetTimeoutError); a
+        lane's end raises LaneLost, a Ray call's worker death Ray's errors, and either LaneSilent when a lane to the
+        worker's node went silent (NOTE [ raydl silent node ])."""
         if type(call.ref) is LaneTicket:
             assert self._lanes is not None
             return self._lanes.receive(call.ref, timeout_s)
         import ray
+
+        if self._lanes is not None:
+            silent = self._lanes.node_went_silent(worker_id)
+            if silent is not None:
+                raise LaneSilent(silent)
 
         batches, metas = ray.get([call.ref, call.meta_ref], timeout=timeout_s)
         return batches, metas

@@ -186,6 +186,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._driver_node_id,
             lanes=options.lane and self._job_rank is None and not self._via_client,
             max_batches=self._prefetch_factor * self._num_workers,
+            silence_timeout_s=options.silence_timeout_s,
         )
         # NOTE [ raydl shutdown ]: released by a finalizer holding the pool, never from __del__
         self._release_pool = self._pool.release_when_collected(self)
@@ -517,7 +518,7 @@ class _RayLoaderIter(Iterator[Any]):
                 call = task.call
                 assert call is not None, "raydl bug: waiting on a task no call carries"
                 if not call.received:  # one get for the whole call (NOTE [ raydl calls ])
-                    call.batches, call.metas = self._calls.receive(call, STATUS_CHECK_INTERVAL_S)
+                    call.batches, call.metas = self._calls.receive(call, task.worker_id, STATUS_CHECK_INTERVAL_S)
                 data, meta = call.take(idx)
                 if isinstance(data, BatchFailed):
                     raise _Failed(data.error, data.traceback)

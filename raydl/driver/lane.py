@@ -46,14 +46,21 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from .._constants import LANE_HELLO_PENDING, LANE_MAX_BATCH_BYTES, LANE_OPEN_S, LANE_TCP_WAKE_BYTES
+from .._constants import (
+    LANE_HEARTBEAT_S,
+    LANE_HELLO_PENDING,
+    LANE_MAX_BATCH_BYTES,
+    LANE_OPEN_S,
+    LANE_TCP_WAKE_BYTES,
+)
 from .._measures import batch_nbytes
-from ..worker.lane import recv_reply, shut_down
+from ..cluster.silent_nodes import mark_silent
+from ..worker.lane import recv_reply, shut_down, since_received_s
 from ..worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
 from .lane_accept import Greeter
 
-__all__ = ["Lanes", "LaneTicket", "LaneLost", "worker_node", "listen_for_lane"]
+__all__ = ["Lanes", "LaneTicket", "LaneLost", "LaneSilent", "worker_node", "listen_for_lane"]
 
 logger = logging.getLogger(__name__)
 
@@ -70,6 +77,11 @@ _UNREACHED: set[str] = set()
 
 class LaneLost(Exception):
     """The lane of a worker ended while the driver waited on it: its process died (NOTE [ raydl lane, driver ])."""
+
+
+class LaneSilent(LaneLost):
+    """Nothing came on a worker's TCP lane for `ray_silence_timeout_s`: its node went silent (NOTE [ raydl silent
+    node ] in cluster/silent_nodes.py). Recovered as a death; the lane is closed, so no late reply is read."""
 
 
 class LaneTicket:
@@ -208,8 +220,12 @@ def listen_for_lane(listener: socket.socket, address: Any, token: bytes, remote:
 class Lanes:
     """The lanes of one iterator's workers (NOTE [ raydl lane, driver ])."""
 
-    def __init__(self, pool: Any, driver_node_id: str, max_batches: int) -> None:
+    def __init__(
+        self, pool: Any, driver_node_id: str, max_batches: int, silence_timeout_s: Optional[float] = None
+    ) -> None:
         self._pool = pool
+        self._silence_timeout_s = silence_timeout_s  # None: only TCP's own timeouts end a silent node's lane
+        self._silenced: dict[int, str] = {}  # worker id -> why its lane was closed as silent, until raised
         self._driver_node_id = driver_node_id
         # replies' large arrays: read into memory used again once their batches are gone (NOTE [ raydl receive
         # buffers ]); the batches in flight (`max_batches`), twice, and four more (the trainer's, a pinning copy's)
@@ -388,6 +404,9 @@ class Lanes:
             return reply
         lane = self._lanes.get(ticket.worker_id)
         if lane is None:
+            why = self._silenced.pop(ticket.worker_id, None)
+            if why is not None:
+                raise LaneSilent(why)
             raise LaneLost(f"the lane of worker {ticket.worker_id} is closed")
         if lane.remote:
             return self._receive_remote(lane, ticket, timeout_s)
@@ -424,11 +443,13 @@ class Lanes:
                 raise
             if reply is not None:
                 return reply
+            if self._went_silent(lane, ticket.worker_id):
+                raise LaneSilent(self._silenced.pop(ticket.worker_id))
             left = deadline - time.monotonic()
             if left <= 0:
                 raise GetTimeoutError(f"no reply on worker {ticket.worker_id}'s lane within {timeout_s} s")
             try:
-                wait([lane.bell], left)
+                wait([lane.bell], min(left, LANE_HEARTBEAT_S))
             except OSError:  # the bell closed under the wait: the lane was closed
                 pass
 
@@ -449,7 +470,7 @@ class Lanes:
                     return ticket
                 if lane.remote:
                     lane.silence()
-                    if lane.ready(ticket):
+                    if lane.ready(ticket) or self._went_silent(lane, ticket.worker_id):
                         return ticket
                     by_conn[lane.bell] = ticket
                 elif ticket not in lane.unread:
@@ -460,11 +481,11 @@ class Lanes:
             if left <= 0:
                 return None
             try:
-                readable = wait(list(by_conn), left)
+                readable = wait(list(by_conn), min(left, LANE_HEARTBEAT_S))
             except OSError:  # a lane closed under the wait: its worker died
                 readable = list(by_conn)
             if not readable:
-                return None
+                continue  # (the deadline is looked at above; silent lanes too)
             for conn in readable:
                 ticket = by_conn[conn]
                 lane = self._lanes.get(ticket.worker_id)
@@ -494,6 +515,40 @@ class Lanes:
         """The call's batches are not needed: its reply is dropped when it arrives."""
         ticket.abandoned = True
         ticket.reply = None
+
+    def _went_silent(self, lane: Any, worker_id: int) -> bool:
+        """Whether the worker's lane to another node has received nothing for the silence timeout: then it is closed
+        and its node marked silent (NOTE [ raydl silent node ]); `receive` raises LaneSilent for its call."""
+        if self._silence_timeout_s is None:
+            return False
+        quiet_s = since_received_s(lane.conn)
+        if quiet_s is None or quiet_s < self._silence_timeout_s:
+            return False
+        node = worker_node(self._pool, worker_id)
+        self._silenced[worker_id] = (
+            f"its node {node[:8] if node else '?'} went silent: nothing on the lane of worker {worker_id} for "
+            f"{quiet_s:.1f} s (heartbeats every {LANE_HEARTBEAT_S} s; ray_silence_timeout_s="
+            f"{self._silence_timeout_s:g})"
+        )
+        self._lost(worker_id)
+        if node is not None:
+            mark_silent(node)
+        return True
+
+    def node_went_silent(self, worker_id: int) -> Optional[str]:
+        """For a Ray call of worker `worker_id` (sent before its lane opened, or no lane): why its node is silent when
+        an open lane to that node is (`_went_silent`), else None. The driver never waits for Ray's verdict on a node
+        a lane already shows silent."""
+        if self._silence_timeout_s is None:
+            return None
+        node = worker_node(self._pool, worker_id)
+        if node is None or node == self._driver_node_id:
+            return None
+        for wid, lane in list(self._lanes.items()):
+            if lane.remote and worker_node(self._pool, wid) == node and self._went_silent(lane, wid):
+                why = self._silenced.pop(wid)
+                return why if wid == worker_id else f"{why}; worker {worker_id} is on that node too"
+        return None
 
     def _lost(self, worker_id: int) -> None:
         lane = self._lanes.pop(worker_id, None)

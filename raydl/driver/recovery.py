@@ -12,6 +12,9 @@ or its node left the cluster) or that the task's result was lost with its node:
   3. every task that was outstanding on the dead worker and not yet received (a call's batches
      arrive together: NOTE [ raydl calls ] in driver/schedule.py) is sent again, in send order, to
      the replacement, under the same task idx: ordering and the reorder buffer are untouched.
+A worker whose node went silent (its lane heard nothing for `ray_silence_timeout_s`: NOTE [ raydl silent node ] in
+cluster/silent_nodes.py) is recovered the same way, and so are the other workers of that node, whose replacements
+start together; none is placed on the silent node.
 A worker that dies during a pool's first start, when tasks were already queued behind its start
 (to save a round trip), is recovered the same way. One exception: an actor taken from the warm
 pool that turns out dead at its `configure()` died idle, before this iterator gave it anything
@@ -52,6 +55,7 @@ import logging
 from typing import Any, Protocol
 
 from .._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
+from .lane import LaneSilent
 
 __all__ = ["Recovery", "RecoveryHost"]
 
@@ -95,7 +99,33 @@ class Recovery:
         self.startup_timeout_s = startup_timeout_s
 
     def recover(self, worker_id: int, error: BaseException, host: RecoveryHost) -> None:
-        """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
+        """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ]).
+        A worker lost to a silent node takes the other workers of that node with it: their replacements start
+        together, instead of each after the last one's wait (NOTE [ raydl silent node ])."""
+        mates = self._node_mates(worker_id) if isinstance(error, LaneSilent) else []
+        held: dict[int, list] = {}
+        for w, e in [(worker_id, error), *((m, LaneSilent(f"{error}; worker {m} is on that node too")) for m in mates)]:
+            lost = self._replace(w, e, host)
+            if lost is not None:
+                held[w] = lost
+        if not held:
+            return
+        self.wait_ready(host)  # a replacement dying while starting recurses here, one restart more
+        for w, lost in held.items():
+            first = self._sched.task_info.get(lost[0]) if lost else None
+            if first is not None and first.held and first.worker_id == w:  # not moved to a survivor
+                self._sched.send_held(lost[0])
+
+    def _node_mates(self, worker_id: int) -> list[int]:
+        """The other active workers on worker `worker_id`'s node."""
+        node = self._pool.node_of(worker_id)
+        if node is None:
+            return []
+        return [w for w in self._sched.active if w != worker_id and self._pool.node_of(w) == node]
+
+    def _replace(self, worker_id: int, error: BaseException, host: RecoveryHost) -> Any:
+        """Start a replacement for a dead worker and hold its lost batches (their idxs), None when it needs none (it
+        was retiring); WorkerDiedError when it may not be replaced."""
         where = self._pool.describe(worker_id)
         on_worker = self._sched.tasks_on(worker_id)
         sent = [i for i in on_worker if not self._sched.task_info[i].held]
@@ -109,7 +139,7 @@ class Recovery:
                 "Restart the epoch, or use a map-style dataset to get automatic recovery."
             ) from None
         if self._elastic.take_over_lost(worker_id):  # it was retiring: its tasks went to the others
-            return
+            return None
         if self._pool.restarts[worker_id] >= self._max_worker_restarts:
             suspect = short_indices(self._sched.task_info[sent[0]].index) if sent else ""
             host.fail()
@@ -135,11 +165,7 @@ class Recovery:
         )
         self._pool.replace(worker_id, self._ckpt.restart_state(worker_id))
         # Probation: the lost batches are re-made one at a time, oldest first, once the replacement runs.
-        lost = self._sched.hold_for_replacement(worker_id)  # its batches not yet received (NOTE [ raydl calls ])
-        self.wait_ready(host)  # a replacement dying while starting recurses here, one restart more
-        first = self._sched.task_info.get(lost[0]) if lost else None
-        if first is not None and first.held and first.worker_id == worker_id:  # not moved to a survivor
-            self._sched.send_held(lost[0])
+        return self._sched.hold_for_replacement(worker_id)  # its batches not yet received (NOTE [ raydl calls ])
 
     def wait_ready(self, host: RecoveryHost) -> None:
         """Bounded wait for (new) workers to start; a death is recovered, any other failure ends the iterator."""

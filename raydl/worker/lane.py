@@ -31,8 +31,11 @@ proves itself with a random token the driver gave it through Ray):
     copy out of the kernel (~0.35 ms a MB on loopback here). A driver thread reads its replies
     as they arrive (NOTE [ raydl lane, driver ]), so the network's time is not the trainer's;
     in the worker a second thread writes them, so the worker makes its next call while a large
-    reply is still on the wire. Both ends keep the connection under TCP keepalive and a user
-    timeout (LANE_TCP_*), so a node gone without a word ends the lane instead of hanging it;
+    reply is still on the wire, and a heartbeat (an empty message) whenever it has had nothing to
+    write for LANE_HEARTBEAT_S: a lane with nothing received for `ray_silence_timeout_s` is a silent
+    node's (NOTE [ raydl silent node ] in cluster/silent_nodes.py). Both ends also keep the connection
+    under TCP keepalive and a user timeout (LANE_TCP_*), the backstop where the driver cannot ask the
+    kernel when it last received (not Linux);
   * with Ray's TLS on (RAY_USE_TLS and its three files, in every Ray process), a TCP lane is TLS 1.3 with the same
     files, both ends verified against the CA as Ray's gRPC verifies (NOTE [ raydl lane TLS ] in
     worker/lane_tls.py): calls, batches and token encrypted (on loopback, +0.56 ms of the driver's CPU a MB,
@@ -60,6 +63,7 @@ from multiprocessing.connection import Connection
 from typing import Any, Callable, Iterator, Optional
 
 from .._constants import (
+    LANE_HEARTBEAT_S,
     LANE_HELLO_S,
     LANE_OUT_OF_BAND_BYTES,
     LANE_TCP_CONNECT_S,
@@ -70,7 +74,17 @@ from .._constants import (
 )
 from .lane_tls import TLS_FLAG, TlsConnection, tls_connect, tls_wanted
 
-__all__ = ["serve_lane", "connect_lane", "dumps_reply", "send_reply", "recv_reply", "Turns", "tune_tcp", "shut_down"]
+__all__ = [
+    "serve_lane",
+    "connect_lane",
+    "dumps_reply",
+    "send_reply",
+    "recv_reply",
+    "Turns",
+    "tune_tcp",
+    "shut_down",
+    "since_received_s",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +140,8 @@ def recv_reply(conn: Connection, wake_bytes: int = 0, alloc: Optional[Callable[[
     import numpy as np
 
     head = conn.recv_bytes()
+    while not head:  # a heartbeat of a TCP lane's worker (NOTE [ raydl silent node ]): proof of life only
+        head = conn.recv_bytes()
     (count,) = struct.unpack_from("<I", head)
     sizes = struct.unpack_from(f"<{count}Q", head, 4)
     buffers = []
@@ -232,6 +248,28 @@ def tune_tcp(sock: socket.socket) -> None:
             sock.setsockopt(socket.IPPROTO_TCP, option, int(value))
 
 
+# Linux's struct tcp_info: tcpi_last_data_recv, milliseconds since the last data the connection received, is the
+# 14th field (after eight one-byte ones and five four-byte ones), a u32 at byte 52. `ss -i` shows it as lastrcv.
+_TCP_INFO_LAST_DATA_RECV = 52
+
+
+def since_received_s(conn: Any) -> Optional[float]:
+    """Seconds since a TCP lane's connection last received data (a heartbeat, a reply's bytes, TLS records alike),
+    as the kernel counts them; None where the system cannot say (not Linux) or the connection is closed."""
+    option = getattr(socket, "TCP_INFO", None)
+    if option is None:
+        return None
+    try:
+        fd = conn.fileno()
+        with _borrowed(fd) as sock:
+            info = sock.getsockopt(socket.IPPROTO_TCP, option, _TCP_INFO_LAST_DATA_RECV + 4)
+    except (OSError, ValueError):
+        return None
+    if len(info) < _TCP_INFO_LAST_DATA_RECV + 4:
+        return None
+    return struct.unpack_from("=I", info, _TCP_INFO_LAST_DATA_RECV)[0] / 1000.0
+
+
 @contextlib.contextmanager
 def _borrowed(fd: int) -> Iterator[socket.socket]:
     """A socket object over a connection's descriptor, for socket calls; the descriptor stays the connection's."""
@@ -314,7 +352,15 @@ def serve_lane(
         assert replies is not None
         failed = False
         while True:
-            reply = replies.get()
+            try:
+                reply = replies.get(timeout=LANE_HEARTBEAT_S)
+            except queue.Empty:  # nothing to send for a while: a heartbeat (NOTE [ raydl silent node ])
+                if not failed:
+                    try:
+                        conn.send_bytes(b"")
+                    except OSError:
+                        failed = True
+                continue
             if reply is None:
                 return
             if not failed:

@@ -1,0 +1,114 @@
+"""Nodes that went silent: kept out of placement until Ray shows them alive again (NOTE [ raydl silent node ]).
+
+NOTE [ raydl silent node ]
+A node can vanish without a word (a frozen VM, a dead switch port, a partition): no RST, no FIN, and Ray declares
+it dead only after its health checks give up (a minute with the defaults measured on the namespace cluster). The
+driver hears of it first: a worker on another node sends on its TCP lane at least every LANE_HEARTBEAT_S, so a lane
+on which the kernel has received nothing for `ray_silence_timeout_s` (TCP_INFO's time since the last data, the
+same for TLS lanes) belongs to a silent node. The lane is then closed (a late reply can never be read from it),
+its worker is recovered as a dead one (NOTE [ raydl recovery ]), and so are the iterator's other workers on that
+node (their replacements start together), and its node is marked here, process-wide:
+  * raydl's placement leaves the node out of its candidates (NOTE [ raydl placement ]), so no replacement lands on
+    a node that cannot answer; placement by the user's own hints is Ray's business and is not changed;
+  * a probe (a zero-CPU task pinned to the node) is sent when it is marked; the node is a candidate again once the
+    probe has run there (Ray reached it: its link is back), never earlier. A node Ray declares dead fails the probe
+    and stays marked (a dead node's id never returns).
+The cost of a false alarm (a worker whose process holds the GIL in native code past the timeout, a link stalled
+longer) is one worker replaced: the timeout is the knob between that and the stall of a real silence.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any, Iterable
+
+__all__ = ["mark_silent", "is_silent", "silent_nodes", "without_silent"]
+
+logger = logging.getLogger(__name__)
+
+_lock = threading.Lock()
+_probes: dict[str, Any] = {}  # node id -> the ObjectRef of its probe (None where none could be sent)
+
+
+def _probe_fn() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def raydl_node_probe() -> bool:
+        return True
+
+    return raydl_node_probe
+
+
+def mark_silent(node_id: str) -> None:
+    """A lane to `node_id` went silent: keep it out of placement until a probe runs there."""
+    with _lock:
+        if node_id in _probes:
+            return
+        probe = None
+        try:
+            bytes.fromhex(node_id)  # (a node id Ray could not parse is not probed: it stays marked)
+            from .placement import Placement
+
+            probe = _probe_fn().options(scheduling_strategy=Placement.strategy(node_id)).remote()
+        except Exception as e:  # noqa: BLE001 - no probe: the node stays out until this process ends
+            logger.debug("raydl: no probe for silent node %s (%s)", node_id, e)
+        _probes[node_id] = probe
+    logger.warning(
+        "raydl: node %s went silent (nothing on a lane for ray_silence_timeout_s): no worker is placed there until "
+        "Ray reaches it again",
+        node_id[:8],
+    )
+
+
+def is_silent(node_id: Any) -> bool:
+    """Whether `node_id` is marked silent and has not answered its probe yet."""
+    if node_id is None or node_id not in _probes:
+        return False
+    _look()
+    return node_id in _probes
+
+
+def silent_nodes() -> list[str]:
+    """The nodes marked silent now (their probes looked at)."""
+    _look()
+    with _lock:
+        return sorted(_probes)
+
+
+def without_silent(node_ids: Iterable[str]) -> list[str]:
+    nodes = list(node_ids)
+    if not _probes:
+        return nodes
+    _look()
+    return [n for n in nodes if n not in _probes]
+
+
+def _look() -> None:
+    """Lift the mark of every node whose probe has run (Ray reached it again)."""
+    import ray
+
+    with _lock:
+        pending = {ref: node for node, ref in _probes.items() if ref is not None}
+        if not pending:
+            return
+        try:
+            done, _ = ray.wait(list(pending), num_returns=len(pending), timeout=0, fetch_local=False)
+        except Exception:  # noqa: BLE001 - Ray shut down: nothing is placed anyway
+            return
+        for ref in done:
+            try:
+                ray.get(ref, timeout=0)
+            except Exception:  # noqa: BLE001 - the node died (or the probe could not run): it stays out
+                _probes[pending[ref]] = None
+                continue
+            node = pending[ref]
+            del _probes[node]
+            logger.info("raydl: node %s answers again: it may host workers", node[:8])
+
+
+def _forget_all() -> None:
+    """Tests and a new Ray session: no node is marked."""
+    with _lock:
+        _probes.clear()

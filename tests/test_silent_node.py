@@ -1,0 +1,149 @@
+"""A silent worker node (NOTE [ raydl silent node ] in raydl/cluster/silent_nodes.py): a TCP lane on which nothing
+arrives for `ray_silence_timeout_s` is a node gone without a word; its workers are replaced elsewhere, every batch
+once and in order, and the node is kept out of placement until Ray reaches it again.
+
+Here on one node: the driver is told its workers run on another node (their calls take TCP lanes, as across nodes)
+and a worker's process is frozen with SIGSTOP: it holds its connection open and sends nothing, as a frozen VM does.
+tests/test_netns.py takes a real node's link down on the namespace cluster.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import time
+from multiprocessing.connection import Connection
+
+import pytest
+
+import raydl
+from raydl._constants import DEFAULT_SILENCE_TIMEOUT_S, LANE_HEARTBEAT_S
+from raydl.cluster import silent_nodes
+from raydl.worker.lane import recv_reply, send_reply, since_received_s
+from tests import _datasets as D
+
+pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@pytest.fixture
+def on_another_node(monkeypatch):
+    """Every started worker is reported on one other node ("another-node"): TCP lanes, as across nodes; the silent
+    mark that node gets is forgotten afterwards (its probe can never run: no such node)."""
+    from raydl.driver import lane as L
+
+    real = L.worker_node
+    monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")
+    yield
+    silent_nodes._forget_all()
+
+
+def test_a_frozen_worker_on_another_node_is_replaced_and_every_batch_comes_once(on_another_node, caplog):
+    """The defaults (shuffle=True, no generator, the default silence timeout): worker 1 frozen mid-epoch on its TCP
+    lane. Its lane goes quiet, the node is marked silent, both workers of that node are replaced, and the epoch ends
+    with every sample once; the recovery names the silence, and the node stays out of placement."""
+    n = 48
+    loader = raydl.DataLoader(
+        D.SlowDataset(n, {i: 0.01 for i in range(n)}), batch_size=2, shuffle=True, num_workers=2, timeout=120
+    )
+    it = iter(loader)
+    out = []
+    lanes = it._calls._lanes
+    while lanes is None or not lanes.has_lane(1):  # (a frozen worker still on Ray's calls waits for Ray's verdict)
+        out.append(next(it).flatten().tolist())
+        lanes = it._calls._lanes
+    pid = it.worker_records[1].pid
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        with caplog.at_level(logging.WARNING, logger="raydl"):
+            out += [b.flatten().tolist() for b in it]
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # (killed by its replacement's start already, normally)
+        except ProcessLookupError:
+            pass
+    samples = [i for batch in out for i in batch]
+    assert sorted(samples) == list(range(n)) and len(out) == n // 2
+    assert sum(it._pool.restarts) == 2, it._pool.restarts  # worker 1, and worker 0 on the same (silent) node
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "went silent" in said and f"ray_silence_timeout_s={DEFAULT_SILENCE_TIMEOUT_S:g}" in said, said
+    assert silent_nodes.is_silent("another-node")
+
+
+def test_a_worker_that_is_only_slow_is_not_taken_for_a_silent_one(on_another_node):
+    """A batch that takes three times the silence timeout to make is not a silence: the worker's lane carries
+    heartbeats meanwhile, nothing is replaced."""
+    delays = {i: 0.01 for i in range(40)}
+    delays[33] = 3 * 2.0
+    loader = raydl.DataLoader(
+        D.SlowDataset(40, delays), batch_size=2, num_workers=2, timeout=120, ray_silence_timeout_s=2.0
+    )
+    it = iter(loader)
+    out = []
+    while it._calls._lanes is None or it._calls._lanes.remote_calls_sent < 4:  # the slow batch comes on a lane
+        out.append(next(it).flatten().tolist())
+    assert it._rcvd_idx < 16
+    out += [b.flatten().tolist() for b in it]
+    assert out == [[i, i + 1] for i in range(0, 40, 2)]
+    assert it._pool.restarts == [0, 0]
+    assert not silent_nodes.silent_nodes()
+
+
+@pytest.mark.parametrize("bad", [0, 1.0, -3, "4", True])
+def test_ray_silence_timeout_s_is_checked(bad):
+    with pytest.raises(ValueError, match=r"ray_silence_timeout_s should be None .* at least 2"):
+        raydl.DataLoader(D.RangeDataset(4), num_workers=1, ray_silence_timeout_s=bad)
+    assert raydl.DataLoader(D.RangeDataset(4), ray_silence_timeout_s=None).ray_silence_timeout_s is None
+
+
+def test_heartbeats_are_read_over_and_counted_as_received():
+    """A worker's heartbeat (an empty message) is passed over by the reply reader, and the kernel's count of the
+    time since the connection last received data, which the driver's silence check reads, restarts with it."""
+    a, b = socket.socketpair()
+    sender, receiver = Connection(a.detach()), Connection(b.detach())
+    try:
+        sender.send_bytes(b"")
+        sender.send_bytes(b"")
+        send_reply(sender, {"x": 1})
+        assert recv_reply(receiver) == {"x": 1}
+    finally:
+        sender.close()
+        receiver.close()
+    listener = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(listener.getsockname())
+    server, _ = listener.accept()
+    conn = Connection(server.detach())
+    try:
+        client.sendall(b"\0\0\0\0")  # one empty message
+        time.sleep(2 * LANE_HEARTBEAT_S)
+        quiet = since_received_s(conn)
+        assert quiet is not None and quiet >= LANE_HEARTBEAT_S
+        client.sendall(b"\0\0\0\0")
+        time.sleep(0.05)
+        assert since_received_s(conn) < LANE_HEARTBEAT_S
+    finally:
+        conn.close()
+        client.close()
+        listener.close()
+
+
+def test_a_node_marked_silent_is_a_candidate_again_once_its_probe_runs():
+    """The mark is lifted when the probe pinned to the node has run there (Ray reached it), not before; until then
+    placement leaves it out (here the only node: no candidate is left)."""
+    import ray
+
+    from raydl.cluster.placement import Placement
+
+    node = ray.get_runtime_context().get_node_id()
+    try:
+        silent_nodes.mark_silent(node)
+        assert node in silent_nodes.silent_nodes() or not silent_nodes.is_silent(node)  # the probe may be done
+        deadline = time.monotonic() + 60
+        while silent_nodes.is_silent(node) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not silent_nodes.is_silent(node)
+        silent_nodes.mark_silent(node)
+        assert Placement("driver-of-a-job-elsewhere").candidates() == []
+    finally:
+        silent_nodes._forget_all()
