@@ -22,7 +22,7 @@ import numpy as np
 
 from benchmarks.common.results import printed_report
 from raydl._constants import LANE_TCP_WAKE_BYTES
-from raydl.driver.lane import listen_for_lane
+from raydl.driver.transport.lane import listen_for_lane
 from raydl.worker.lane import connect_lane, recv_reply, send_reply
 
 

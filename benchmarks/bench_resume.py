@@ -4,7 +4,7 @@
     python -m benchmarks.bench_resume            # full run
     python -m benchmarks.bench_resume --quick    # smoke run
 
-Measures (NOTE [ raydl checkpoint ] in raydl/driver/checkpoint.py):
+Measures (NOTE [ raydl checkpoint ] in raydl/driver/state/checkpoint.py):
   (a) `DataLoader.state_dict()` in the driver, mid-epoch, map-style, with 2 and 32 workers,
       for a dataset whose workers' RNG never moves and for one that draws from torch's RNG in
       every sample (every worker snapshot then carries ~13 KB of generator states);
@@ -34,7 +34,7 @@ import raydl
 from benchmarks.common.machine import LoadMonitor, describe_machine, machine_info
 from benchmarks.common.results import Results, log, md_table, median, percentile
 from benchmarks.common.workloads import Workload, WorkloadDataset, calibrate_cpu_iters
-from raydl.driver.checkpoint import Tracker
+from raydl.driver.state.checkpoint import Tracker
 from raydl.worker.actor import BatchMeta
 
 

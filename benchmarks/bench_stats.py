@@ -70,7 +70,7 @@ def micro(n: int = 20000) -> dict:
     import torch
 
     from raydl._measures import batch_nbytes, observe_batch_time
-    from raydl.driver.stats import StatsRecorder
+    from raydl.driver.stats.recorder import StatsRecorder
     from raydl.worker.actor import BatchMeta
     from raydl.worker.transfer import encode
 

@@ -33,16 +33,16 @@ _LAZY = {
     "pack_tokens": ".data.tokens",
     "get_worker_info": ".worker.actor",
     "release_idle_workers": ".cluster.warm",
-    "release_node_caches": ".cluster.cache_actors",
+    "release_node_caches": ".cluster.cache.handles",
     "start": ".cluster.startup",
     "Startup": ".cluster.startup",
     "patch": ".driver.patch",
     "unpatch": ".driver.patch",
     "patched": ".driver.patch",
     "is_patched": ".driver.patch",
-    "LoaderStats": ".driver.stats",
-    "WorkerStats": ".driver.stats",
-    "StatsTotals": ".driver.stats",
+    "LoaderStats": ".driver.stats.snapshot",
+    "WorkerStats": ".driver.stats.snapshot",
+    "StatsTotals": ".driver.stats.snapshot",
 }
 
 __all__ = [

@@ -88,7 +88,7 @@ MAX_BATCHES_PER_CALL = 8
 # a call, 147 at two).
 RAY_INLINE_SHARE = 0.75
 RAY_INLINE_BYTES_DEFAULT = 100 * 1024
-# NOTE [ raydl lane, driver ] in driver/lane.py: the longest a worker's lane may take to open (else Ray's calls) ...
+# NOTE [ raydl lane, driver ] in driver/transport/lane.py: the longest a worker's lane may take to open (else Ray's calls) ...
 LANE_OPEN_S = 10.0
 # ... and the largest batch (bytes of its arrays) for which a worker gets a lane: above it, copying the batch
 # through a socket costs the trainer more than Ray's call, and Ray's object store maps it without a copy

@@ -5,7 +5,7 @@ Code that runs in a worker actor (raydl/worker/) never imports the trainer's sid
 raydl/job/): the actor would load the driver's modules for nothing, and a change on the driver's side
 could break the workers. What both sides measure of a batch lives here: its bytes (`batch_nbytes`,
 summed by the driver's stats) and its time in the `raydl_batch_seconds` Ray histogram
-(`observe_batch_time`, observed in the worker, NOTE [ raydl stats ] in driver/stats.py). Stdlib only
+(`observe_batch_time`, observed in the worker, NOTE [ raydl stats ] in driver/stats/recorder.py). Stdlib only
 at module level.
 """
 

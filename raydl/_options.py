@@ -38,7 +38,9 @@ class RayOptions:
     name: Optional[str] = None
     job: Any = None  # None, True or a name (NOTE [ raydl job pool ])
     batches_per_call: Optional[int] = None  # None ("auto"): adaptive (NOTE [ raydl calls ] in driver/schedule.py)
-    cold_start: Union[bool, str] = True  # True, False or "in_process": NOTE [ raydl cold start ] in driver/coldstart.py
+    cold_start: Union[bool, str] = (
+        True  # True, False or "in_process": NOTE [ raydl cold start ] in driver/coldstart/iter.py
+    )
     lane: bool = True  # NOTE [ raydl lane ] in worker/lane.py
     silence_timeout_s: Optional[float] = DEFAULT_SILENCE_TIMEOUT_S  # NOTE [ raydl silent node ]
 

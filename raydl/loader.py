@@ -18,13 +18,13 @@ from ._constants import DEFAULT_MAX_WORKER_RESTARTS, DEFAULT_SILENCE_TIMEOUT_S, 
 from ._options import RayOptions
 from .cluster.connect import worker_actor_options
 from .cluster.locality import warn_if_workers_oversubscribe
-from .driver.coldstart import ColdStartIter, cold_start_applies
-from .driver.draws import restore_next_epoch_rng
+from .driver.coldstart.iter import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
-from .driver.samplers import inexact_sampler
-from .driver.state_layout import FINISHED, STEPS_SINCE_SNAPSHOT, validate
-from .driver.stats import LoaderStats
+from .driver.state.draws import restore_next_epoch_rng
+from .driver.state.layout import FINISHED, STEPS_SINCE_SNAPSHOT, validate
+from .driver.state.samplers import inexact_sampler
+from .driver.stats.snapshot import LoaderStats
 
 __all__ = ["DataLoader"]
 
@@ -477,7 +477,7 @@ class DataLoader(_TorchDataLoader[T_co]):
 
         Returns a `raydl.LoaderStats` (`print(loader.stats())` shows a table;
         `loader.stats().timeline("epoch.json")` writes a Chrome trace and a PNG), or None before
-        the first iteration. See NOTE [ raydl stats ] in driver/stats.py.
+        the first iteration. See NOTE [ raydl stats ] in driver/stats/recorder.py.
 
         Raises:
             RuntimeError: num_workers=0 (torch's in-process loading, nothing to measure here), or

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import raydl
-from raydl.driver.coldstart import ColdStartIter
+from raydl.driver.coldstart.iter import ColdStartIter
 from raydl.driver.iter import _RayLoaderIter
 from tests import _datasets as D
 from tests._session import read_facts, run_python
@@ -19,7 +19,7 @@ _SCRIPT = r"""
 import json, random
 import numpy as np, torch
 import raydl
-import raydl.driver.coldstart as coldstart
+import raydl.driver.coldstart.iter as coldstart
 from torch.utils.data import Dataset
 
 coldstart._MAX_DRIVER_BATCHES = {max_in_driver}

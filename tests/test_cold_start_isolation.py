@@ -18,7 +18,7 @@ _CRASH_SCRIPT = r"""
 import json, os, random, tempfile
 import numpy as np, torch
 import raydl
-import raydl.driver.coldstart as coldstart
+import raydl.driver.coldstart.iter as coldstart
 from torch.utils.data import Dataset
 
 MARKER = os.path.join(tempfile.mkdtemp(), "crashed")

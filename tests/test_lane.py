@@ -47,7 +47,7 @@ def kind(request, monkeypatch):
     other nodes (the driver is told each started worker runs elsewhere: the same code a multi-node cluster runs,
     here on one node; tests/test_multinode.py runs it across nodes)."""
     if request.param == "tcp":
-        from raydl.driver import lane as L
+        from raydl.driver.transport import lane as L
 
         real = L.worker_node
         monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")
@@ -274,7 +274,7 @@ def test_reply_memory_is_used_again_only_once_its_batch_is_gone(kind):
 def test_receive_buffers_hand_out_only_memory_nothing_refers_to():
     """ReceiveBuffers (NOTE [ raydl receive buffers ]): a buffer comes back for the same size once its tensor and
     views are gone, never while one lives; at most `limit` are kept, a new size taking a free one's place."""
-    from raydl.driver.buffers import ReceiveBuffers
+    from raydl.driver.transport.buffers import ReceiveBuffers
 
     pool = ReceiveBuffers(2)
     a = pool.take(1000)
@@ -324,7 +324,7 @@ def test_a_tcp_lane_the_worker_cannot_reach_leaves_its_node_on_rays_calls(monkey
     nobody listens on) keeps Ray's calls; its node is not asked again by this process; the batches are the same."""
     import socket
 
-    from raydl.driver import lane as L
+    from raydl.driver.transport import lane as L
 
     real_node, real_listen = L.worker_node, L.Lanes._listen
     asked = []
@@ -368,7 +368,7 @@ def test_ray_calls_to_another_node_keep_their_batches_inline(monkeypatch, kib, g
     """Workers on another node on Ray's calls (ray_lane=False): cheap batches are grouped only while the call's
     batches fit Ray's inline limit (48 KiB: one a call; 8 KiB: several; with ray_stats=False too, the workers then
     reporting no size), the batches those of torch."""
-    from raydl.driver import calls as C
+    from raydl.driver.transport import calls as C
 
     real = C.worker_node
     monkeypatch.setattr(C, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from raydl._constants import LANE_HELLO_PENDING, LANE_TCP_WAKE_BYTES
-from raydl.driver.lane import listen_for_lane
+from raydl.driver.transport.lane import listen_for_lane
 from raydl.worker import lane_tls
 from raydl.worker.lane import connect_lane, recv_reply, send_reply
 from raydl.worker.transfer import decode, encode
@@ -249,7 +249,7 @@ def test_bad_input_on_the_listener_is_dropped_and_the_worker_still_gets_its_lane
     once, the trainer's thread never waiting; the worker's own connection then becomes its lane and carries a
     reply."""
     from raydl import _constants as K
-    from raydl.driver import lane_accept
+    from raydl.driver.transport import lane_accept
 
     monkeypatch.setattr(lane_accept, "LANE_HELLO_S", 1.0)  # a silent peer is dropped after 1 s here
     _use(monkeypatch, pki["node"] if tls else None)
@@ -291,7 +291,7 @@ def test_bad_input_on_the_listener_is_dropped_and_the_worker_still_gets_its_lane
 
 def test_a_silent_peer_is_dropped_after_its_time_and_the_listener_keeps_no_state(monkeypatch):
     """A connection that never writes is dropped LANE_HELLO_S after it came; the greeter then holds nothing."""
-    from raydl.driver import lane_accept
+    from raydl.driver.transport import lane_accept
 
     monkeypatch.setattr(lane_accept, "LANE_HELLO_S", 0.5)
     _use(monkeypatch, None)

@@ -59,7 +59,7 @@ def test_importing_raydl_does_not_import_ray():
     import sys
 
     code = (
-        "import sys, raydl, raydl.driver.iter, raydl.driver.coldstart, raydl.worker.actor, raydl.worker.lane; "
+        "import sys, raydl, raydl.driver.iter, raydl.driver.coldstart.iter, raydl.worker.actor, raydl.worker.lane; "
         "print('ray' in sys.modules)"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import raydl
-from raydl.cluster.cache import UNIT_TRAILER_BYTES, seal, unsealed
-from raydl.cluster.cache_actors import node_cache
+from raydl.cluster.cache.handles import node_cache
+from raydl.cluster.cache.node_actor import UNIT_TRAILER_BYTES, seal, unsealed
 from raydl.data.parquet import ParquetDistributedSampler, ParquetShuffleSampler
 from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 
@@ -108,7 +108,7 @@ def _live_cache(ds):
     """The node cache actor now serving `ds`'s folder (by name: a handle cached here may be of a dead one)."""
     import ray
 
-    from raydl.cluster.cache_actors import _name
+    from raydl.cluster.cache.handles import _name
 
     return ray.get_actor(_name(ray.get_runtime_context().get_node_id(), ds.cache_dir), namespace="raydl")
 
@@ -395,7 +395,7 @@ def test_belady_evicts_farthest_next_use_and_never_a_pinned_unit(tmp_path):
     """The cache (as a plain object, no Ray) evicts the unit used farthest ahead, never one being read, within its limit."""
     import pyarrow.fs as pafs
 
-    from raydl.cluster.cache import NodeCache
+    from raydl.cluster.cache.node_actor import NodeCache
 
     src = tmp_path / "src"
     src.mkdir()
@@ -442,7 +442,7 @@ def test_truncated_file_and_full_disk_are_named(ray_session, folder, tmp_path, m
 
     import pyarrow.fs as pafs
 
-    from raydl.cluster.cache import NodeCache
+    from raydl.cluster.cache.node_actor import NodeCache
 
     src = tmp_path / "src"
     src.mkdir()
@@ -499,7 +499,7 @@ def test_two_caches_share_one_folder_safely(tmp_path):
     fetching them, and a file the other evicted is fetched again, never read partial."""
     import pyarrow.fs as pafs
 
-    from raydl.cluster.cache import NodeCache
+    from raydl.cluster.cache.node_actor import NodeCache
 
     src = tmp_path / "src"
     src.mkdir()
@@ -543,9 +543,9 @@ def test_each_node_is_told_and_fetches_only_the_batches_its_workers_make(folder,
     the units of the batches that its own workers make by torch's round robin, not the whole epoch's; a batch sent
     to another node than foreseen (a worker lost, the pool resized) re-plans the rest; a batch of a sampler that
     cannot say its future goes to its worker's node only. Two caches as plain objects (no Ray), one folder each."""
-    import raydl.cluster.cache_feed as feed_mod
-    from raydl.cluster.cache import NodeCache
-    from raydl.cluster.cache_feed import CacheFeed
+    import raydl.cluster.cache.driver_feed as feed_mod
+    from raydl.cluster.cache.driver_feed import CacheFeed
+    from raydl.cluster.cache.node_actor import NodeCache
 
     # A window of one row group and batches of one row group: batch p reads exactly one unit.
     ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=10 * _NBYTES[0], shuffle_window=1)

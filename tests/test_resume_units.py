@@ -1,4 +1,4 @@
-"""The driver's resume bookkeeping (raydl/driver/checkpoint.py Tracker) without Ray: look-ahead and out-of-order hand-out."""
+"""The driver's resume bookkeeping (raydl/driver/state/checkpoint.py Tracker) without Ray: look-ahead and out-of-order hand-out."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, SequentialSampler
 
-from raydl.driver.checkpoint import Tracker
+from raydl.driver.state.checkpoint import Tracker
 from raydl.worker.actor import BatchMeta
 from tests import _datasets as D
 

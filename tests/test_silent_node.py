@@ -31,7 +31,7 @@ pytestmark = pytest.mark.usefixtures("ray_session")
 def on_another_node(monkeypatch):
     """Every started worker is reported on one other node ("another-node"): TCP lanes, as across nodes; the silent
     mark that node gets is forgotten afterwards (its probe can never run: no such node)."""
-    from raydl.driver import lane as L
+    from raydl.driver.transport import lane as L
 
     real = L.worker_node
     monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")

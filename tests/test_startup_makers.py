@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.utils.data import default_collate
 
-from raydl.driver.startup_makers import ForkedMaker, MakerDied
+from raydl.driver.coldstart.makers import ForkedMaker, MakerDied
 from raydl.worker.actor import BatchFailed, Worker, WorkerPayload
 from raydl.worker.startup import StartSpec
 from raydl.worker.transfer import decode

@@ -20,7 +20,8 @@ import pytest
 import torch
 
 import raydl
-from raydl.driver.stats import _percentile, batch_nbytes
+from raydl._measures import batch_nbytes
+from raydl.driver.stats.snapshot import _percentile
 from tests import _datasets as D
 
 TIMEOUT_S = 60
@@ -89,7 +90,7 @@ def test_slow_loop_shows_no_stall_and_per_worker_figures(caplog):
 @pytest.fixture
 def short_epochs_hint(monkeypatch):
     """The hint's minimum epoch (100 batches, 5 s) lowered, so a test's short epochs can show it."""
-    from raydl.driver import stats_report as _stats_report
+    from raydl.driver.stats import report as _stats_report
 
     monkeypatch.setattr(_stats_report, "HINT_MIN_BATCHES", 2)
     monkeypatch.setattr(_stats_report, "HINT_MIN_EPOCH_S", 0.0)
@@ -124,7 +125,7 @@ def test_fast_loop_stall_matches_and_hint_is_logged(caplog):
 
 def test_no_hint_after_a_short_epoch(caplog):
     """With the shipped thresholds an epoch under 100 batches or 5 s gives no hint, however much the loop waited."""
-    from raydl.driver.stats_report import hint
+    from raydl.driver.stats.report import hint
 
     caplog.set_level(logging.INFO, logger="raydl.stats")
     stats = _fake_stats(busy_s=0.9, cpu_s=0.1)
@@ -285,7 +286,7 @@ def test_batch_nbytes_and_percentile():
 
 def test_pin_spans_and_waits_reach_the_trace(tmp_path):
     """The recorder's own logic, without Ray: next() spans are waits, pin-thread calls a pin track, batches per worker."""
-    from raydl.driver.stats import StatsRecorder
+    from raydl.driver.stats.recorder import StatsRecorder
     from raydl.worker.actor import BatchMeta
 
     class FakeIter:  # what the recorder reads of a live iterator: nothing here (no pool, no schedule)
@@ -317,7 +318,7 @@ def test_pin_spans_and_waits_reach_the_trace(tmp_path):
 
 
 def _fake_stats(busy_s: float, cpu_s: float, medians=(0.05, 0.05)) -> "raydl.LoaderStats":
-    from raydl.driver.stats import LoaderStats, StatsTotals, WorkerStats
+    from raydl.driver.stats.snapshot import LoaderStats, StatsTotals, WorkerStats
 
     workers = tuple(
         WorkerStats(
@@ -359,7 +360,7 @@ def _fake_stats(busy_s: float, cpu_s: float, medians=(0.05, 0.05)) -> "raydl.Loa
 @pytest.mark.usefixtures("short_epochs_hint")
 def test_hint_branches_and_stderr_fallback(caplog, capsys):
     """The hint's advice follows where the time goes; without any logging handler it is printed to stderr."""
-    from raydl.driver.stats_report import hint, logger
+    from raydl.driver.stats.report import hint, logger
 
     caplog.set_level(logging.INFO, logger="raydl.stats")
     cpus = lambda: (16.0, 12.0)  # noqa: E731

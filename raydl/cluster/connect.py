@@ -218,7 +218,7 @@ def _init_unless_connected(ray: Any, **kwargs: Any) -> None:
     here, checked against Ray 2.60), unless this process connected meanwhile.
 
     raydl may start Ray in a background thread (`raydl.start()`, a cold start: NOTE [ raydl cold start ] in
-    driver/coldstart.py) while the script's thread calls a Ray API that initializes Ray on first use
+    driver/coldstart/iter.py) while the script's thread calls a Ray API that initializes Ray on first use
     (`ray.get_runtime_context()`, `ray.get`, `.remote()`): Ray checks and inits under this lock, so the script's call
     now waits for raydl's start and then uses that Ray, where two inits at once failed with Ray's "ray.init twice"
     error. And if the script's call connected first, raydl uses its Ray."""

@@ -7,7 +7,7 @@ column chunks (only the selected `columns`). Row `i` lives in unit `u` (one row 
 `starts[u] <= i < starts[u + 1]`. The dataset is pickled to the workers with the footers, so no
 worker or rank reads a footer again.
 A worker reads a batch unit by unit: it asks its node's cache (NOTE [ raydl node cache ] in
-cluster/cache.py) for the unit's bytes, which the cache fetched ahead of time from storage into
+cluster/cache/node_actor.py) for the unit's bytes, which the cache fetched ahead of time from storage into
 a local file, decodes the row group from them (`ParquetFile(metadata=footer)` over a file
 object that serves the original offsets from the cached ranges: no footer read, no re-encoding)
 and keeps a few decoded units in memory (a window shuffle reads each unit over several
@@ -216,7 +216,7 @@ class ParquetDataset(Dataset):
     `len(ds)` is the number of rows (from the footers); `ds[i]` is row `i` as a dict
     {column: value}. With `shuffle=True` the loader uses the dataset's `ParquetShuffleSampler`
     (NOTE [ raydl parquet shuffle ]); workers read row groups from their node's cache (NOTE [
-    raydl node cache ] in cluster/cache.py).
+    raydl node cache ] in cluster/cache/node_actor.py).
 
     Args:
         url_or_files: a URL or path of a folder (every ``.parquet`` / ``.pq`` file under it, in
@@ -392,7 +392,7 @@ class ParquetDataset(Dataset):
         return ParquetShuffleSampler(self, generator)
 
     def raydl_cache_units(self) -> list:
-        """Per unit: (path, file size, byte segments, key): what the node cache fetches (cluster/cache.py)."""
+        """Per unit: (path, file size, byte segments, key): what the node cache fetches (cluster/cache/node_actor.py)."""
         return [
             (self.files[f], self._file_sizes[f], segs, key)
             for f, segs, key in zip(self._unit_file, self._segments, self._unit_keys)
@@ -474,7 +474,7 @@ class ParquetDataset(Dataset):
                     self._decoded.move_to_end(u)
                     found[u] = t
         if missing:
-            from ..cluster.cache_read import read_units
+            from ..cluster.cache.worker_read import read_units
 
             for u, data in read_units(self, missing).items():
                 found[u] = t = self._decode(u, data)

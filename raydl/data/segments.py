@@ -1,7 +1,7 @@
 """A row group's cached bytes read as the Parquet file they came from: only its column chunks, at their offsets.
 
 The node cache keeps of each row group only the byte ranges of its column chunks (NOTE [ raydl
-node cache ] in cluster/cache.py). `ParquetDataset` decodes one with pyarrow, which seeks and reads
+node cache ] in cluster/cache/node_actor.py). `ParquetDataset` decodes one with pyarrow, which seeks and reads
 a file: `SegmentFile` is that file, of the original size, serving just those ranges; `merge_segments`
 makes the ranges a unit fetches (adjacent or overlapping chunks read as one).
 """

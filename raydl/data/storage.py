@@ -5,7 +5,7 @@ timeout) or for good (a missing object, no access). The first kind is retried wi
 backoff and jitter, STORAGE_ATTEMPTS tries in all; the second is raised at once, so its message
 (the file, the row group) reaches the user without a minute of retries. Used for the Parquet
 footers (data/parquet.py) and the node cache's fetches (NOTE [ raydl node cache ] in
-cluster/cache.py).
+cluster/cache/node_actor.py).
 """
 
 from __future__ import annotations

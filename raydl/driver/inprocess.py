@@ -4,7 +4,7 @@ torch's in-process iterator is private and has no state; this one makes the same
 sampler draws, base seed drawn from the loader's generator in torch's order, torch's fetch and
 collate rules via worker/fetch.py, torch's pinning; with ray_seed="batch" each batch seeded by its
 position, NOTE [ raydl batch seeding ]) and has `state_dict()` in StatefulDataLoader's
-num_workers=0 layout (NOTE [ raydl checkpoint ] in driver/checkpoint.py). Everything happens in the
+num_workers=0 layout (NOTE [ raydl checkpoint ] in driver/state/checkpoint.py). Everything happens in the
 caller's thread, so the state is simply read when asked for.
 """
 
@@ -20,11 +20,10 @@ from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
 from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
-from .checkpoint import Deal, restore_sampler
 from .device import pin_memory, pin_memory_target, warn_pin_memory_args
-from .draws import draw_base_seed, global_rng_record, iterator_base_seed, next_epoch_draws_global, saved_base_seed
-from .samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
-from .state_layout import (
+from .state.checkpoint import Deal, restore_sampler
+from .state.draws import draw_base_seed, global_rng_record, iterator_base_seed, next_epoch_draws_global, saved_base_seed
+from .state.layout import (
     FINISHED,
     INDEX_SAMPLER_STATE,
     LEN_CALLED,
@@ -37,6 +36,7 @@ from .state_layout import (
     SHARED_SEED,
     loader_facts,
 )
+from .state.samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 
 __all__ = ["_InProcessIter"]
 

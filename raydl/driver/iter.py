@@ -63,7 +63,7 @@ from torch.utils.data import IterableDataset
 from .._constants import STATUS_CHECK_INTERVAL_S
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
 from .._options import RayOptions
-from ..cluster.cache_feed import CacheFeed
+from ..cluster.cache.driver_feed import CacheFeed
 from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
@@ -72,16 +72,16 @@ from ..job.elastic import JobElastic
 from ..worker.actor import BatchFailed, BatchMeta
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
-from .calls import CallSender
-from .checkpoint import Tracker
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
-from .draws import iterator_base_seed
-from .lane import LaneLost
 from .lifecycle import IterState
 from .pool_choice import make_pool, worker_payload
 from .recovery import Recovery
 from .schedule import Schedule, Task
-from .stats import make_recorder
+from .state.checkpoint import Tracker
+from .state.draws import iterator_base_seed
+from .stats.recorder import make_recorder
+from .transport.calls import CallSender
+from .transport.lane import LaneLost
 from .waits import BatchWaits
 
 if TYPE_CHECKING:
@@ -119,8 +119,8 @@ class _RayLoaderIter(Iterator[Any]):
     """
 
     def __init__(self, loader: DataLoader, state: Optional[dict] = None, handover: Any = None) -> None:
-        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in driver/checkpoint.py);
-        `handover`: with it, the driver's part of a cold start (NOTE [ raydl cold start ] in driver/coldstart.py)."""
+        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in driver/state/checkpoint.py);
+        `handover`: with it, the driver's part of a cold start (NOTE [ raydl cold start ] in driver/coldstart/iter.py)."""
         options = RayOptions.from_loader(loader)
         self._dataset = loader.dataset
         self._is_iterable = isinstance(loader.dataset, IterableDataset)

@@ -21,8 +21,8 @@ from ..cluster.pool import WorkerPool
 from ..data.payload import put_payload
 from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from ..worker.actor import WorkerPayload
-from .checkpoint import Tracker
-from .draws import track_rng_enabled
+from .state.checkpoint import Tracker
+from .state.draws import track_rng_enabled
 
 __all__ = ["worker_payload", "make_pool"]
 

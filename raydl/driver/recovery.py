@@ -22,7 +22,7 @@ to make; the pool swaps it for a new actor and the tasks queued on it are sent a
 one (`Schedule.resend`), with no restart counted and no warning.
 Every batch is handed out exactly once, in order; a deterministic dataset gives identical
 batches. A replacement also takes back its predecessor's state as of the last batch the driver
-read from it (NOTE [ raydl checkpoint ] in driver/checkpoint.py): its random, torch and NumPy
+read from it (NOTE [ raydl checkpoint ] in driver/state/checkpoint.py): its random, torch and NumPy
 generators and its dataset's own state, so its re-made batches are the ones the dead worker would
 have made, random augmentation included.
 Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
@@ -55,7 +55,7 @@ import logging
 from typing import Any, Protocol
 
 from .._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
-from .lane import LaneSilent
+from .transport.lane import LaneSilent
 
 __all__ = ["Recovery", "RecoveryHost"]
 

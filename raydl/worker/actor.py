@@ -96,11 +96,11 @@ class BatchMeta:
     idx: int  # the task's idx in its epoch (the driver's send order)
     started_s: float  # time.time() in the worker when the fetch began
     fetch_s: float  # seconds spent making the batch (fetch, collate, encode)
-    # NOTE [ raydl stats ] in driver/stats.py; left at 0 with ray_stats=False. samples == 0: a signal, not a batch.
+    # NOTE [ raydl stats ] in driver/stats/recorder.py; left at 0 with ray_stats=False. samples == 0: a signal, not a batch.
     samples: int = 0
     nbytes: int = 0  # bytes of the batch's array data, as encoded
     cpu_s: float = 0.0  # CPU seconds of this process while making it (far below fetch_s: waiting on I/O)
-    # NOTE [ raydl checkpoint ] (driver/checkpoint.py): the worker's state after this task, so the
+    # NOTE [ raydl checkpoint ] (driver/state/checkpoint.py): the worker's state after this task, so the
     # driver holds every worker's state as of the last batch it handed out without asking.
     state: Optional[dict] = None  # torchdata's worker snapshot; None: a map-style dataset without state
     rng: Optional[dict] = None  # the random/torch/NumPy states; None: unchanged since this worker's last meta

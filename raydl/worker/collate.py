@@ -22,7 +22,7 @@ are used only when the loader's `collate_fn` is torch's `default_collate`, whose
 worker hands straight to transport.
 The pool keeps at most REUSE_KEEP buffers per shape and REUSE_SHAPES shapes (the last used), and
 drops them when the worker leaves its loader (`clear`), so an idle worker holds none.
-The driver's cold start (driver/shadow.py) collates with `private_memory_collate`: its batches
+The driver's cold start (driver/coldstart/shadow.py) collates with `private_memory_collate`: its batches
 go to the user, who may keep views of them.
 """
 

@@ -41,11 +41,11 @@ proves itself with a random token the driver gave it through Ray):
     worker/lane_tls.py): calls, batches and token encrypted (on loopback, +0.56 ms of the driver's CPU a MB,
     docs/clusters.md). Never plaintext: where TLS cannot be set up, those workers keep Ray's calls, logged once.
     Unix lanes stay as they are. Whatever the transport, the driver's listener takes only the connection that
-    sends the token, heard off the trainer's thread (NOTE [ raydl lane listener ] in driver/lane_accept.py);
+    sends the token, heard off the trainer's thread (NOTE [ raydl lane listener ] in driver/transport/lane_accept.py);
   * a reply no pickle can carry (a batch holding a lock) goes with each such batch replaced by its
     pickling error (`sendable`), raised in the driver at that batch's turn: never a lane thread
     gone and a driver waiting for its reply.
-The driver's side (driver/lane.py) says when a worker's calls move to its lane and what happens
+The driver's side (driver/transport/lane.py) says when a worker's calls move to its lane and what happens
 when the lane breaks (a dead worker: the socket's end, as Ray's actor death).
 """
 

@@ -1,7 +1,7 @@
 """A start-up process: worker `i`'s first incarnation, forked from the trainer while Ray starts.
 
 NOTE [ raydl start-up process ]
-On a cold start (NOTE [ raydl cold start ] in driver/coldstart.py) the driver forks one process
+On a cold start (NOTE [ raydl cold start ] in driver/coldstart/iter.py) the driver forks one process
 per worker, as torch's DataLoader forks its workers, and each runs `serve_startup`: a plain
 `Worker` (worker/actor.py), so it seeds itself, sets the worker info and runs `worker_init_fn`
 exactly as the worker's actor does, and each batch comes back with the same `BatchMeta` (its

@@ -1,6 +1,6 @@
 """What a worker reports of its own state with each batch, and how a new worker takes it back.
 
-See NOTE [ raydl checkpoint ] in driver/checkpoint.py. A worker's snapshot has torchdata's layout
+See NOTE [ raydl checkpoint ] in driver/state/checkpoint.py. A worker's snapshot has torchdata's layout
 (`worker_id`, `fetcher_state`, `dataset_state`), so StatefulDataLoader can load it, plus raydl's
 `_raydl_rng`: the states of the worker's `random`, `torch` and NumPy global generators as of the
 same batch, so random augmentation drawn in workers continues bit-identically after a resume.

@@ -28,9 +28,9 @@ from collections import OrderedDict
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from .._constants import LANE_HELLO_PENDING, LANE_HELLO_S
-from ..worker.lane import tune_tcp
-from ..worker.lane_tls import TlsConnection
+from ..._constants import LANE_HELLO_PENDING, LANE_HELLO_S
+from ...worker.lane import tune_tcp
+from ...worker.lane_tls import TlsConnection
 
 __all__ = ["Greeter"]
 

@@ -5,7 +5,7 @@
 WeightedRandomSampler) by their own `__iter__`, with the generator each epoch draws from made
 explicit and recorded in torchdata's random-sampler layout. Where that record goes in a loader
 state (torchdata's keys or raydl's section), and which samplers raydl cannot record, are decided
-here too; driver/checkpoint.py assembles and restores the state around them.
+here too; driver/state/checkpoint.py assembles and restores the state around them.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
-from ..worker.state import is_stateful
+from ...worker.state import is_stateful
 
 __all__ = [
     "RNG_SAMPLERS",

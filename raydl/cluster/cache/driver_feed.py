@@ -1,6 +1,6 @@
 """The driver's side of the node cache: what one loader iterator tells the caches of its nodes about its order.
 
-NOTE [ raydl node cache ] in cluster/cache.py says what the cache does with it. `CacheFeed` runs in the
+NOTE [ raydl node cache ] in cluster/cache/node_actor.py says what the cache does with it. `CacheFeed` runs in the
 training process (driver/iter.py calls it as batches are sent and handed out); the cache actors it
 talks to run on every node a worker of the iterator runs on.
 """
@@ -12,8 +12,8 @@ from typing import Any, Callable, Optional
 
 import numpy as np
 
-from .cache import UNIT_TRAILER_BYTES
-from .cache_actors import _ensure_registered, _name, node_cache
+from .handles import _ensure_registered, _name, node_cache
+from .node_actor import UNIT_TRAILER_BYTES
 
 __all__ = ["CacheFeed"]
 
@@ -68,7 +68,7 @@ class CacheFeed:
         knows ahead (the driver weighs each batch against it before sending it: `has_room`)."""
         import ray
 
-        from .connect import ray_session
+        from ..connect import ray_session
 
         self.close()
         self._sid = uuid.uuid4().hex  # a stream per epoch: a late call of the last one cannot move this one
@@ -186,12 +186,12 @@ class CacheFeed:
 
     def _live(self) -> bool:
         """Whether the actors' Ray session is still this process's: finalizers may run after ray.shutdown()."""
-        from .connect import ray_session
+        from ..connect import ray_session
 
         return bool(self._actors) and self._session is not None and ray_session() == self._session
 
     def close(self) -> None:
-        from .connect import ray_calls
+        from ..connect import ray_calls
 
         if self._open:
             self._open = False

@@ -1,6 +1,6 @@
 """A worker's side of the node cache: the units of one batch, read through this node's cache actor.
 
-NOTE [ raydl node cache ] in cluster/cache.py has the design. A worker asks its node's cache for
+NOTE [ raydl node cache ] in cluster/cache/node_actor.py has the design. A worker asks its node's cache for
 the units (row groups) a batch needs, waits (bounded by READ_TIMEOUT_S) while the cache fetches
 what it does not hold, reads the files, checks each one's CRC (a file that fails it is never
 decoded: the cache refetches it) and releases them. A cache that died or was replaced is
@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..data.storage import with_retries
-from .cache import ACQUIRE_SLICE_S, READ_TIMEOUT_S, unsealed
-from .cache_actors import _ensure_registered, _name, _registered, node_cache
+from ...data.storage import with_retries
+from .handles import _ensure_registered, _name, _registered, node_cache
+from .node_actor import ACQUIRE_SLICE_S, READ_TIMEOUT_S, unsealed
 
 __all__ = ["read_units"]
 

@@ -1,7 +1,7 @@
 """torchdata's state layout (its keys, raydl's own section) and the check that a state fits a loader.
 
 A state is refused at `load_state_dict`, before any iterator exists, with a ValueError that names
-the mismatch and the fix (NOTE [ raydl checkpoint ] in driver/checkpoint.py): not a loader state,
+the mismatch and the fix (NOTE [ raydl checkpoint ] in driver/state/checkpoint.py): not a loader state,
 another num_workers (unless the job's epoch is re-dealt at another world size: NOTE [ raydl global
 epoch ] in job/global_epoch.py), another dataset kind or length, batch size, drop_last or sampler
 type, or a random sampler's epoch that the state does not record.
@@ -15,7 +15,7 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import BatchSampler, IterableDataset
 
-from ..job.global_epoch import GLOBAL_EPOCH, check_record, distributed_sampler, needs_redeal
+from ...job.global_epoch import GLOBAL_EPOCH, check_record, distributed_sampler, needs_redeal
 from .samplers import RngSamplerIter, rng_sampler
 
 __all__ = ["validate", "loader_facts", "redeals", "worker_key"]

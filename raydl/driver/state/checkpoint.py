@@ -37,14 +37,14 @@ Where each part comes from, with no call to any worker beyond those the loader m
     fetching nothing.
   * random samplers: torch's RandomSampler, SubsetRandomSampler and WeightedRandomSampler draw
     from their generator or, without one (what shuffle=True makes), from the global RNG when
-    their epoch starts. `RngSamplerIter` (driver/samplers.py) runs the sampler's own `__iter__` with that generator
+    their epoch starts. `RngSamplerIter` (driver/state/samplers.py) runs the sampler's own `__iter__` with that generator
     made explicit and records its state before the epoch's first draw: `{"yielded",
     "generator"}`, the record of torchdata's own RandomSampler iterator, so each loader rebuilds
     the other's epoch. It goes under torchdata's `_sampler_iter_state` for the sampler
     shuffle=True made and for one without a generator (where StatefulDataLoader cannot rebuild
     the epoch, it then fails on the record instead of fast-forwarding through another order);
     a sampler given with its own generator keeps it in `_raydl` as text, and StatefulDataLoader
-    fast-forwards it as it does its own states. `validate` (driver/state_layout.py, with the keys) refuses a state without the record
+    fast-forwards it as it does its own states. `validate` (driver/state/layout.py, with the keys) refuses a state without the record
     when the loader's sampler would draw from the global RNG; `inexact_sampler` names, at
     `state_dict()`, the samplers drawing from the global RNG that raydl cannot record.
   * draws: the base seed and the epoch's order come from the state, never from a new draw. A
@@ -109,15 +109,15 @@ from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import IterableDataset
 
-from .._constants import DEFAULT_STARTUP_TIMEOUT_S
-from ..job.global_epoch import (
+from ..._constants import DEFAULT_STARTUP_TIMEOUT_S
+from ...job.global_epoch import (
     GLOBAL_EPOCH,
     distributed_sampler,
     epoch_record,
     rank_length,
     redealt_iter,
 )
-from ..worker.state import (
+from ...worker.state import (
     DATASET_ITER_STATE,
     DATASET_STATE,
     FETCHER_ENDED,
@@ -127,15 +127,7 @@ from ..worker.state import (
     is_stateful,
 )
 from .draws import global_rng_record, next_epoch_draws_global, saved_base_seed
-from .samplers import (
-    export_sampler_state,
-    import_sampler_state,
-    iterable_sampler_state,
-    new_sampler_iter,
-    rng_record_for_torchdata,
-    sampler_state,
-)
-from .state_layout import (
+from .layout import (
     BASE_SEED,
     FINISHED,
     INDEX_SAMPLER_STATE,
@@ -156,6 +148,14 @@ from .state_layout import (
     loader_facts,
     redeals,
     worker_key,
+)
+from .samplers import (
+    export_sampler_state,
+    import_sampler_state,
+    iterable_sampler_state,
+    new_sampler_iter,
+    rng_record_for_torchdata,
+    sampler_state,
 )
 
 __all__ = [

@@ -1,4 +1,4 @@
-"""What raydl's stats tell the outside: the data-stall hint and Ray metrics (NOTE [ raydl stats ] in driver/stats.py).
+"""What raydl's stats tell the outside: the data-stall hint and Ray metrics (NOTE [ raydl stats ] in driver/stats/recorder.py).
 
 The measures a worker takes itself (batch bytes, the batch-time histogram) live in raydl/_measures.py.
 """
@@ -10,7 +10,7 @@ import sys
 from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:
-    from .stats import LoaderStats
+    from .snapshot import LoaderStats
 
 __all__ = ["hint", "driver_metrics", "logger"]
 

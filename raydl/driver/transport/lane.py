@@ -8,7 +8,7 @@ call: it listens on a fresh abstract Unix socket (same node) or a TCP port on it
 (another node) and asks the actor through Ray (`Worker.open_lane`, queued behind the calls already
 sent) to connect with a random token (a TCP lane under Ray's TLS is TLS: NOTE [ raydl lane TLS ]
 in worker/lane_tls.py). Calls go through Ray until the connection is there, one that sent the
-token to the listener's own thread (NOTE [ raydl lane listener ] in driver/lane_accept.py: a
+token to the listener's own thread (NOTE [ raydl lane listener ] in driver/transport/lane_accept.py: a
 stranger on the port never holds this thread), checked without waiting at each call (the actor's
 queue may hold slow calls); then over the lane for good. Each lane call carries how many Ray calls the worker was
 sent, and the worker makes it only after those (NOTE [ raydl lane ]): the order of a worker's
@@ -46,17 +46,17 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from .._constants import (
+from ..._constants import (
     LANE_HEARTBEAT_S,
     LANE_HELLO_PENDING,
     LANE_MAX_BATCH_BYTES,
     LANE_OPEN_S,
     LANE_TCP_WAKE_BYTES,
 )
-from .._measures import batch_nbytes
-from ..cluster.silent_nodes import mark_silent
-from ..worker.lane import recv_reply, shut_down, since_received_s
-from ..worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
+from ..._measures import batch_nbytes
+from ...cluster.silent_nodes import mark_silent
+from ...worker.lane import recv_reply, shut_down, since_received_s
+from ...worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
 from .lane_accept import Greeter
 
@@ -189,7 +189,7 @@ class _RemoteLane(_Lane):
 
 class _Opening:
     """A lane asked for: the driver listens (its `Greeter` hears who connects: NOTE [ raydl lane listener ] in
-    driver/lane_accept.py), the actor connects when its queue reaches `open_lane`."""
+    driver/transport/lane_accept.py), the actor connects when its queue reaches `open_lane`."""
 
     def __init__(self, actor: Any, greeter: Greeter, address: Any, reply: Any, node: Any) -> None:
         self.actor, self.greeter, self.reply = actor, greeter, reply

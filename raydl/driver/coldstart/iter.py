@@ -54,7 +54,7 @@ IterableDataset streams stay in their workers (a stream's position cannot be han
 process to an actor unless it has a `state_dict()`).
 `ray_cold_start="in_process"` (or RAYDL_COLD_START=in_process) makes the first batches in the
 trainer's own process instead, one at a time as they are asked for (`ShadowWorker`,
-driver/shadow.py), as raydl did before: no fork, but user code then runs in the trainer, where a
+driver/coldstart/shadow.py), as raydl did before: no fork, but user code then runs in the trainer, where a
 crash ends the training process, `timeout` cannot interrupt it and its effects on process-wide
 state stay. `ray_cold_start=False` keeps every batch in the workers.
 """
@@ -70,27 +70,27 @@ from typing import TYPE_CHECKING, Any, Iterator, NamedTuple, Optional
 from torch.utils.data import IterableDataset
 from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
-from .._constants import WARM_MAX_IDLE_PER_KEY
-from .._errors import WorkerDiedError, rebuild_worker_exception, short_indices
-from .._options import RayOptions
-from ..cluster.connect import never_connected, resource_request, worker_actor_options
-from ..cluster.startup import Startup, start, starts_in_progress
-from ..job.global_epoch import GLOBAL_EPOCH
-from ..worker.actor import BatchFailed
-from ..worker.startup import StartSpec
-from ..worker.transfer import decode
-from .checkpoint import Tracker
-from .draws import iterator_base_seed
-from .iter import _RayLoaderIter
-from .lifecycle import IterState
-from .pool_choice import worker_payload
-from .startup_makers import ForkedMaker, InProcessMaker, MakerDied
-from .state_layout import RAYDL
-from .stats import make_recorder
-from .waits import BatchWaits
+from ..._constants import WARM_MAX_IDLE_PER_KEY
+from ..._errors import WorkerDiedError, rebuild_worker_exception, short_indices
+from ..._options import RayOptions
+from ...cluster.connect import never_connected, resource_request, worker_actor_options
+from ...cluster.startup import Startup, start, starts_in_progress
+from ...job.global_epoch import GLOBAL_EPOCH
+from ...worker.actor import BatchFailed
+from ...worker.startup import StartSpec
+from ...worker.transfer import decode
+from ..iter import _RayLoaderIter
+from ..lifecycle import IterState
+from ..pool_choice import worker_payload
+from ..state.checkpoint import Tracker
+from ..state.draws import iterator_base_seed
+from ..state.layout import RAYDL
+from ..stats.recorder import make_recorder
+from ..waits import BatchWaits
+from .makers import ForkedMaker, InProcessMaker, MakerDied
 
 if TYPE_CHECKING:
-    from ..loader import DataLoader
+    from ...loader import DataLoader
 
 __all__ = ["ColdStartIter", "cold_start_applies", "IN_PROCESS"]
 

@@ -1,6 +1,6 @@
 """The node cache actors: one per node and folder, found by name, started there, told a dataset, ended when idle.
 
-NOTE [ raydl node cache ] in cluster/cache.py says what a cache does; this module holds the handles a
+NOTE [ raydl node cache ] in cluster/cache/node_actor.py says what a cache does; this module holds the handles a
 process keeps to them (per Ray session), starts one on a node when none runs, registers a dataset with
 it once, and ends those no loader streams through (`raydl.release_node_caches()`).
 """
@@ -11,7 +11,7 @@ import hashlib
 import threading
 from typing import Any, Optional
 
-from .cache import IDLE_EXIT_S, READ_TIMEOUT_S, NodeCache
+from .node_actor import IDLE_EXIT_S, READ_TIMEOUT_S, NodeCache
 
 __all__ = ["node_cache", "release_node_caches"]
 
@@ -45,7 +45,7 @@ def node_cache(cache_dir: str, limit_bytes: int, node_id: Optional[str] = None, 
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from .connect import ray_session
+    from ..connect import ray_session
 
     node_id = node_id or ray.get_runtime_context().get_node_id()
     name = _name(node_id, cache_dir)
@@ -94,7 +94,7 @@ def release_node_caches() -> int:
     """
     import ray
 
-    from .connect import ray_session
+    from ..connect import ray_session
 
     if ray_session() is None:
         return 0

@@ -26,7 +26,7 @@ import warnings
 from typing import TYPE_CHECKING, Optional
 
 if TYPE_CHECKING:
-    from .stats import LoaderStats
+    from .snapshot import LoaderStats
 
 __all__ = ["write_trace", "write_png"]
 

@@ -17,7 +17,7 @@ An epoch runs from `iter()` (the iterator's `_reset`) to the `next()` that raise
   * the hint: if the loop waited more than HINT_WAIT_SHARE of the epoch after its first batch
     (the first batch's wait includes the workers' start-up, which no setting of the loader
     shortens), one INFO line on the `raydl.stats` logger says so, with what would help
-    (`hint` in driver/stats_report.py). The logger's level is
+    (`hint` in driver/stats/report.py). The logger's level is
     set to INFO here, and without any logging handler configured the line goes to stderr (Python
     would drop an INFO record); `logging.getLogger("raydl.stats").setLevel(logging.WARNING)`
     silences it;
@@ -42,9 +42,9 @@ from typing import Any, Callable, Optional
 
 __all__ = ["LoaderStats", "WorkerStats", "StatsTotals", "StatsRecorder", "make_recorder", "batch_nbytes"]
 
-from .._measures import batch_nbytes
-from .stats_report import driver_metrics, hint, logger
-from .stats_snapshot import LoaderStats, StatsTotals, WorkerStats, _percentile
+from ..._measures import batch_nbytes
+from .report import driver_metrics, hint, logger
+from .snapshot import LoaderStats, StatsTotals, WorkerStats, _percentile
 
 # How often (seconds) counters are pushed to Ray's metrics during an epoch (and at its end).
 METRICS_FLUSH_S = 2.0

@@ -1,7 +1,7 @@
 """The draws an iterator makes of torch's RNG: its base seed, and the global RNG a next epoch draws from.
 
 Where they come from at a resume, and why a resumed iterator still draws one and discards it, is
-NOTE [ raydl checkpoint ] (driver/checkpoint.py), "draws". Kept apart from the tracker: the cold
+NOTE [ raydl checkpoint ] (driver/state/checkpoint.py), "draws". Kept apart from the tracker: the cold
 start's, the in-process and the Ray iterators draw here, whether or not they track a state.
 """
 
@@ -14,8 +14,8 @@ from typing import Any, Optional
 
 import torch
 
+from .layout import BASE_SEED, FINISHED, MAIN_SNAPSHOT, NEXT_EPOCH_RNG, RAYDL, SNAPSHOT
 from .samplers import rng_sampler
-from .state_layout import BASE_SEED, FINISHED, MAIN_SNAPSHOT, NEXT_EPOCH_RNG, RAYDL, SNAPSHOT
 
 __all__ = [
     "draw_base_seed",

@@ -13,8 +13,8 @@ import os
 import time
 from typing import Any, Optional
 
-from .._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
-from .._measures import batch_nbytes
+from ..._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
+from ..._measures import batch_nbytes
 from .lane import Lanes, LaneSilent, LaneTicket, worker_node
 
 __all__ = ["CallSender"]
@@ -22,7 +22,7 @@ __all__ = ["CallSender"]
 
 class CallSender:
     """The calls of one iterator's pool; `driver_node_id`: the node this process runs on; `lanes`: workers' calls go
-    over lanes once they may (NOTE [ raydl lane, driver ] in driver/lane.py); `max_batches`: the prefetch bound."""
+    over lanes once they may (NOTE [ raydl lane, driver ] in driver/transport/lane.py); `max_batches`: the prefetch bound."""
 
     def __init__(
         self,

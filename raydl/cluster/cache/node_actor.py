@@ -5,7 +5,7 @@ What a streamed dataset (data/parquet.py) reads is split into units: a row group
 chunks, a few byte ranges of one file. Every node has one `NodeCache` actor per cache folder
 (named after the node and the folder, detached, found with `get_if_exists`), shared by every
 worker of the node and by every rank of a `ray_job` there.
-  * the order ahead: the driver (`CacheFeed` in cluster/cache_feed.py, called by driver/iter.py) tells the cache, per
+  * the order ahead: the driver (`CacheFeed` in cluster/cache/driver_feed.py, called by driver/iter.py) tells the cache, per
     stream (one per loader iterator, so per rank), which units each batch of the epoch uses, by
     batch position: the whole epoch when the sampler knows it (the dataset's shuffle sampler),
     else each batch as it is sent to a worker. It also reports its cursor: the next batch to
@@ -79,7 +79,7 @@ from typing import Any, Optional
 
 __all__ = ["NodeCache"]
 
-from ..data.storage import with_retries
+from ...data.storage import with_retries
 
 logger = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """What `loader.stats()` returns: the epoch's figures as frozen dataclasses, and how they print.
 
-NOTE [ raydl stats ] in driver/stats.py says how they are measured; `StatsRecorder` there fills them
+NOTE [ raydl stats ] in driver/stats/recorder.py says how they are measured; `StatsRecorder` there fills them
 in at the end of an epoch (and on request mid-epoch). This module holds only the public snapshot:
 `LoaderStats` (one epoch), `WorkerStats` (one worker's part), `StatsTotals` (over every epoch of
 persistent workers), their text form and the percentile they use.

@@ -1,7 +1,7 @@
 """`ShadowWorker`: worker `i`'s batches made in the driver, exactly as the worker actor would make them.
 
 Used by the opt-in in-process cold start (`ray_cold_start="in_process"`, NOTE [ raydl cold start ]
-in driver/coldstart.py; the default forks start-up processes instead) while Ray and the actors
+in driver/coldstart/iter.py; the default forks start-up processes instead) while Ray and the actors
 come up. A shadow holds what the actor would hold after the same batches: its own copy of the
 dataset (and of collate_fn and worker_init_fn, copied together as one payload, so a
 worker_init_fn bound to the dataset acts on the copy), and its own `random`, torch and NumPy
@@ -36,13 +36,13 @@ import torch
 import torch.utils.data._utils.worker as _torch_worker
 from torch.utils.data import default_collate
 
-from .._measures import batch_nbytes
-from .._thread_random import only_this_thread_draws
-from ..worker.actor import BatchMeta, numpy_seed_state
-from ..worker.collate import private_memory_collate
-from ..worker.fetch import MapFetcher
-from ..worker.seeding import _SavedRNG
-from ..worker.state import RngTracker, make_worker_snapshot
+from ..._measures import batch_nbytes
+from ..._thread_random import only_this_thread_draws
+from ...worker.actor import BatchMeta, numpy_seed_state
+from ...worker.collate import private_memory_collate
+from ...worker.fetch import MapFetcher
+from ...worker.seeding import _SavedRNG
+from ...worker.state import RngTracker, make_worker_snapshot
 
 __all__ = ["ShadowWorker", "private_copy"]
 

@@ -1,10 +1,10 @@
 """Who makes a cold start's first batches: a process forked from the trainer, or (opt-in) the trainer itself.
 
-Both kinds answer the same calls for `ColdStartIter` (driver/coldstart.py): `send` a task, `poll`
+Both kinds answer the same calls for `ColdStartIter` (driver/coldstart/iter.py): `send` a task, `poll`
 for its reply with a bound, `read` the next batch in the order sent. A forked one is worker
 `i`'s first incarnation (NOTE [ raydl start-up process ] in worker/startup.py); an in-process one
 (`ray_cold_start="in_process"`) makes each batch in the trainer when it is read, as a
-`ShadowWorker` (driver/shadow.py).
+`ShadowWorker` (driver/coldstart/shadow.py).
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import traceback
 from collections import deque
 from typing import Any, Optional
 
-from .._errors import TRACEBACK_ATTR, rebuild_worker_exception
-from ..worker.actor import BatchFailed, BatchMeta
-from ..worker.lane import recv_reply
-from ..worker.startup import StartSpec, serve_startup
+from ..._errors import TRACEBACK_ATTR, rebuild_worker_exception
+from ...worker.actor import BatchFailed, BatchMeta
+from ...worker.lane import recv_reply
+from ...worker.startup import StartSpec, serve_startup
 from .shadow import ShadowWorker
 
 __all__ = ["ForkedMaker", "InProcessMaker", "MakerDied"]

@@ -1,0 +1,4 @@
+"""The node cache of a streamed dataset (NOTE [ raydl node cache ] in node_actor.py), by the side that runs
+each file: node_actor.py in the cache actor (one per node and folder), driver_feed.py in the training process,
+worker_read.py in a worker, handles.py wherever a cache is found, started or ended.
+"""
