@@ -13,6 +13,11 @@ node (their replacements start together), and its node is marked here, process-w
   * a probe (a zero-CPU task pinned to the node) is sent when it is marked; the node is a candidate again once the
     probe has run there (Ray reached it: its link is back), never earlier. A node Ray declares dead fails the probe
     and stays marked (a dead node's id never returns).
+A node whose raylet is gone (every process of it killed, a host rebooting: connections reset, but Ray still lists
+the node as alive until its health checks give up, 14 s measured) is marked the same way when one of its workers
+dies and a TCP connection to its raylet's port is refused (`raylet_refuses`, asked once per death): without it the
+replacement went to the dead node first and died there. A refused connection is the only verdict taken: a
+timeout is left to the lanes' silence, and a process that died on a live node gets its replacement there.
 The cost of a false alarm (a worker whose process holds the GIL in native code past the timeout, a link stalled
 longer) is one worker replaced: the timeout is the knob between that and the stall of a real silence.
 """
@@ -23,7 +28,7 @@ import logging
 import threading
 from typing import Any, Iterable
 
-__all__ = ["mark_silent", "is_silent", "silent_nodes", "without_silent"]
+__all__ = ["mark_silent", "is_silent", "silent_nodes", "without_silent", "raylet_refuses"]
 
 logger = logging.getLogger(__name__)
 
@@ -41,8 +46,8 @@ def _probe_fn() -> Any:
     return raydl_node_probe
 
 
-def mark_silent(node_id: str) -> None:
-    """A lane to `node_id` went silent: keep it out of placement until a probe runs there."""
+def mark_silent(node_id: str, why: str = "nothing on a lane for ray_silence_timeout_s") -> None:
+    """A lane to `node_id` went silent (or its raylet refuses): keep it out of placement until a probe runs there."""
     with _lock:
         if node_id in _probes:
             return
@@ -56,10 +61,29 @@ def mark_silent(node_id: str) -> None:
             logger.debug("raydl: no probe for silent node %s (%s)", node_id, e)
         _probes[node_id] = probe
     logger.warning(
-        "raydl: node %s went silent (nothing on a lane for ray_silence_timeout_s): no worker is placed there until "
-        "Ray reaches it again",
-        node_id[:8],
+        "raydl: node %s went silent (%s): no worker is placed there until Ray reaches it again", node_id[:8], why
     )
+
+
+def raylet_refuses(node_id: str, timeout_s: float = 1.0) -> bool:
+    """Whether a TCP connection to `node_id`'s raylet (its address and port as Ray lists them) is refused: its
+    raylet process is gone. False when it answers, when the connection times out, or when Ray does not say."""
+    import socket
+
+    import ray
+
+    try:
+        row = next(n for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive"))
+        address = (row["NodeManagerAddress"], int(row["NodeManagerPort"]))
+    except (StopIteration, KeyError, TypeError, ValueError, Exception):  # noqa: BLE001 - unknown: no verdict
+        return False
+    try:
+        socket.create_connection(address, timeout=timeout_s).close()
+    except ConnectionRefusedError:
+        return True
+    except OSError:
+        return False
+    return False
 
 
 def is_silent(node_id: Any) -> bool:

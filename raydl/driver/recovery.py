@@ -55,6 +55,7 @@ import logging
 from typing import Any, Protocol
 
 from .._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
+from ..cluster.silent_nodes import mark_silent, raylet_refuses
 from .transport.lane import LaneSilent
 
 __all__ = ["Recovery", "RecoveryHost"]
@@ -89,8 +90,10 @@ class Recovery:
         is_iterable: bool,
         max_worker_restarts: int,
         startup_timeout_s: float,
+        driver_node_id: Any = None,
     ) -> None:
         self._pool = pool
+        self._driver_node_id = driver_node_id
         self._sched = sched
         self._ckpt = ckpt
         self._elastic = elastic
@@ -102,6 +105,8 @@ class Recovery:
         """Replace a dead worker and resend its outstanding tasks, or raise WorkerDiedError (NOTE [ raydl recovery ]).
         A worker lost to a silent node takes the other workers of that node with it: their replacements start
         together, instead of each after the last one's wait (NOTE [ raydl silent node ])."""
+        if not isinstance(error, LaneSilent) and self._raylet_gone(worker_id):  # NOTE [ raydl silent node ]
+            error = LaneSilent(f"{_first_line(error)}; its node's raylet refuses connections: the node is gone")
         mates = self._node_mates(worker_id) if isinstance(error, LaneSilent) else []
         held: dict[int, list] = {}
         for w, e in [(worker_id, error), *((m, LaneSilent(f"{error}; worker {m} is on that node too")) for m in mates)]:
@@ -115,6 +120,14 @@ class Recovery:
             first = self._sched.task_info.get(lost[0]) if lost else None
             if first is not None and first.held and first.worker_id == w:  # not moved to a survivor
                 self._sched.send_held(lost[0])
+
+    def _raylet_gone(self, worker_id: int) -> bool:
+        """Whether the dead worker's node (another node's) has lost its raylet: then it is marked like a silent one."""
+        node = self._pool.node_of(worker_id)
+        if node is None or self._is_iterable or node == self._driver_node_id or not raylet_refuses(node):
+            return False
+        mark_silent(node, "its raylet refuses connections")
+        return True
 
     def _node_mates(self, worker_id: int) -> list[int]:
         """The other active workers on worker `worker_id`'s node."""
