@@ -260,7 +260,7 @@ class _Recorder:
 
     def __call__(self, worker_id, tasks):
         self.calls.append((worker_id, [idx for idx, _ in tasks]))
-        return object(), object()
+        return object(), object(), None
 
 
 def _schedule(workers=2, max_tasks=16, k=None, rec=None):

@@ -303,7 +303,7 @@ class _Sim:
     def __init__(self, min_workers: int, max_workers: int, step_s: float, make_s: float) -> None:
         self.now = 0.0
         self.pool = _FakePool(min_workers)
-        self.sched = Schedule(min_workers, 2 * min_workers, True, lambda w, i, x: (object(), object()))
+        self.sched = Schedule(min_workers, 2 * min_workers, True, lambda w, i, x: (object(), object(), None))
         self.elastic = ElasticPool(
             self.pool, self.sched, 2, lambda: None, 60.0, min_workers, max_workers, True, clock=lambda: self.now
         )

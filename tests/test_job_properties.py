@@ -140,7 +140,7 @@ class _Driver:
             assert wid not in coord._retiring or self.pool.version < coord._version, (
                 f"task {idx} sent to worker {wid}, which the job retires, by a rank that knows it"
             )
-        return object(), object()
+        return object(), object(), None
 
     def put_index(self) -> None:
         if self.sched.tasks_outstanding >= self.sched.max_tasks:

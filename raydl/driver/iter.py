@@ -378,7 +378,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._feed.on_send(self._send_idx - 1, index, self._pool_node(worker_id))
         return True
 
-    def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any]:
+    def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any, Any]:
         """One call to a worker for `tasks` [(idx, work), ...] (the Schedule's `submit`; NOTE [ raydl calls ])."""
         return self._calls.send(worker_id, self._epoch, tasks)
 
@@ -496,7 +496,8 @@ class _RayLoaderIter(Iterator[Any]):
             if call is not None and call.received:  # a later batch of a call already read
                 return idx
         while True:
-            ready = self._calls.first_ready(list(by_ref), STATUS_CHECK_INTERVAL_S)
+            calls = [self._sched.task_info[idx].call for idx in by_ref.values()]
+            ready = self._calls.first_ready(calls, STATUS_CHECK_INTERVAL_S)
             if ready is not None:
                 return by_ref[ready]
             if deadline is not None and time.monotonic() >= deadline:

@@ -74,12 +74,13 @@ __all__ = ["Call", "Task", "Schedule"]
 class Call:
     """One actor call: the tasks of one worker it carries, its two result refs, the results once read."""
 
-    __slots__ = ("ref", "meta_ref", "idxs", "batches", "metas")
+    __slots__ = ("ref", "meta_ref", "idxs", "via", "batches", "metas")
 
-    def __init__(self, ref: Any, meta_ref: Any, idxs: list[int]) -> None:
-        self.ref = ref  # the batches, one object
-        self.meta_ref = meta_ref  # their BatchMetas, a small object Ray inlines in the reply
+    def __init__(self, ref: Any, meta_ref: Any, idxs: list[int], via: Any = None) -> None:
+        self.ref = ref  # the batches, one object (a Ray call's ObjectRef, a lane's ticket)
+        self.meta_ref = meta_ref  # their BatchMetas, a small object Ray inlines in the reply (None on a lane)
         self.idxs = idxs
+        self.via = via  # the transport that sent it, which receives and abandons it (driver/transport/calls.py)
         self.batches: Optional[list] = None  # read with one get when the first is needed
         self.metas: Optional[list] = None
 
@@ -119,7 +120,7 @@ class Task:
         return None if self.call is None else self.call.ref
 
 
-Submit = Callable[[int, "list[tuple[int, Any]]"], "tuple[Any, Any]"]
+Submit = Callable[[int, "list[tuple[int, Any]]"], "tuple[Any, Any, Any]"]
 
 
 class Schedule:
@@ -175,8 +176,8 @@ class Schedule:
         submit = self._submit_ref()
         if submit is None:
             raise RuntimeError("raydl bug: a Schedule outlived the iterator that sends its tasks")
-        ref, meta_ref = submit(worker_id, [(i, self.task_info[i].work) for i in idxs])
-        call = Call(ref, meta_ref, idxs)
+        ref, meta_ref, via = submit(worker_id, [(i, self.task_info[i].work) for i in idxs])
+        call = Call(ref, meta_ref, idxs, via)
         now = time.monotonic()
         for i in idxs:
             task = self.task_info[i]

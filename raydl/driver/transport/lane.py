@@ -378,7 +378,12 @@ class Lanes:
         count = known[1] if known is not None and known[0] is actor else 0
         self._ray_sent[worker_id] = (actor, count + 1)
 
-    def send(self, lane: _Lane, worker_id: int, epoch: int, tasks: list) -> LaneTicket:
+    def send(self, worker_id: int, epoch: int, tasks: list) -> Optional[tuple[LaneTicket, None]]:
+        """One call over the worker's lane: (its ticket, None); None while the worker has no open lane (the call goes
+        by Ray; `lane_for` asks for a lane meanwhile)."""
+        lane = self.lane_for(worker_id)
+        if lane is None:
+            return None
         ticket = LaneTicket(worker_id)
         known = self._ray_sent.get(worker_id)
         after = known[1] if known is not None and known[0] is lane.actor else 0
@@ -393,12 +398,14 @@ class Lanes:
         except OSError:
             pass  # the worker is gone: `receive` reports it when the driver waits on this call
         self.calls_sent += 1
-        return ticket
+        return ticket, None
 
-    def receive(self, ticket: LaneTicket, timeout_s: float) -> tuple:
-        """The call's (batches, metas); GetTimeoutError after `timeout_s`, LaneLost when the worker's lane ended."""
+    def receive(self, call: Any, worker_id: int, timeout_s: float) -> tuple:
+        """The call's (batches, metas) (`call.ref`: its ticket); GetTimeoutError after `timeout_s`, LaneLost when the
+        worker's lane ended."""
         from ray.exceptions import GetTimeoutError
 
+        ticket = call.ref
         if ticket.reply is not None:
             reply, ticket.reply = ticket.reply, None
             return reply
@@ -511,7 +518,7 @@ class Lanes:
             return True
         return False
 
-    def abandon(self, ticket: LaneTicket) -> None:
+    def abandon(self, worker_id: int, ticket: LaneTicket) -> None:
         """The call's batches are not needed: its reply is dropped when it arrives."""
         ticket.abandoned = True
         ticket.reply = None
