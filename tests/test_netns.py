@@ -56,7 +56,9 @@ def test_node_killed_mid_epoch_every_batch_once_in_order(cluster, facts):
     batch once and in order, the lost worker replaced on the surviving node."""
     assert facts["kill_lane_calls_before"] >= 2 and facts["killed_pids"] > 0
     assert facts["kill_complete_in_order"], facts
-    assert facts["kill_restarts"] == 1  # never placed on the killed node: its raylet refuses (NOTE [ raydl silent node ])
+    assert (
+        facts["kill_restarts"] == 1
+    )  # never placed on the killed node: its raylet refuses (NOTE [ raydl silent node ])
     assert facts["kill_survivor_ips"] == [ip for ip in (cluster.ip(1), cluster.ip(2)) if ip != facts["kill_victim_ip"]]
 
 

@@ -228,6 +228,7 @@ class _RayLoaderIter(Iterator[Any]):
             is_iterable=self._is_iterable,
             max_worker_restarts=options.max_worker_restarts,
             startup_timeout_s=options.startup_timeout_s,
+            driver_node_id=self._driver_node_id,
         )
         self._ckpt.await_start = weakref.WeakMethod(self._await_start)  # a state before any batch
         self._waits = BatchWaits(self._timeout, self._pool.describe)  # NOTE [ raydl waits ]
