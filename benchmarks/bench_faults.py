@@ -22,11 +22,10 @@ import json
 import logging
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from benchmarks.common.processes import REPO, script_command
+from benchmarks.common.clusters import run_in_netns_head
 from benchmarks.common.results import md_table, printed_report
 
 ITEM_CPU_S = 0.01  # each sample spins this long on the worker's CPU (time.thread_time)
@@ -126,13 +125,7 @@ def _run_case(fault: str, per_node: int, rate: str, seed: str) -> dict:
     tag = f"f{os.getpid() % 100000}"
     cluster = netns_cluster.NetnsCluster(workers=2, tag=tag, rate=rate)
     with cluster:
-        cmd = [*cluster.exec_prefix(0), *script_command("bench_faults", "--driver", fault, str(per_node), seed)]
-        env = dict(cluster.driver_env(), PYTHONPATH=REPO, RAYDL_NETNS_TAG=tag)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"driver failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        return json.loads(lines[-1][len("RESULT ") :])
+        return run_in_netns_head(cluster, "bench_faults", "--driver", fault, str(per_node), seed, RAYDL_NETNS_TAG=tag)
 
 
 def main() -> None:

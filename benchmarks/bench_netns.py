@@ -15,11 +15,10 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import time
 
-from benchmarks.common.processes import REPO, script_command
+from benchmarks.common.clusters import run_in_netns_head
 from benchmarks.common.results import printed_report
 
 BATCH_MB = 4
@@ -79,14 +78,9 @@ def _run_cluster(tls: bool, rate: str, mb: int, reps: int, modes: list) -> dict:
 
     cluster = netns_cluster.NetnsCluster(workers=2, tag=f"b{os.getpid()}{'t' if tls else ''}", rate=rate, tls=tls)
     with cluster:
-        cmd = [*cluster.exec_prefix(0), *script_command("bench_netns", "--driver", ",".join(modes))]
-        cmd += ["--mb", str(mb), "--reps", str(reps)]
-        env = dict(cluster.driver_env(), PYTHONPATH=REPO)
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
-        lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            raise SystemExit(f"driver failed ({proc.returncode}):\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
-        return json.loads(lines[-1][len("RESULT ") :])
+        return run_in_netns_head(
+            cluster, "bench_netns", "--driver", ",".join(modes), "--mb", str(mb), "--reps", str(reps)
+        )
 
 
 def main() -> None:

@@ -198,3 +198,19 @@ def wait_for_nodes(n: int, timeout_s: float = 120) -> list[dict]:
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {len(nodes)} of {n} Ray nodes alive after {timeout_s} s")
         time.sleep(0.5)
+
+
+def run_in_netns_head(cluster: Any, script: str, *args: str, timeout_s: float = 900, **env: str) -> dict:
+    """`python -m benchmarks.<script> *args` as a driver in the head's namespace of a namespace cluster
+    (cluster/netns_cluster.py), with the cluster's driver environment plus `env`; its `RESULT {json}` line, or
+    SystemExit with its output when it failed."""
+    from benchmarks.common.processes import child_result, script_command
+
+    cmd = [*cluster.exec_prefix(0), *script_command(script, *args)]
+    proc = subprocess.run(
+        cmd, env=dict(cluster.driver_env(), PYTHONPATH=REPO, **env), capture_output=True, text=True, timeout=timeout_s
+    )
+    try:
+        return child_result(proc, f"{script} {' '.join(args)}")
+    except RuntimeError as e:
+        raise SystemExit(str(e)) from None
