@@ -13,17 +13,22 @@ def _imported_modules(path: pathlib.Path, package: str = "") -> set:
     package = package or ".".join(path.relative_to(RAYDL.parent).with_suffix("").parts[:-1])
     names = set()
     for node in ast.walk(ast.parse(path.read_text())):
-        if isinstance(node, ast.Import):
-            names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            if node.level:
-                base = package.split(".")[: len(package.split(".")) - node.level + 1]
-                module = ".".join(base + ([node.module] if node.module else []))
-            else:
-                module = node.module or ""
-            names.add(module)
-            names.update(f"{module}.{alias.name}" for alias in node.names)
+        names |= _names_imported(node, package)
     return names
+
+
+def _names_imported(node: ast.AST, package: str) -> set:
+    """What an import statement in `package` imports, as absolute dotted names (empty for any other node)."""
+    if isinstance(node, ast.Import):
+        return {alias.name for alias in node.names}
+    if not isinstance(node, ast.ImportFrom):
+        return set()
+    if node.level:
+        base = package.split(".")[: len(package.split(".")) - node.level + 1]
+        module = ".".join(base + ([node.module] if node.module else []))
+    else:
+        module = node.module or ""
+    return {module} | {f"{module}.{alias.name}" for alias in node.names}
 
 
 def test_worker_code_never_imports_driver_or_job():
@@ -65,3 +70,79 @@ def test_importing_raydl_does_not_import_ray():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "False", "importing raydl imported Ray"
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(RAYDL.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _import_graph(module_level: bool) -> dict:
+    """raydl's modules and, for each, the raydl modules it imports: at module level only, or inside functions too.
+    Imports under `if TYPE_CHECKING:` never count: they are type hints, not run."""
+    paths = {_module_name(p): p for p in RAYDL.rglob("*.py")}
+    graph = {}
+    for name, path in paths.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        names: set = set()
+        pending = list(ast.parse(path.read_text()).body)
+        while pending:
+            node = pending.pop()
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                pending.extend(node.orelse)
+                continue
+            if module_level and isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                continue
+            names |= _names_imported(node, package)
+            pending.extend(ast.iter_child_nodes(node))
+        graph[name] = {m for m in names if m in paths and m != name}
+    return graph
+
+
+def _circles(graph: dict) -> list:
+    """The strongly connected components of more than one module (Tarjan's algorithm)."""
+    index, low, stack, on_stack, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_at_module_level():
+    """No circle of module-level imports inside raydl/ (imports under `if TYPE_CHECKING:` and inside functions aside)."""
+    assert not _circles(_import_graph(module_level=True))
+
+
+def test_no_import_circle_counting_function_level_imports():
+    """No circle inside raydl/ even counting imports inside functions: a function-level import that closes a circle
+    hides a dependency both ways (use TYPE_CHECKING for a type hint, or move the shared function down a layer)."""
+    assert not _circles(_import_graph(module_level=False))
+
+
+def test_the_circle_check_sees_a_circle():
+    """Two modules importing each other make one circle; a chain without a way back makes none."""
+    graph = {"a": {"b"}, "b": {"a"}, "c": {"a"}}
+    assert _circles(graph) == [["a", "b"]]
+    assert _circles({"a": {"b"}, "b": set()}) == []

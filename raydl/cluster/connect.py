@@ -48,6 +48,7 @@ __all__ = [
     "ray_calls",
     "worker_actor_options",
     "resource_request",
+    "has_placement_hints",
     "describe_placement",
     "fits_available",
 ]
@@ -257,8 +258,6 @@ def _start_local_ray() -> str:
 
 def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:
     """raydl's default worker options overridden, key by key, by the user's `ray_remote_args` (no per-node strategy)."""
-    from .placement import has_placement_hints
-
     options = dict(DEFAULT_WORKER_OPTIONS)
     if ray_remote_args:
         options.update(ray_remote_args)
@@ -282,6 +281,17 @@ def resource_request(options: Mapping[str, Any]) -> dict[str, float]:
         if value:
             request[name] = float(value)
     return request
+
+
+def has_placement_hints(options: Mapping[str, Any]) -> bool:
+    """Whether worker actor options say where workers go: resources beyond num_cpus=0, a label_selector or a strategy.
+
+    raydl's defaults carry none of these, so on the merged options this is a question about the
+    user's `ray_remote_args`.
+    """
+    return bool(
+        resource_request(options) or options.get("label_selector") or options.get("scheduling_strategy") is not None
+    )
 
 
 def _fits(request: Mapping[str, float], resources: Mapping[str, float]) -> bool:

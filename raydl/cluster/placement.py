@@ -46,24 +46,12 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
+from .connect import has_placement_hints
 from .silent_nodes import is_silent, silent_nodes
 
 __all__ = ["has_placement_hints", "NodeWeight", "apportion", "Placement", "worker_placement"]
 
 logger = logging.getLogger(__name__)
-
-
-def has_placement_hints(options: Mapping[str, Any]) -> bool:
-    """Whether worker actor options say where workers go: resources beyond num_cpus=0, a label_selector or a strategy.
-
-    raydl's defaults carry none of these, so on the merged options this is a question about the
-    user's `ray_remote_args`.
-    """
-    from .connect import resource_request
-
-    return bool(
-        resource_request(options) or options.get("label_selector") or options.get("scheduling_strategy") is not None
-    )
 
 
 @dataclass(frozen=True)

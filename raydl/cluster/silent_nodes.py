@@ -54,9 +54,10 @@ def mark_silent(node_id: str, why: str = "nothing on a lane for ray_silence_time
         probe = None
         try:
             bytes.fromhex(node_id)  # (a node id Ray could not parse is not probed: it stays marked)
-            from .placement import Placement
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # hard, as Placement.strategy
 
-            probe = _probe_fn().options(scheduling_strategy=Placement.strategy(node_id)).remote()
+            strategy = NodeAffinitySchedulingStrategy(node_id=node_id, soft=False)
+            probe = _probe_fn().options(scheduling_strategy=strategy).remote()
         except Exception as e:  # noqa: BLE001 - no probe: the node stays out until this process ends
             logger.debug("raydl: no probe for silent node %s (%s)", node_id, e)
         _probes[node_id] = probe
