@@ -10,6 +10,9 @@ and the rate is the last epoch's (the first pays start-up):
   * ceiling: one process, the columns preloaded as tensors, `index_select` of each shuffled batch;
   * raydl columnar: `raydl.DataLoader(raydl.ArrowDataset(table))`, the defaults (NOTE [ raydl
     columnar batches ]);
+  * raydl native dtypes: the same with `batch_transform=keep_columns` (the identity on the batch's columns: a
+    batch transform's columns keep their Arrow dtypes, float32 here, where default_collate's path gives torch's
+    float64 for Python floats, NOTE [ raydl batch transforms ]): the batches Ray Data and the ceiling give;
   * raydl per-row: the same with `collate_fn` a function calling default_collate (the rows' path);
   * torch: `torch.utils.data.DataLoader` over the same ArrowDataset, forked workers;
   * Ray Data: `ray.data.from_arrow(table).iter_torch_batches(batch_size, local_shuffle_buffer_size=...)`;
@@ -39,6 +42,10 @@ def make_table(rows: int) -> pa.Table:
     cols["label"] = rng.integers(0, 1000, rows, dtype=np.int64)
     cols["emb"] = pa.FixedSizeListArray.from_arrays(pa.array(rng.random(rows * 64, dtype=np.float32)), 64)
     return pa.table(cols)
+
+
+def keep_columns(columns: dict) -> dict:
+    return columns
 
 
 def per_row_collate(rows):
@@ -85,7 +92,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=1024)
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--epochs", type=int, default=2)
-    ap.add_argument("--loaders", default="ceiling,raydl-columnar,raydl-per-row,torch,ray-data,hf")
+    ap.add_argument("--loaders", default="ceiling,raydl-columnar,raydl-native,raydl-per-row,torch,ray-data,hf")
     args = ap.parse_args()
     import ray
 
@@ -109,6 +116,9 @@ def main() -> None:
     runs = {
         "ceiling": lambda: ceiling(table, args.batch, args.epochs),
         "raydl-columnar": lambda: loader_rate(lambda: raydl.DataLoader(ds, **common), args.epochs),
+        "raydl-native": lambda: loader_rate(
+            lambda: raydl.DataLoader(raydl.ArrowDataset(table, batch_transform=keep_columns), **common), args.epochs
+        ),
         "raydl-per-row": lambda: loader_rate(
             lambda: raydl.DataLoader(ds, collate_fn=per_row_collate, **common), args.epochs
         ),

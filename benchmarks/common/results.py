@@ -120,6 +120,12 @@ class _Tee:
         for s in self._streams:
             s.flush()
 
+    def isatty(self) -> bool:  # (progress bars ask: Ray Data's did, and failed without it)
+        return False
+
+    def __getattr__(self, name: str) -> Any:  # encoding, fileno, ...: the terminal's
+        return getattr(self._streams[0], name)
+
 
 @contextlib.contextmanager
 def printed_report(script: str, quick: bool = False, enabled: bool = True) -> Iterator[str]:
