@@ -46,12 +46,12 @@ def netns_cluster(index: int = 0, **kwargs):
         cluster.stop()
 
 
-def run_driver(cluster, scenario: str, timeout_s: float) -> dict:
-    """`python -m tests._netns_main SCENARIO` in the head's namespace with the cluster's driver environment; killed
-    (its process group) past `timeout_s`, which fails the test with its output."""
+def run_driver(cluster, scenario: str, timeout_s: float, module: str = "tests._netns_main") -> dict:
+    """`python -m MODULE SCENARIO` (tests._netns_main by default) in the head's namespace with the cluster's driver
+    environment; killed (its process group) past `timeout_s`, which fails the test with its output."""
     env = dict(cluster.driver_env(), PYTHONPATH=REPO, RAYDL_NETNS_STATE=cluster.root)
     proc = subprocess.Popen(
-        [*cluster.exec_prefix(0), sys.executable, "-m", "tests._netns_main", scenario],
+        [*cluster.exec_prefix(0), sys.executable, "-m", module, scenario],
         cwd=REPO,
         env=env,
         stdout=subprocess.PIPE,

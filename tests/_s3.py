@@ -23,32 +23,33 @@ from typing import Optional
 _KEY, _SECRET, _REGION = "testing", "testing", "us-east-1"
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
-def _wait_port(port: int, timeout_s: float) -> None:
+def _wait_port(port: int, timeout_s: float, host: str = "127.0.0.1") -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            with socket.create_connection((host, port), timeout=0.5):
                 return
         except OSError:
             time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout_s} s")
+    raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s} s")
 
 
-def s3fs(port: int, attempts: int = 0):
-    """pyarrow's S3 client on a loopback endpoint; its own retries off (`attempts=0`) so raydl's are seen."""
+def s3fs(port: int, attempts: int = 0, host: str = "127.0.0.1"):
+    """pyarrow's S3 client on an endpoint (loopback unless `host`); its own retries off (`attempts=0`) so raydl's
+    are seen."""
     import pyarrow.fs as pafs
 
     return pafs.S3FileSystem(
         access_key=_KEY,
         secret_key=_SECRET,
         region=_REGION,
-        endpoint_override=f"127.0.0.1:{port}",
+        endpoint_override=f"{host}:{port}",
         scheme="http",
         connect_timeout=2,
         request_timeout=5,
@@ -58,17 +59,18 @@ def s3fs(port: int, attempts: int = 0):
 
 
 class MotoServer:
-    """moto's S3 server as a subprocess on a free loopback port."""
+    """moto's S3 server as a subprocess on a free port of `host` (loopback by default)."""
 
-    def __init__(self) -> None:
-        self.port = free_port()
+    def __init__(self, host: str = "127.0.0.1") -> None:
+        self.host = host
+        self.port = free_port(host)
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(self.port)],
+            [sys.executable, "-m", "moto.server", "-H", host, "-p", str(self.port)],
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
         try:
-            _wait_port(self.port, 30)
+            _wait_port(self.port, 30, host)
         except Exception:
             self.stop()
             raise
@@ -77,7 +79,7 @@ class MotoServer:
         self.filesystem().create_dir(name)
 
     def filesystem(self):
-        return s3fs(self.port, attempts=3)
+        return s3fs(self.port, attempts=3, host=self.host)
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -86,15 +88,19 @@ class MotoServer:
 
 
 class FaultProxy:
-    """An HTTP proxy to `upstream_port` with latency, 503s and connection resets on demand, bounded in requests."""
+    """An HTTP proxy to `upstream_port` with latency, 503s and connection resets on demand, bounded in requests.
 
-    def __init__(self, upstream_port: int) -> None:
-        self.upstream_port = upstream_port
+    It listens on `host` (loopback by default; a namespace cluster's head address for clients on other nodes) and
+    relays to `upstream_host`; `get_bytes_by_client` splits `get_bytes` by the client's IP address."""
+
+    def __init__(self, upstream_port: int, host: str = "127.0.0.1", upstream_host: str = "127.0.0.1") -> None:
+        self.upstream_port, self.upstream_host = upstream_port, upstream_host
         self.latency_s = 0.0
         self.lock = threading.Lock()
         self.faults: list = []  # (kind, path part) still to inject, one per matching GET ("503", "reset")
         self.injected = 0
         self.get_bytes = 0  # body bytes of GET responses relayed: what storage sent
+        self.get_bytes_by_client: dict = {}  # client IP -> its share of get_bytes
         self.requests = 0
         proxy = self
 
@@ -131,7 +137,7 @@ class FaultProxy:
                     self.end_headers()
                     self.wfile.write(msg)
                     return
-                conn = http.client.HTTPConnection("127.0.0.1", proxy.upstream_port, timeout=30)
+                conn = http.client.HTTPConnection(proxy.upstream_host, proxy.upstream_port, timeout=30)
                 try:
                     headers = {k: v for k, v in self.headers.items() if k.lower() not in ("connection",)}
                     conn.request(self.command, self.path, body=body or None, headers=headers)
@@ -140,8 +146,10 @@ class FaultProxy:
                 finally:
                     conn.close()
                 if self.command == "GET":
+                    client = self.client_address[0]
                     with proxy.lock:
                         proxy.get_bytes += len(data)
+                        proxy.get_bytes_by_client[client] = proxy.get_bytes_by_client.get(client, 0) + len(data)
                 self.send_response(resp.status)
                 for k, v in resp.getheaders():
                     if k.lower() not in ("transfer-encoding", "connection", "content-length", "server", "date"):
@@ -155,7 +163,7 @@ class FaultProxy:
 
             do_GET = do_PUT = do_POST = do_DELETE = do_HEAD = _relay
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server = ThreadingHTTPServer((host, 0), Handler)
         self.server.daemon_threads = True
         self.port = self.server.server_address[1]
         self.thread = threading.Thread(target=self.server.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
@@ -169,6 +177,7 @@ class FaultProxy:
     def reset_counts(self) -> None:
         with self.lock:
             self.get_bytes = self.requests = self.injected = 0
+            self.get_bytes_by_client = {}
 
     def stop(self) -> None:
         self.server.shutdown()
