@@ -18,41 +18,23 @@ NOTE [ raydl patch design ]
 The patch is at the iterator level: while patched, `torch.utils.data.DataLoader._get_iterator`
 and `DataLoader.__iter__` are replaced, on torch's class itself, by versions that return
 `raydl.driver.iter._RayLoaderIter(loader)` when `loader.num_workers > 0`; with `num_workers == 0`
-they call torch's originals (in-process loading, no Ray). Nothing else changes:
-  * every torch DataLoader is covered, whoever built it and whenever: an instance made before
-    `patch()` loads with Ray workers while patched, and with torch's processes again after
-    `unpatch()` (its next `iter()`);
-  * every subclass that keeps torch's iteration is covered (accelerate's `DataLoaderShard`
-    wraps a plain DataLoader; Ray Train's rebuilt `DataLoader(**kwargs)`; Lightning's
-    re-instantiated loaders); a subclass that overrides `_get_iterator` or `__iter__` without
-    calling torch's (torchdata's `StatefulDataLoader`, raydl's own `DataLoader`) keeps its own;
-  * the names `torch.utils.data.DataLoader` and `torch.utils.data.dataloader.DataLoader` are NOT
-    rebound. Rebinding would miss every `from torch.utils.data import DataLoader` executed
-    before `patch()` (accelerate, Ray Train and Lightning all import it at import time), would
-    leave subclasses defined on the original class unpatched, and would break `isinstance` and
-    `type(...) is DataLoader` checks that libraries make against the original class.
-`raydl.DataLoader` overrides both methods and reaches torch's only with `num_workers == 0`,
-where the patch calls torch's originals: it behaves identically patched or not.
-
-A plain torch loader has no `ray_*` attributes: its workers get raydl's defaults, or the `ray_*`
-options given to `patch(...)`/`patched(...)` (e.g. `ray_remote_args={"num_cpus": 1}`). A loader
-that does carry `ray_*` attributes keeps its own, option by option. torch's arguments keep
-their meaning (same batches for the same generator, same worker seeding and worker info);
-`multiprocessing_context` is ignored, as by `raydl.DataLoader`, and torch's warning about more
-workers than this host has CPUs is given at `iter()` only when every worker runs on this host
-(NOTE [ raydl worker-count warning ] in cluster/locality.py; torch's constructor still warns as torch does).
-
-Persistent workers: a persistent torch loader keeps its `_RayLoaderIter` in torch's own slot,
-`loader._iterator`, so libraries that reset that slot (Lightning does at the end of a fit)
-release the Ray workers as they would torch's. A persistent loader first iterated before
-`patch()` has torch's worker processes there: they are shut down and replaced by Ray workers on
-its next `iter()`. `unpatch()` shuts down the persistent Ray workers of torch loaders and empties
-their slot, so their next epoch starts torch's processes. An epoch already running when
-`unpatch()` is called finishes on its Ray workers.
-
+they call torch's originals. Why there:
+  * every torch DataLoader is covered, whoever built it and whenever (one made before `patch()`
+    too, until `unpatch()`), and every subclass that keeps torch's iteration (accelerate, Ray
+    Train, Lightning); one that overrides `_get_iterator` or `__iter__` keeps its own;
+  * the names `torch.utils.data.DataLoader` are NOT rebound: that would miss every import made
+    before `patch()`, leave subclasses of the original unpatched and break `isinstance` checks.
+`raydl.DataLoader` behaves identically patched or not.
+A plain torch loader gets raydl's defaults or the `ray_*` options given to `patch(...)`; a loader
+carrying `ray_*` attributes keeps its own. torch's arguments keep their meaning;
+`multiprocessing_context` is ignored, and torch's too-many-workers warning is given at `iter()`
+only when every worker runs on this host (NOTE [ raydl worker-count warning ]).
+Persistent workers: the `_RayLoaderIter` sits in torch's own slot, `loader._iterator`, so a
+library that resets the slot releases the Ray workers as it would torch's; torch processes found
+there are replaced at the next `iter()`, and `unpatch()` shuts the Ray ones down (an epoch already
+running finishes on them).
 `patch()` and `unpatch()` are idempotent and thread-safe; `patch()` while patched with other
-`ray_*` options raises (call `unpatch()` first). `patched()` undoes only what it did: nested in
-an outer `patch()`, its exit leaves the outer patch in place.
+`ray_*` options raises. `patched()` undoes only what it did.
 """
 
 from __future__ import annotations
@@ -68,6 +50,7 @@ from torch.utils.data import DataLoader as _TorchDataLoader
 
 from .._options import RayOptions
 from .iter import _RayLoaderIter
+from .spec import LoaderSpec
 
 __all__ = ["patch", "unpatch", "patched", "is_patched"]
 
@@ -121,11 +104,11 @@ def _patched_get_iterator(self):
     ):
         from .inprocess import _InProcessIter  # imported late: it pulls in the checkpoint machinery
 
-        return _InProcessIter(_source(self))  # NOTE [ raydl batch seeding ], in-process
+        return _InProcessIter(LoaderSpec.of(_source(self)))  # NOTE [ raydl batch seeding ], in-process
     if self.num_workers == 0 or originals is None:
         original = originals["_get_iterator"] if originals is not None else _TorchDataLoader._get_iterator
         return original(self)
-    return _RayLoaderIter(_source(self))
+    return _RayLoaderIter(LoaderSpec.of(_source(self)))
 
 
 def _patched_iter(self):
@@ -138,7 +121,7 @@ def _patched_iter(self):
     current = self._iterator
     if isinstance(current, _RayLoaderIter):
         if current.reusable:
-            current._reset(_source(self))
+            current._reset(self._IterableDataset_len_called)
             return current
         current.shutdown()
     elif current is not None:

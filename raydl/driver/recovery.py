@@ -2,51 +2,29 @@
 
 NOTE [ raydl recovery ]
 The driver owns the sampler order and every in-flight task, so a lost worker costs no data.
-When `ray.get` on a task reports that its worker actor died (its process exited or was killed,
-or its node left the cluster) or that the task's result was lost with its node:
-  1. the worker is replaced: a new actor with the same worker id, base seed and payload, which
-     seeds itself and runs worker_init_fn exactly as the first one did;
-  2. the driver waits (bounded by ray_startup_timeout_s) for the replacement to report that it
-     has started, with nothing queued behind its start: a replacement that dies there died
-     starting, not making a batch, and is one more death of that worker;
-  3. every task that was outstanding on the dead worker and not yet received (a call's batches
-     arrive together: NOTE [ raydl calls ] in driver/schedule.py) is sent again, in send order, to
-     the replacement, under the same task idx: ordering and the reorder buffer are untouched.
-A worker whose node went silent (its lane heard nothing for `ray_silence_timeout_s`: NOTE [ raydl silent node ] in
-cluster/silent_nodes.py) is recovered the same way, and so are the other workers of that node, whose replacements
-start together; none is placed on the silent node.
-A worker that dies during a pool's first start, when tasks were already queued behind its start
-(to save a round trip), is recovered the same way. One exception: an actor taken from the warm
-pool that turns out dead at its `configure()` died idle, before this iterator gave it anything
-to make; the pool swaps it for a new actor and the tasks queued on it are sent again to the new
-one (`Schedule.resend`), with no restart counted and no warning.
-Every batch is handed out exactly once, in order; a deterministic dataset gives identical
-batches. A replacement also takes back its predecessor's state as of the last batch the driver
-read from it (NOTE [ raydl checkpoint ] in driver/state/checkpoint.py): its random, torch and NumPy
-generators and its dataset's own state, so its re-made batches are the ones the dead worker would
-have made, random augmentation included.
-Probation: a replacement re-makes the lost batches one at a time. It is sent the oldest; the
-next is sent when the driver has handed out (or dropped) the one before; tasks drawn for that
-worker meanwhile are held (`Task.ref is None`) and all sent once the lost batches are done
-(NOTE [ raydl scheduling ] in driver/schedule.py).
-Why: an actor that dies just after finishing a task may take the task's reply with it, and Ray
-then reports that finished task as failed too. With several tasks in flight a death cannot be
-pinned on one batch; with one in flight it can.
-Bounds: each worker id may be replaced `ray_max_worker_restarts` times per iterator; one more
-death ends the iterator with WorkerDiedError naming the worker, its node and the batch it was
-making (on probation the one batch in flight; otherwise the oldest sent, which an actor runs
-first, and the message says a later one may be the cause): a poison batch that kills every
-worker it reaches ends there, after every batch before it, never in an endless loop.
-A replacement that no node can host within ray_startup_timeout_s is given up: the survivors
-make its batches (NOTE [ raydl elastic pool ] in cluster/elastic.py, which also resizes the pool).
-IterableDataset workers are not replaced: a replica's stream cannot be replayed to the exact
-point where it died, and restarting it would duplicate samples. Their death raises
-WorkerDiedError at once.
-
-`Recovery` holds what recovery needs of the iterator's parts (pool, schedule, checkpoint tracker,
-elastic pool) and no reference to the iterator: the iterator passes itself as the `host` of each
-call (`RecoveryHost`), so no reference cycle keeps an iterator alive (NOTE [ raydl shutdown ] in
-driver/iter.py).
+When a task reports that its worker died (process gone, node gone) or its result was lost:
+  1. the worker is replaced: a new actor with the same worker id, base seed and payload, seeded
+     and initialised as the first one was, and given its predecessor's state as of the last
+     batch read (NOTE [ raydl checkpoint ]), so its re-made batches are the dead worker's;
+  2. the driver waits (ray_startup_timeout_s) for it to start with nothing queued behind, so a
+     death there is a death starting, not making a batch;
+  3. every task outstanding on the dead worker and not yet received is sent again, in send order,
+     under the same idx: ordering and the reorder buffer are untouched.
+A silent node's workers (NOTE [ raydl silent node ]) are recovered the same way, together, and none
+is placed there. An actor from the warm pool found dead at `configure()` died idle: it is swapped
+with no restart counted (`Schedule.resend`).
+Probation: a replacement re-makes the lost batches one at a time (the next when the one before
+is handed out; tasks drawn for it meanwhile are held: NOTE [ raydl scheduling ]). Why: an actor
+that dies just after a task may take its reply with it, and Ray reports that task failed too; with
+one task in flight a death is pinned on one batch.
+Bounds: `ray_max_worker_restarts` replacements per worker id and iterator; one more death ends
+the iterator with WorkerDiedError naming the worker, its node and the batch it was making: a
+poison batch ends there, never in an endless loop. A replacement no node can host in time is
+given up and the survivors make its batches (NOTE [ raydl elastic pool ]). IterableDataset workers
+are not replaced (a stream cannot be replayed to the point of death): WorkerDiedError at once.
+Invariant: every batch is handed out exactly once, in order.
+`Recovery` holds the iterator's parts, never the iterator: the iterator passes itself as `host`
+of each call (`RecoveryHost`), so no reference cycle keeps it alive (NOTE [ raydl shutdown ]).
 """
 
 from __future__ import annotations

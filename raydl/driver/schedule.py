@@ -22,27 +22,20 @@ its batch is handed out or dropped. It decides, and records:
 NOTE [ raydl calls ]
 One actor call carries the tasks of one worker, oldest first, and returns their batches together
 (`Worker.fetch_many`: one object with the batches, one small object with their `BatchMeta`s), so
-Ray's per-call cost on the driver's core (the call, the `get`: ~400 us at the overhead floor) is
-paid once for k batches. Which task goes to which worker is still torch's rule, task by task;
-a task assigned to a worker is *pending* (`Task.call is None`, the worker not on probation)
-until its worker's call goes out:
-  * when the worker has `k` pending tasks, k its `batches_per_call` (adaptive: as many batches
-    as fit in CALL_TARGET_S of the worker's measured batch time, at most MAX_BATCHES_PER_CALL and
-    at most the worker's share of the prefetch bound; 1 until a batch was timed and whenever a
-    batch takes CALL_TARGET_S or more, where the call's cost no longer matters; for a worker whose
-    calls carry at most `call_bytes(worker)` bytes — one on another node on Ray's calls, whose
-    batches Ray sends inline with the reply only below its inline limit — no more batches than fit,
-    by its measured batch size; `ray_batches_per_call` fixes it);
-  * or when the driver is about to wait on one of them (`flush_oldest`: a worker whose oldest
-    task is pending), when the sampler has no more draws (`flush_all`) and when the worker leaves
-    the round robin: a pending task never waits for a draw that cannot come.
-Pending tasks count towards the prefetch bound as torch's sent ones do: at most
-`prefetch_factor * num_workers` batches are assigned and not handed out, so a call never carries
-more than a worker's share of them. A call's two objects are read with one `ray.get` when its
-first batch is needed; the others of the call wait in `Call.batches` until their turn (their
-memory is the object store's, as before). A batch in hand is *received*: a worker that dies
-afterwards costs only the tasks of its calls not yet received, re-made (probation, one task a
-call) exactly once.
+Ray's per-call cost on the driver's core is paid once for k batches. Which task goes to which
+worker is still torch's rule, task by task; a task assigned to a worker is *pending*
+(`Task.call is None`, the worker not on probation) until its worker's call goes out:
+  * when the worker has `batches_per_call` pending tasks (adaptive: what fits in CALL_TARGET_S
+    of its measured batch time, at most MAX_BATCHES_PER_CALL, its share of the prefetch bound
+    and, where Ray sends a reply inline, `call_bytes(worker)`; 1 until a batch was timed;
+    `ray_batches_per_call` fixes it);
+  * or when the driver is about to wait on one of them (`flush_for`), when the sampler has no
+    more draws (`flush_all`) and when the worker leaves the round robin: a pending task never
+    waits for a draw that cannot come.
+Pending tasks count towards the prefetch bound as torch's sent ones do, so a call never carries
+more than a worker's share of it. A call's objects are read with one `ray.get` when its first
+batch is needed; the rest wait in `Call.batches` (in the object store) until their turn. A worker
+that dies costs only the tasks of its calls not yet received, re-made exactly once (probation).
 Invariants, between calls (tests/test_recovery.py checks them after every `next()`):
   * `tasks_outstanding == len(task_info) <= max_tasks`;
   * `workers_num_tasks[w] ==` the number of tasks in `task_info` on worker w;
@@ -53,11 +46,9 @@ Invariants, between calls (tests/test_recovery.py checks them after every `next(
     younger than its sent ones;
   * `active` lists distinct worker ids; the per-worker lists are indexed by worker id and
     cover every id ever used (a retired id keeps its slot, with no task).
-A Schedule talks to no actor: sending is the `submit(worker_id, [(idx, work), ...])` callable it
-is given, which makes one call and returns its (batches ref, metas ref). It holds that callable weakly when it is a bound
-method (the iterator's `_submit`): a strong one would put every iterator in a reference cycle, so
-every dropped iterator would wait for the cyclic garbage collector to free it and its buffered
-batches (what a collection of such garbage did to the warm pool: NOTE [ raydl shutdown ] in driver/iter.py).
+A Schedule talks to no actor: it sends through the `submit(worker_id, [(idx, work), ...])` callable
+it is given (one call; returns its batches ref and metas ref), held weakly when a bound method: a
+strong one would put every iterator in a reference cycle (NOTE [ raydl shutdown ] in driver/iter.py).
 """
 
 from __future__ import annotations

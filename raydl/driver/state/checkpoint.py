@@ -4,101 +4,29 @@ NOTE [ raydl checkpoint ]
 `DataLoader.state_dict()` describes the iterator most recently created (or the one a
 `load_state_dict` prepared) as of the last batch handed to the caller; `load_state_dict()`
 applies to the next `iter()`. The layout is StatefulDataLoader's (torchdata 0.11), so either
-loader loads the other's state for the same dataset, sampler and num_workers:
-
-  num_workers > 0:
-    {"_snapshot": {"_snapshot_step": batches handed out this epoch,
-                   "_last_yielded_worker_id": worker of the last one (num_workers - 1 before any),
-                   "_main_snapshot": {"_num_workers", "_sampler_iter_state", "_index_sampler_state",
-                                      "_sampler_iter_yielded", "_IterableDataset_len_called",
-                                      "_shared_seed", "_base_seed"},
-                   "_worker_snapshots": {"worker_<i>": {"worker_id", "fetcher_state",
-                                                        "dataset_state", "_raydl_rng"} or None}},
-     "_steps_since_snapshot": 0, "_iterator_finished": bool, "_raydl": {...}}
-  num_workers = 0:
-    {"_index_sampler_state", "_sampler_iter_state", "_sampler_iter_yielded", "_num_yielded",
-     "_IterableDataset_len_called", "_shared_seed", "fetcher_state", "dataset_state",
-     "_iterator_finished", "_raydl": {...}}
-
-`_raydl` (ignored by torchdata) holds what validates a state against a loader (dataset kind and
-length, batch size, sampler types, num_workers), a random sampler's epoch record when it is not
-under torchdata's keys (below), and the batches handed out ahead of the first missing one
-(in_order=False). A worker snapshot is None when the worker starts fresh from its seed (a state
-that torchdata's layout allows too: a worker that never started).
-
-Where each part comes from, with no call to any worker beyond those the loader makes anyway:
-  * sampler: the driver draws every index. The sampler position is the first batch not yet
-    handed out (`_sampler_iter_yielded`; for an IterableDataset, whose sampler only counts, the
-    batches handed out, with its batch iterator's count of samples as torchdata records it); a
-    sampler or its iterator with `state_dict()` (torchdata's samplers; raydl iterates torch's
-    `BatchSampler` with `BatchIter`, which has torchdata's batch-iterator state) has its state
-    recorded at each draw, and the state at that position is saved. Otherwise resume
-    fast-forwards: it draws and discards the indices of the batches already handed out,
-    fetching nothing.
-  * random samplers: torch's RandomSampler, SubsetRandomSampler and WeightedRandomSampler draw
-    from their generator or, without one (what shuffle=True makes), from the global RNG when
-    their epoch starts. `RngSamplerIter` (driver/state/samplers.py) runs the sampler's own `__iter__` with that generator
-    made explicit and records its state before the epoch's first draw: `{"yielded",
-    "generator"}`, the record of torchdata's own RandomSampler iterator, so each loader rebuilds
-    the other's epoch. It goes under torchdata's `_sampler_iter_state` for the sampler
-    shuffle=True made and for one without a generator (where StatefulDataLoader cannot rebuild
-    the epoch, it then fails on the record instead of fast-forwarding through another order);
-    a sampler given with its own generator keeps it in `_raydl` as text, and StatefulDataLoader
-    fast-forwards it as it does its own states. `validate` (driver/state/layout.py, with the keys) refuses a state without the record
-    when the loader's sampler would draw from the global RNG; `inexact_sampler` names, at
-    `state_dict()`, the samplers drawing from the global RNG that raydl cannot record.
-  * draws: the base seed and the epoch's order come from the state, never from a new draw. A
-    resumed iterator still draws a base seed from the loader's own `generator` and discards it,
-    as torch's and torchdata's iterators do at creation: a generator rebuilt from its seed for the
-    new loader (the usual way: it is not in torch's RNG state) then stands where the saved run's
-    stood once its iterator started, so a state taken in epoch 0 (after its last batch included)
-    goes on into the saved run's next epoch, as StatefulDataLoader's does (a random sampler
-    drawing from that generator sets it from its record anyway, in any epoch). From torch's
-    global RNG (no generator) a resumed iterator draws nothing: a job restores that one with its
-    checkpoint (`torch.get_rng_state()`), and the uninterrupted run's later epochs follow. A state
-    taken after the epoch ended drains the restored sampler, so its last draws (torch's
-    RandomSampler draws one more permutation at its end) are made before the next epoch's; when
-    that next epoch draws from the global RNG (a base seed without `generator`, a random sampler
-    without one: shuffle=True), the state also records the global RNG as it took it
-    (`_raydl.next_epoch_rng`), and the resumed loader sets the global RNG back to it before the
-    next epoch's draws: it gets the epoch the saver got by going on at once, as StatefulDataLoader
-    (whose own sampler keeps its generator in the state) gives it whatever the global RNG did
-    meanwhile (torchdata's test_state_dict.py, TestSnapshotEnd).
-  * workers: a worker's `configure` reply holds its snapshot as it starts (torchdata's startup
-    state: the dataset's state after worker_init_fn, its stream's after `iter(dataset)`; for a
-    resumed worker, after the loaded state and `iter(dataset)`, with the loaded generators, and the
-    loaded dataset state itself while a generator `__iter__`, whose body takes it, has not run), which
-    a state taken before the worker's first batch reports; such a state, right after `iter()`,
-    waits for the workers' start as torchdata's `iter()` does, and only when the driver cannot know
-    the snapshot itself (a map-style dataset without state starts from none). Persistent iterable
-    workers restart their streams at the `iter()` of a later epoch (`Worker.restart_stream`, sent
-    before the epoch's tasks; the epoch's first task restarts it if it comes first), and a state
-    taken before a worker's first batch of that epoch reports its snapshot as of the restart,
-    generators included (torchdata's workers acknowledge their next epoch with it).
-    Each `fetch` returns the worker's state after the task in its `BatchMeta` (the
-    dataset's and the iterable iterator's `state_dict()`, and the random/torch/NumPy states,
-    sent only when they changed: see worker/state.py). The driver keeps, per worker, the state as
-    of the last batch *handed to the caller* (`committed`, what `state_dict()` reports; batches
-    read ahead by the pin thread are not yet handed out) and as of the last batch read
-    (`latest`, what a replacement after a death starts from, so its re-made batches are the
-    ones the dead worker would have made).
-  * cursors: after a resume task idxs continue at the batch's position in the epoch, the base
-    seed is the saved one, and the round robin goes on after `_last_yielded_worker_id`, so batch
-    k goes to the worker that made it in the uninterrupted run.
-Batches in flight when a state is taken are made again after resume: over the interrupted and
-the resumed run every batch is handed out exactly once. With in_order=False the batches handed
-out ahead of the first missing one are listed and skipped at resume (torchdata gives no guarantee
-there); which worker makes which batch is left to timing there, so worker-side random draws are
-only guaranteed identical with in_order=True. An IterableDataset whose iterator and dataset have
-no `state_dict()` is replayed: the resumed loader makes and drops the batches already handed out,
-as torchdata does.
-Known limits: an epoch left early (`break`) leaves batches
-a worker made and nobody read, and a state taken in the next epoch before that worker hands out a
-batch records its generators as of the last batch read, not the unread ones. After
-`set_num_workers` (NOTE [ raydl elastic pool ]) the state keeps the iterator's original
-`_num_workers` and a snapshot per worker id ever used; it resumes exactly with `ray_seed="batch"`
-(batch content independent of the worker; tests/test_resume.py), not for worker-seeded random
-draws.
+loader loads the other's state for the same dataset, sampler and num_workers (the keys:
+docs/design-notes.md). `_raydl`, which torchdata ignores, holds what validates a state against a
+loader, a random sampler's epoch record when torchdata's keys cannot hold it, and the batches
+handed out ahead of the first missing one (in_order=False).
+A state costs no call to any worker beyond those the loader makes anyway:
+  * sampler: the driver draws every index; the position is the first batch not yet handed out,
+    restored from the sampler's `state_dict()` where it has one, else by fast-forwarding (drawing
+    and discarding, fetching nothing). A random sampler's generator is made explicit
+    (`RngSamplerIter`, driver/state/samplers.py) and recorded before the epoch's first draw;
+  * draws: the base seed and the epoch's order come from the state, never from a new draw; a
+    resumed iterator still draws (and discards) a base seed from the loader's `generator` as
+    torch does, so the runs line up in the next epoch (`_raydl.next_epoch_rng` where that epoch
+    draws from the global RNG);
+  * workers: each `fetch` returns the worker's state after the task (`BatchMeta`, only what
+    changed); the driver keeps per worker the state as of the last batch *handed out*
+    (`committed`, what `state_dict()` reports) and as of the last batch *read* (`latest`, what a
+    replacement after a death starts from);
+  * cursors: task idxs continue at the batch's position, the base seed is the saved one, and the
+    round robin goes on after `_last_yielded_worker_id`: batch k goes to the worker that made it.
+Invariant: over the interrupted and the resumed run every batch is handed out exactly once
+(batches in flight when the state was taken are made again); worker-side random draws are only
+guaranteed identical with in_order=True (with False, timing picks the worker). Known limits (an epoch left by `break`, `set_num_workers`) and each
+part in full: docs/design-notes.md.
 """
 
 from __future__ import annotations

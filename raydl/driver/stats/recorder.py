@@ -51,9 +51,6 @@ METRICS_FLUSH_S = 2.0
 # Spans kept per track and epoch for the timeline; figures are exact beyond it.
 MAX_SPANS = 200_000
 
-# --------------------------------------------------------------------------- worker side
-
-
 # --------------------------------------------------------------------------- recording
 
 

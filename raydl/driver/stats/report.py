@@ -21,10 +21,11 @@ if logger.level == logging.NOTSET:
 
 # An epoch whose loop waited longer than this share of its wall time gets a hint ...
 HINT_WAIT_SHARE = 0.2
-# ... if it was long enough to mean something (a half-second first epoch is mostly start-up) ...
+# ... if it was long enough to mean something (a half-second first epoch is mostly start-up), and no hint was
+# given for this loader yet in this process (the recorder keeps that).
 HINT_MIN_BATCHES = 100
 HINT_MIN_EPOCH_S = 5.0
-# ... and no hint was given for this loader yet in this process (the recorder keeps that).
+
 # A worker "stands out" when its median batch time exceeds the others' by this factor.
 HINT_SLOW_WORKER_FACTOR = 1.5
 # ... and by at least this many seconds per batch (1 ms vs 0.5 ms is noise, not a slow node).

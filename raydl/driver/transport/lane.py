@@ -1,36 +1,25 @@
 """The driver's end of the lanes: a worker's calls over a socket (NOTE [ raydl lane ] in worker/lane.py).
 
 NOTE [ raydl lane, driver ]
-`Lanes` belongs to one iterator's `CallSender`. For a worker that has started (its record says
-where it runs) and either runs on the driver's node with a small first batch (LANE_MAX_BATCH_BYTES
-of arrays at most) or runs on another node (any size), the driver asks for a lane at its next
-call: it listens on a fresh abstract Unix socket (same node) or a TCP port on its node's IP
-(another node) and asks the actor through Ray (`Worker.open_lane`, queued behind the calls already
-sent) to connect with a random token (a TCP lane under Ray's TLS is TLS: NOTE [ raydl lane TLS ]
-in worker/lane_tls.py). Calls go through Ray until the connection is there, one that sent the
-token to the listener's own thread (NOTE [ raydl lane listener ] in driver/transport/lane_accept.py: a
-stranger on the port never holds this thread), checked without waiting at each call (the actor's
-queue may hold slow calls); then over the lane for good. Each lane call carries how many Ray calls the worker was
-sent, and the worker makes it only after those (NOTE [ raydl lane ]): the order of a worker's
-calls is the order they were sent, whichever way they went. An actor whose lane did not open
-keeps Ray's calls (logged at debug level); a node whose workers could not connect to a TCP lane
-(a firewall) is not asked again by this process (logged at info level).
-A lane call is a `LaneTicket` in the `Call` where a Ray call has its ObjectRef. On the driver's
-node `receive` reads the worker's replies in order until the ticket's, keeping those of earlier
-calls for their turn and dropping those of abandoned ones. A lane to another node has a thread of
-its own that reads each reply as it arrives into its ticket and rings the lane's bell (a socket
-pair `receive` and `first_ready` wait on): a large batch crosses the network while the trainer
-steps, as Ray's pull of a remote batch does (NOTE [ raydl ordering ] in driver/iter.py), and the
-bytes are copied once, by that thread, instead of through two raylets. Either way `receive`
-waits in slices (Ray's `GetTimeoutError` when the slice ends, as `ray.get`'s timeout) and raises
-`LaneLost` when the socket ends: the worker died (or its node went silent: keepalive and a user
-timeout end a TCP lane, LANE_TCP_*), which recovery treats as Ray's actor death (NOTE [ raydl
-recovery ] in driver/recovery.py). With in_order=False the driver waits on the sockets of the workers' oldest calls at once (`first_ready`:
-the first reply in is handed out first, as `ray.wait` does for Ray's calls); while some of those
-calls went through Ray, `CallSender.first_ready` waits on the lanes in short slices and looks at the
-Ray refs between them. A replaced
-worker is a new actor: its calls go through Ray until its own lane opens. The lanes close with the
-iterator's workers (`close`), or with the actor's next loader (its generation).
+`Lanes` belongs to one iterator's `CallSender`. For a started worker on the driver's node with a
+small first batch (LANE_MAX_BATCH_BYTES), or on another node, the driver asks for a lane at its
+next call: it listens (abstract Unix socket, or TCP on its node's IP, TLS under Ray's: NOTE
+[ raydl lane TLS ]) and asks the actor through Ray (`Worker.open_lane`, queued behind the calls
+sent) to connect with a random token. Calls go through Ray until a connection that sent the
+token reaches the listener's thread (NOTE [ raydl lane listener ]), checked without waiting at
+each call; then over the lane for good. Each lane call carries how many Ray calls the worker was
+sent, and the worker makes it only after those (NOTE [ raydl lane ]): a worker's calls are made in
+the order sent, whichever way they went. A lane that does not open leaves the actor on Ray's
+calls; a node whose workers cannot reach a TCP lane is not asked again by this process.
+A lane call is a `LaneTicket` where a Ray call has its ObjectRef. On the driver's node `receive`
+reads replies in order up to the ticket's, keeping earlier ones and dropping abandoned ones.
+Across nodes a thread per lane reads each reply as it arrives and rings the lane's bell (a
+socket pair `receive` and `first_ready` wait on), so a large batch crosses the network while the
+trainer steps. `receive` waits in slices (`GetTimeoutError`, as `ray.get`) and raises `LaneLost`
+when the socket ends, which recovery treats as Ray's actor death (NOTE [ raydl recovery ]). With
+in_order=False `first_ready` waits on the lanes in short slices and looks at Ray's refs between
+them. A replaced worker is a new actor: Ray's calls until its own lane opens. Lanes close with the
+iterator's workers (`close`) or the actor's next loader (its generation).
 """
 
 from __future__ import annotations
