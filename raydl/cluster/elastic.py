@@ -4,60 +4,28 @@ NOTE [ raydl elastic pool ]
 The driver owns the sampler order and every task (NOTE [ raydl ordering ] in driver/iter.py), so which
 worker makes a batch never changes which batch comes out next: the pool may change under an
 epoch. An `ElasticPool` changes it, one worker at a time, between two batches:
-  * growing: `WorkerPool.add_worker` starts an actor under a new worker id (ids are never
-    reused within an iterator, so a retired id's late replies cannot be mistaken for a new
-    worker's). The driver does not wait for it: at the start of each `next()` it polls the
-    workers still joining (`ray.wait(timeout=0)`); one that has started joins the round robin
-    at the end of the cycle, the prefetch bound grows by `prefetch_factor` and that many new
-    tasks are drawn at once. A joining worker that dies while starting, or has not started
-    within `ray_startup_timeout_s` (no room in the cluster), is dropped with a warning: the
-    pool stays as it was. Its `worker_init_fn` raising is raised by `next()`, as at start.
-  * shrinking: workers still joining go first (newest first), then the newest active ones
-    retire: out of the round robin at once, the prefetch bound shrinks by `prefetch_factor`
-    (refills are skipped until the tasks in flight are under it), and the retiring worker
-    finishes the tasks it has, which are handed out in their turn; once it has none it is
-    released (to the warm pool when clean). A retiring worker that dies is not replaced: its
-    tasks go to the active workers.
-  * a worker lost for good: a dead worker whose replacement cannot be placed within
-    `ray_startup_timeout_s` (its node left and no other node has room) is dropped; its tasks
-    go to the survivors (least loaded first, a survivor on probation holds them) and a warning
-    names it and its node. The iterator fails (WorkerDiedError) only when no worker is left.
+  * growing: a new actor under a new worker id (never reused within an iterator, so a retired
+    id's late replies are never taken for a new worker's); the driver does not wait for it but
+    polls at each `next()`, and a started one joins the round robin at the end of the cycle with
+    `prefetch_factor` more tasks. One that dies or does not start in `ray_startup_timeout_s` is
+    dropped with a warning;
+  * shrinking: joining workers go first, then the newest active ones retire: out of the round
+    robin at once, they finish the tasks they have, then are released (warm when clean);
+  * a worker lost for good (its replacement cannot be placed in time): its tasks go to the
+    survivors; the iterator fails (WorkerDiedError) only when no worker is left.
 Each batch is still handed out exactly once, in sampler order with in_order=True: tasks keep
-their idx whatever worker makes them. With ray_seed="batch" a batch's random draws depend on
-its idx only, so an epoch through any sequence of resizes, deaths and lost nodes is identical
-to an undisturbed one; with torch's seeding ("worker") the same indices come out in the same
-order, while worker-side draws depend on which worker made each batch. A persistent iterator
-keeps its pool's size across epochs.
-`get_worker_info()` in a worker: `id` is unique within the iterator (added workers get the next
-unused ids, so `id >= num_workers` can happen after a resize); `num_workers` is the pool's
-target size when that worker first started (its replacements report the same). Only
-IterableDataset sharding needs `id < num_workers`, and an IterableDataset is never resized.
-
-The autoscaler (`ray_max_workers=N`) measures, for every batch handed out, how long `next()`
-waited for it and how long the worker took to make it (`BatchMeta.fetch_s`), over windows of at
-least AUTOSCALE_WINDOW_BATCHES batches and AUTOSCALE_WINDOW_MIN_S seconds of the loop. At each
-window's end it decides at most one step:
-  * add one worker when the loop waited more than AUTOSCALE_ADD_WAIT_FRACTION of the window
-    while the workers were busy at least AUTOSCALE_ADD_BUSY_FRACTION of it (idle workers and a
-    waiting loop mean latency, not too few workers: measured on an overloaded machine, a
-    1-worker pool feeding a loop 2.5x slower than its nominal data time had it wait 13-20 %
-    with its worker busy 36-67 %, while data-bound windows had the workers busy 84-97 %), the
-    pool is under N and the cluster has room now: a worker with no resource request
-    always fits; one that reserves resources is added only when `ray.available_resources()`
-    has them free, so no autoscaler is ever asked for a node by surprise;
-  * retire the newest worker (never below `num_workers`) when the loop waited less than
-    AUTOSCALE_RETIRE_WAIT_FRACTION and one worker fewer would still be idle more than
-    1 - AUTOSCALE_RETIRE_BUSY_FRACTION of the time (batches sit ready long before they are taken);
-  * undo an addition that did not pay: when AUTOSCALE_UNDO_WINDOWS windows in a row after it
-    delivered less than a quarter of the gain it could have (the lesser of one more worker's
-    share, 1/n, and the wait it could remove), the new worker is retired and the pool stops
-    growing for the epoch (the cluster's CPUs, not the worker count, are the limit). One window
-    is not enough on a shared machine: a neighbour's burst can eat a window's gain.
-Hysteresis: the add and retire thresholds are far apart, one decision at a time, and after each
-the measurements restart once the change took effect (the new worker joined) and the batches
-already in flight before it were handed out. Each epoch's first AUTOSCALE_WINDOW_BATCHES batches
-(beyond the prefetch) are not measured: new processes' first batches are slow (measured: a
-cold-started loop slower than its data had its first window wait 43 %). Every decision is logged at INFO with its figures.
+their idx whatever worker makes them, so with ray_seed="batch" an epoch through any resizes is
+identical to an undisturbed one. In a worker, `get_worker_info().id` is unique within the
+iterator (it can reach num_workers or more after a resize) and `num_workers` is the target size
+when it first started; an IterableDataset is never resized.
+The autoscaler (`ray_max_workers=N`) measures per batch how long `next()` waited and how long its
+worker took, over windows of AUTOSCALE_WINDOW_BATCHES batches and AUTOSCALE_WINDOW_MIN_S, and
+takes at most one step per window: add a worker when the loop waited while the workers were busy
+(and the cluster has room now: no autoscaler is asked for a node by surprise), retire the newest
+when one fewer would still idle, undo an addition that did not pay (AUTOSCALE_UNDO_WINDOWS), then
+stop growing for the epoch. Far-apart thresholds, one decision at a time and measurements
+restarted after each change are the hysteresis; each epoch's first window is not measured. Every
+decision is logged at INFO. Thresholds' measurements: docs/design-notes.md.
 """
 
 from __future__ import annotations

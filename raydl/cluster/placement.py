@@ -1,43 +1,26 @@
 """Where each worker runs when the user gives no placement hint: raydl's own plan, per worker.
 
 NOTE [ raydl placement ]
-Workers reserve no CPU by default (num_cpus=0, like torch's processes), and Ray places such
-actors erratically: its SPREAD strategy put three of them on three nodes, then three more on one
-node once the first three were gone (measured on Ray 2.60), and its default strategy packs them on
-the driver's node, whose CPUs the trainer uses. So, when `ray_remote_args` carries no placement
-hint, raydl decides each worker's node itself:
-  * candidates: the alive nodes (`ray.nodes()`), less those whose lanes went silent (NOTE [ raydl silent
-    node ] in cluster/silent_nodes.py), other than the driver's (its CPUs are busy
-    training; for a job's pool, other than every rank's node the job has heard of: the
-    first rank's when the pool starts, each joining rank's for workers added or replaced
-    later); the trainers' nodes only when no other node is alive. Weights: their free CPUs where
-    Ray reports them (`ray._private.state.available_resources_per_node`, a DeveloperAPI,
-    checked against Ray 2.60), else their total CPUs; total CPUs too when no candidate has a
-    free CPU (workers reserve none, so they still run there, beside whatever holds the CPUs);
-  * shares: `num_workers` is apportioned in proportion to the weights (largest remainders; ties
-    go to the bigger node, then to the first in a stable order: node address, raylet port,
-    node id), and worker ids are dealt to the nodes round robin in that order (2:1 gives A, B, A);
-  * each worker actor gets `NodeAffinitySchedulingStrategy(node_id, soft=False)` for its node.
-    Not soft=True: on Ray 2.60 a soft affinity is not held for actors that reserve nothing (four
-    num_cpus=0 actors aimed at nodes d0, d1, d0, d1 of a 3-node loopback cluster landed on d1,
-    d0, head, d0; with soft=False, or with num_cpus=0.01, exactly as asked; measured). Hard
-    affinity cannot strand a worker: the plan only names nodes Ray lists as alive, and if one
-    dies before the actor is placed, Ray fails its creation at once (ActorUnschedulableError);
-    the pool then re-plans that worker among the alive nodes and starts it again, without
-    counting a restart (`WorkerPool.wait_ready`, at most PLACEMENT_RETRIES times per worker);
-  * a worker whose planned node left before it started is re-planned the same way;
-  * a replacement of a dead worker (NOTE [ raydl recovery ] in driver/recovery.py), or any worker added to
-    a running pool, goes to the alive node furthest below its share for the pool's new size,
-    given where the other workers are (`node_for_new_worker`).
-Same cluster, same free CPUs: same plan, every time, whatever loaders came and went before.
-A hint wins: resources beyond `num_cpus=0` (num_cpus > 0, num_gpus, memory, resources), a
-`label_selector` or a `scheduling_strategy` in `ray_remote_args` make Ray place the workers as
-asked; raydl adds `scheduling_strategy="SPREAD"` when the user gave resources or labels but no
-strategy (Ray spreads resource-reserving actors well).
-Warm pool (NOTE [ raydl warm pool ] in cluster/warm.py): idle actors placed by this plan are kept under
-their options plus the node they run on, and a new pool takes, for each node of its plan, only
-actors on that node: a warm actor is always where the plan wants it.
-`loader.worker_records` shows where each worker actually runs.
+Workers reserve no CPU by default (num_cpus=0, like torch's processes), and Ray places such actors
+erratically (its SPREAD and default strategies: docs/design-notes.md). So, when `ray_remote_args`
+carries no placement hint, raydl decides each worker's node itself:
+  * candidates: the alive nodes less silent ones (NOTE [ raydl silent node ]) and the trainers'
+    nodes (the driver's, or every rank's of a job pool), whose CPUs train; the trainers' only when
+    no other node is alive. Weights: free CPUs where Ray reports them
+    (`available_resources_per_node`, a DeveloperAPI), else total CPUs;
+  * shares: `num_workers` apportioned by weight (largest remainders; ties to the bigger node, then
+    a stable order of address, port, id), worker ids dealt round robin in that order;
+  * each worker gets hard `NodeAffinitySchedulingStrategy(node_id, soft=False)`: a soft affinity
+    is not held for actors that reserve nothing. Hard affinity cannot strand a worker: the plan
+    names only alive nodes, and a node that dies first fails the creation at once, re-planned
+    without counting a restart (at most PLACEMENT_RETRIES times);
+  * a replacement, or a worker added to a running pool, goes to the alive node furthest below its
+    share (`node_for_new_worker`).
+Invariant: same cluster, same free CPUs: same plan, whatever loaders came and went before.
+A hint wins: resources beyond `num_cpus=0`, a `label_selector` or a `scheduling_strategy` make Ray
+place the workers; raydl adds `scheduling_strategy="SPREAD"` when resources or labels come without
+a strategy. Warm actors (NOTE [ raydl warm pool ]) are kept under their options plus their node,
+so a warm actor is always where the plan wants it. `loader.worker_records` shows where each runs.
 """
 
 from __future__ import annotations

@@ -4,45 +4,27 @@ NOTE [ raydl job pool ]
 Without `ray_job` each rank's loader starts its own workers. With it, the loaders of one job
 (same name) share one pool, owned by a coordinator actor named after the job (namespace "raydl",
 detached, so that no rank's exit takes the pool with it; job/coordinator.py):
-  * the first rank to arrive puts the worker payload (dataset, collate_fn, worker_init_fn) in the
-    object store; the coordinator takes its own copy (so the payload outlives that rank) and
-    starts `num_workers x world size` workers with the usual `WorkerPool` (placement rules
-    included, planned off the first rank's node; workers added or replaced later also off every
-    node a rank joined from). Later ranks send no payload: they join and
-    get the actor handles. A rank whose loader differs (dataset type or length, batch size,
-    collate_fn, options) is refused with a ValueError naming the job and the difference.
-  * each rank keeps its own sampler order, reorder buffer, prefetch bound (prefetch_factor x its
-    share of the job's workers), pinning and state, exactly as a private loader; it sends each batch to the
-    job's worker with the fewest of its own batches in flight (ties: its own cycle, which starts
-    at `rank x num_workers`), so a slow worker gets few of every rank's batches instead of half
-    of one rank's (see dispatch below). Batch content must not depend on the worker: under `ray_job` the default
-    seeding is `ray_seed="batch"`, keyed by (base seed, epoch, batch, rank) so two ranks never
-    draw the same numbers, or "sample"; `ray_seed="worker"` is refused.
-  * a worker that dies is replaced once for the job: each rank that sees the death asks the
-    coordinator to replace the worker generation it knew; the first asks starts a replacement,
-    the others get it. Every rank re-sends its own lost batches (NOTE [ raydl recovery ]).
-  * membership: each rank's pool client registers with the coordinator and renews its lease from
-    a daemon thread (every JOB_LEASE_RENEW_S); a rank that leaves (iterator shut down) is dropped,
-    and so is one whose lease ran out (JOB_LEASE_S, or RAYDL_JOB_LEASE_S in the environment of the
-    rank that starts the pool) once its process is gone. The lease is renewed by liveness: a rank
-    that is a Ray driver registers its Ray job, and a lease that runs out while GCS still lists
-    that job alive is renewed (a starved renewal thread on a loaded machine never costs a live
-    rank the pool); a rank inside an actor (Ray Train) has only the lease. With no member left the
-    coordinator ends the workers and itself; a restarted rank finds the pool while any rank
-    holds it, or starts a new one. A coordinator that died is recreated by the next rank that
-    calls it (its workers die with it: each rank's recovery asks for a replacement, finds the
-    coordinator gone, joins the new one with its payload and re-sends its lost batches there;
-    tests/test_job.py kills it mid-epoch).
-  * dispatch: a rank picks the worker that would finish one more of its batches first, by (its
-    batches in flight there + 1) x that worker's moving-average batch time, so a worker 3x
-    slower than the rest is left alone while faster ones have room (benchmarks/bench_job.py).
-  * resizing (`set_num_workers` on any rank: `n x world size` workers) and autoscaling
-    (`ray_max_workers`) act on the job's pool: the coordinator owns the worker set (joining,
-    active, retiring, released) and its version; ranks follow it (NOTE [ raydl job elastic ] in
-    job/elastic.py). `num_workers` sizes the pool when a rank starts it; a rank that joins later
-    uses the pool as it is (so it is not part of the fingerprint).
-Not yet for a job pool: worker state in checkpoints (the seeding above makes it unnecessary for map-style datasets), and
-IterableDatasets (a replica's stream belongs to one rank).
+  * the first rank puts the payload in the object store; the coordinator keeps its own copy and
+    starts `num_workers x world size` workers with the usual `WorkerPool`. Later ranks join and
+    get the handles; a rank whose loader differs is refused with a ValueError naming the
+    difference;
+  * each rank keeps its own sampler order, reorder buffer, prefetch bound, pinning and state, as
+    a private loader, and sends each batch to the worker that would finish one more of its
+    batches first ((its batches there + 1) x the worker's average batch time). Batch content must
+    not depend on the worker: the default seeding is `ray_seed="batch"`, keyed by rank too;
+    `ray_seed="worker"` is refused;
+  * a dead worker is replaced once for the job (the first rank to ask starts the replacement, the
+    others get it); every rank re-sends its own lost batches (NOTE [ raydl recovery ]);
+  * membership is a lease each rank renews from a thread (JOB_LEASE_RENEW_S, JOB_LEASE_S), also
+    renewed while GCS lists the rank's Ray job alive, so a starved thread never costs a live rank
+    the pool. With no member left the coordinator ends the workers and itself; a coordinator that
+    died is recreated by the next rank that calls it;
+  * resizing and autoscaling act on the job's pool: the coordinator owns the worker set and its
+    version, ranks follow it (NOTE [ raydl job elastic ]). A rank joining later uses the pool as
+    it is.
+Not yet for a job pool: worker state in checkpoints (the seeding makes it unnecessary for
+map-style datasets), and IterableDatasets (a replica's stream belongs to one rank).
+Detail: docs/design-notes.md.
 """
 
 from __future__ import annotations

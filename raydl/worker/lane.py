@@ -1,50 +1,30 @@
 """A worker's end of a lane: the driver's calls over a local socket instead of one Ray actor call each.
 
 NOTE [ raydl lane ]
-Ray's per-call cost on the driver's core (submitting the actor call, then the `get` of its
-returns: ~450 us a call on a 2-core machine, ~250 us a batch at 2 batches a call) is most of what
-a batch costs the trainer at the overhead floor. So by default (`ray_lane=True`) a worker on the
-driver's node whose batches are small (LANE_MAX_BATCH_BYTES: its first batch tells) is sent its
-calls over a Unix socket the driver opened for it (abstract namespace, never a file; the worker
-proves itself with a random token the driver gave it through Ray):
-  * the driver writes each call's tasks (`[(idx, work), ...]`, pickled) to the socket and reads
-    the call's `(batches, metas)` back in the order it wrote the calls: one socket per worker, so
-    replies come in call order;
-  * in the worker, a daemon thread reads the calls and makes them with the same `fetch_many` a Ray
-    call runs, under the actor's lock (one fetch at a time, as with Ray's one-call-at-a-time
-    actor); it stops at the socket's end, or when the actor is given another loader (`reset` /
-    `configure` bump the actor's generation: calls still queued from the old loader are not made);
-  * calls are made in the order the driver sent them, whichever way they went: the lane opens
-    while Ray calls sent before it may still wait in the actor's queue, so each lane call carries
-    how many Ray calls of this loader the driver had sent to the worker, and waits until the
-    worker has made that many (the actor counts them; `reset` starts the count anew);
-  * batches travel pickled in the reply (protocol 5): arrays under LANE_OUT_OF_BAND_BYTES inside
-    the pickle, larger ones out of band, written from their own memory and read straight into
-    the memory the driver's arrays then use (`send_reply` / `recv_reply`): one copy into the
-    kernel, one out of it, which for batches up to LANE_MAX_BATCH_BYTES costs less of the
-    trainer's CPU than Ray's call. On the driver's node, larger batches keep Ray's calls (and Ray's
-    zero-copy object store, NOTE [ raydl zero-copy ]);
-  * a worker on another node gets a TCP lane instead (the driver listens on its node's IP; the
-    same token), whatever its batches' size: Ray would move each batch through both nodes'
-    raylets (into the object store in gRPC chunks: ~1 ms of the receiving node's CPU a MB, the
-    offload benchmark's head raylet in benchmarks/README), where the socket costs the driver one
-    copy out of the kernel (~0.35 ms a MB on loopback here). A driver thread reads its replies
-    as they arrive (NOTE [ raydl lane, driver ]), so the network's time is not the trainer's;
-    in the worker a second thread writes them, so the worker makes its next call while a large
-    reply is still on the wire, and a heartbeat (an empty message) whenever it has had nothing to
-    write for LANE_HEARTBEAT_S: a lane with nothing received for `ray_silence_timeout_s` is a silent
-    node's (NOTE [ raydl silent node ] in cluster/silent_nodes.py). Both ends also keep the connection
-    under TCP keepalive and a user timeout (LANE_TCP_*), the backstop where the driver cannot ask the
-    kernel when it last received (not Linux);
-  * with Ray's TLS on (RAY_USE_TLS and its three files, in every Ray process), a TCP lane is TLS 1.3 with the same
-    files, both ends verified against the CA as Ray's gRPC verifies (NOTE [ raydl lane TLS ] in
-    worker/lane_tls.py): calls, batches and token encrypted (on loopback, +0.56 ms of the driver's CPU a MB,
-    docs/clusters.md). Never plaintext: where TLS cannot be set up, those workers keep Ray's calls, logged once.
-    Unix lanes stay as they are. Whatever the transport, the driver's listener takes only the connection that
-    sends the token, heard off the trainer's thread (NOTE [ raydl lane listener ] in driver/transport/lane_accept.py);
-  * a reply no pickle can carry (a batch holding a lock) goes with each such batch replaced by its
-    pickling error (`sendable`), raised in the driver at that batch's turn: never a lane thread
-    gone and a driver waiting for its reply.
+Ray's per-call cost on the driver's core is most of what a batch costs the trainer at the
+overhead floor (figures: docs/design-notes.md). So by default (`ray_lane=True`) a worker on the
+driver's node whose batches are small (LANE_MAX_BATCH_BYTES: its first batch tells), and a worker
+on another node whatever its batches' size, is sent its calls over a socket the driver opened for
+it (abstract Unix socket on the node, TCP across nodes; the worker proves itself with a random
+token given through Ray):
+  * one socket per worker: the driver writes each call's tasks and reads the replies in the order
+    it wrote the calls;
+  * a daemon thread in the worker makes each call with the same `fetch_many` a Ray call runs,
+    under the actor's lock (one fetch at a time); it stops at the socket's end or when the actor
+    is given another loader (its generation);
+  * calls are made in the order the driver sent them, whichever way they went: each lane call
+    carries how many Ray calls the driver had sent, and waits until the worker made that many;
+  * batches travel pickled (protocol 5), large arrays out of band into memory the driver's arrays
+    then use: one copy into the kernel, one out;
+  * across nodes a driver thread reads replies as they arrive (NOTE [ raydl lane, driver ]) and a
+    worker thread writes them, with a heartbeat every LANE_HEARTBEAT_S: a lane silent for
+    `ray_silence_timeout_s` is a silent node's (NOTE [ raydl silent node ]); TCP keepalive and a
+    user timeout (LANE_TCP_*) are the backstop;
+  * under Ray's TLS a TCP lane is TLS 1.3 with Ray's files (NOTE [ raydl lane TLS ]), never
+    plaintext: where TLS cannot be set up those workers keep Ray's calls. The listener takes only
+    a connection that sends the token (NOTE [ raydl lane listener ]);
+  * a reply no pickle can carry has each such batch replaced by its pickling error, raised in the
+    driver at that batch's turn: a lane thread never dies leaving the driver waiting.
 The driver's side (driver/transport/lane.py) says when a worker's calls move to its lane and what happens
 when the lane breaks (a dead worker: the socket's end, as Ray's actor death).
 """

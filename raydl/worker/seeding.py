@@ -2,42 +2,25 @@
 
 NOTE [ raydl batch seeding ]
 With torch's seeding (`ray_seed="worker"`, the default; NOTE [ raydl seeding ] in worker/actor.py)
-worker `i` is seeded once, from `base_seed + i`, and every batch it makes draws from where the
-previous one left its generators: a random augmentation depends on which worker made the batch
-and on what that worker made before. Change the pool (1 worker instead of 5, a replacement after
-a death, a resize) and the data changes.
-
-With `ray_seed="batch"`, right before task `idx` is made (`Worker.fetch(epoch, idx, work)`), the
-worker seeds Python's `random`, torch's CPU generator (and CUDA's, when CUDA is initialized in
-that process) and NumPy's global generator from
+a batch's random draws depend on which worker made it and what that worker made before: change
+the pool (size, a replacement, a resize) and the data changes.
+With `ray_seed="batch"`, right before task `idx` is made, the worker seeds Python's `random`,
+torch's CPU generator (and CUDA's, when CUDA is already initialized there) and NumPy's global
+generator from
     SeedSequence(entropy=base_seed, spawn_key=(epoch, idx))
-(NumPy's documented way to derive independent child streams: this is child `(epoch, idx)` of
-the iterator's base seed). `base_seed` is the iterator's, drawn from the loader's `generator` as
-torch draws it; `idx` is the batch's position in the epoch's sampler order; `epoch` counts the
-epochs of one iterator (0 unless `persistent_workers`, whose later epochs must not repeat the
-first one's draws). A map-style batch's content then depends only on the generator and its
-position: the same with 1 or 64 workers, after a worker is replaced, on any node.
-From the state, four words are generated: words 0-1 are the 64-bit seed of `random` and torch,
-all four seed NumPy (as torch seeds NumPy in workers). `get_worker_info()` is untouched: its
-`seed` is still the worker's `base_seed + id`.
-Cost: one SeedSequence, three seedings, measured by benchmarks/bench_seeding.py (a few tens of
-microseconds, see benchmarks/README.md). CUDA's generators are seeded only when CUDA is already
-initialized in the worker (`torch.manual_seed`'s lazy CUDA seeding records a stack trace per
-call, ~100x the rest): a dataset that draws on CUDA should initialize it in `worker_init_fn`.
-
-num_workers=0 (torch's in-process loading): the same per-batch seeding is applied around each
-batch in the calling process, so the batches equal the workers' ones. The caller's own
-generators (the training loop draws from the same global `random`, torch and NumPy generators)
-are saved before the batch and restored after it: the loop's random stream is the one it would
-have had without raydl's seeding. That save/restore costs some 0.1 ms per batch.
-IterableDataset: each batch is seeded the same way, but a replica's content depends on its
-worker (torch's sharding by `get_worker_info()`), so the pool independence holds for map-style
-datasets only.
-
-The in-process path is raydl's own iterator (`_InProcessIter` in driver/inprocess.py), not torch's: the
-seeding must happen between the sampler draw and the fetch (a RandomSampler without a generator
-draws its permutation's seed from torch's global generator on its first draw), and torch's
-iterator does both in one private method.
+(NumPy's way to derive independent child streams). `base_seed` is the iterator's, drawn from the
+loader's `generator` as torch draws it; `idx` is the batch's position in the epoch's sampler
+order; `epoch` counts one iterator's epochs (persistent workers must not repeat draws). Words 0-1
+of the state seed `random` and torch, all four seed NumPy; `get_worker_info().seed` is untouched.
+Invariant: a map-style batch's content depends only on the generator and its position: the same
+with 1 or 64 workers, after a replacement, on any node (IterableDataset replicas still depend on
+their worker through torch's sharding).
+CUDA is seeded only when already initialized (its lazy seeding is far dearer than the rest): a
+dataset that draws on CUDA should initialize it in `worker_init_fn`.
+num_workers=0 applies the same seeding around each batch in the calling process, the caller's
+own generators saved before and restored after. That path is raydl's own iterator
+(`_InProcessIter`): the seeding must fall between the sampler draw and the fetch, which torch's
+iterator does in one private method. Costs: docs/design-notes.md.
 
 NOTE [ raydl sample seeding ]
 `ray_seed="sample"` (map-style datasets): right before `dataset[i]`, the worker (or the calling

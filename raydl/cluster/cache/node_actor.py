@@ -1,65 +1,31 @@
 """The node cache: one actor per node and cache folder, holding units (byte ranges of files) fetched ahead in the known order.
 
 NOTE [ raydl node cache ]
-What a streamed dataset (data/parquet.py) reads is split into units: a row group's column
-chunks, a few byte ranges of one file. Every node has one `NodeCache` actor per cache folder
-(named after the node and the folder, detached, found with `get_if_exists`), shared by every
-worker of the node and by every rank of a `ray_job` there.
-  * the order ahead: the driver (`CacheFeed` in cluster/cache/driver_feed.py, called by driver/iter.py) tells the cache, per
-    stream (one per loader iterator, so per rank), which units each batch of the epoch uses, by
-    batch position: the whole epoch when the sampler knows it (the dataset's shuffle sampler),
-    else each batch as it is sent to a worker. It also reports its cursor: the next batch to
-    hand out, and the end of the batches in flight.
-  * fetching: a scheduler thread starts up to FETCH_PARALLEL fetches at once, always of the
-    missing unit used first: a unit a worker is waiting for (`acquire`), then the next unit in
-    the plans' order of first use. A fetch reserves its bytes before it starts, writes to a
-    temporary name in the folder and renames it to the unit's key when whole: a unit is
-    visible only whole, and the bytes held (reserved included) never exceed the limit.
-  * eviction (Belady): to make room, the unit whose next use is farthest in the future goes
-    first (a unit no plan uses again is at infinity), and only if that is later than the next
-    use of the unit to fetch; otherwise prefetching waits. A unit a worker is reading (pinned
-    between `acquire` and `release`) is never evicted; one used by a batch in flight is evicted
-    only to serve a worker that waits on a missing unit when nothing else can go (a limit too
-    small for the batches in flight: refetched, never a deadlock). The driver keeps that from
-    happening when the plan is known: it sends a batch only while the units of the batches in
-    flight up to it fit in the cache with room for one more unit (`CacheFeed.has_room`).
-  * workers `acquire` the units of a batch: they get the local paths of those present (pinned),
-    read them, `release` them, and ask again for the rest; no worker holds a pin while it waits,
-    so a limit of two units always makes progress. Every wait is bounded (ACQUIRE_SLICE_S per
-    call, READ_TIMEOUT_S in all).
-  * storage faults: transient errors (HTTP 5xx, SlowDown, throttling, connection reset,
-    timeouts) are retried with exponential backoff up to STORAGE_ATTEMPTS times and counted;
-    others (a missing file, access denied) fail the unit at once, and the worker raises naming
-    the file. A full disk is named with the folder.
-  * the folder: units are files named by their key (a hash of path, size, mtime, row group and
-    ranges), so two loaders, or two Ray clusters, on one node share a folder safely: each sees
-    only whole files, adopts a file another wrote instead of fetching it, and a worker whose file
-    vanished (evicted by the other) asks again. A restarted cache adopts the files (right name,
-    right size) of the units it is told about, up to its limit; temporary files older than an
-    hour are removed. Each cache counts its own files against its limit.
-  * checksums: a unit's file ends with a CRC-32 of its bytes, computed as they arrive from
-    storage (`seal`). A name and a size prove nothing about the bytes (a flipped bit, a host that
-    crashed mid-write on a file system that reorders writes, a second job writing the folder), so
-    a worker checks the CRC of every unit it reads (`unsealed`), adopted ones included, before a
-    byte of it is decoded; a mismatch is never read: the worker tells the cache (`release(...,
-    corrupt=...)`), which deletes the file, counts it (`corrupt` in the stats) and fetches the
-    unit again. CRC-32 is zlib's (in Python's standard library, no dependency; 2.1 GB/s of one core
-    here, bench_streaming.py --checksum-only: a few percent of a worker's time at storage's rates): it is meant for
-    accidents, not attackers (a folder someone hostile can write to is not a cache to use).
-    Storage's own checksums (S3's object checksums) cover the transfer, not the local disk; the
-    Parquet pages' own CRCs, where the writer stored them, are checked too when a row group is
-    decoded (data/parquet.py).
-Across nodes: each node's cache is told the batches its own workers make, as torch's round robin
-deals them (the feed asks the iterator where each batch goes), so a node fetches only the units
-its workers read; a batch whose worker is not known yet (out of order, a job's balanced dispatch)
-goes to every node's plan, and one sent to another node than foreseen (a worker lost, the pool
-resized) makes the feed plan the rest of the epoch again (`plan` replaces those positions).
-Before the workers are placed, the planned nodes are fed (or the driver's node when no plan
-names one, dropped if no worker runs there). Known limit: the worker of a batch follows torch's
-rule, not where its rows are cached (a window shuffle spreads each batch over its window, so
-with workers on several nodes each node reads nearly every unit of the epoch anyway).
-The plan is O(batches) in each cache's memory; a plan whose driver went silent for STREAM_IDLE_S
-(a driver gone without closing its stream) is dropped.
+What a streamed dataset (data/parquet.py) reads is split into units (a few byte ranges of one
+file). Every node has one `NodeCache` actor per cache folder (detached, named after the node and
+the folder), shared by every worker of the node and every rank of a `ray_job` there.
+  * the order ahead: the driver (`CacheFeed`, cluster/cache/driver_feed.py) tells the cache, per
+    stream, which units each batch position uses (the whole epoch when the sampler knows it,
+    else each batch as it is sent), and its cursor;
+  * fetching: up to FETCH_PARALLEL fetches, always of the missing unit used first (one a worker
+    waits for, then the plans' order). A fetch reserves its bytes first and renames a temporary
+    file when whole: a unit is visible only whole, and the bytes held never exceed the limit;
+  * eviction (Belady): the unit whose next use is farthest goes first, and only if that use is
+    later than the unit to fetch. A pinned unit (between `acquire` and `release`) is never
+    evicted; no worker holds a pin while it waits, so two units' room always makes progress,
+    and the driver sends a batch only while the batches in flight fit (`CacheFeed.has_room`);
+  * storage faults: transient errors are retried with backoff (STORAGE_ATTEMPTS), others fail
+    the unit at once and the worker raises naming the file;
+  * the folder: units are files named by a key of path, size, mtime and ranges, so loaders and
+    clusters on one node share a folder safely (only whole files are seen; a vanished file is
+    asked for again); a restarted cache adopts the files it is told about;
+  * checksums: a unit's file ends with a CRC-32 of its bytes taken as they arrive; a worker checks
+    it before decoding a byte, and a mismatch is deleted, counted and fetched again (for
+    accidents, not attackers).
+Across nodes each cache is told the batches its own workers make (torch's round robin), so a node
+fetches only what its workers read; a batch whose worker is not known goes to every node's plan,
+and one sent elsewhere than foreseen re-plans the rest of the epoch. A plan whose driver is silent
+for STREAM_IDLE_S is dropped. Detail, figures and known limits: docs/design-notes.md.
 """
 
 from __future__ import annotations
