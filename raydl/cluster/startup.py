@@ -178,9 +178,12 @@ def start(
 
     Example:
         >>> import raydl
-        >>> raydl.start(num_workers=4)          # returns at once
-        >>> model = build_model()               # Ray and 4 workers come up meanwhile
-        >>> loader = raydl.DataLoader(dataset, batch_size=64, num_workers=4)
+        >>> startup = raydl.start(num_workers=1)  # returns at once
+        >>> # ... build the model: Ray and the worker come up meanwhile ...
+        >>> startup.wait(timeout_s=60)
+        >>> loader = raydl.DataLoader(range(8), batch_size=4, num_workers=1)  # takes the started worker
+        >>> [batch.tolist() for batch in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7]]
 
     Args:
         num_workers (int): workers to start, as the loader's `num_workers`; ``0`` only starts

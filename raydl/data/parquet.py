@@ -208,7 +208,19 @@ class ParquetDistributedSampler(DistributedSampler):
 class ParquetDataset(Dataset):
     """A map-style dataset over Parquet files in object storage or a folder, read through a node-local cache.
 
-    Example (docs/streaming.md has one that runs on a local folder)::
+    Example, on a local folder:
+        >>> import os, tempfile
+        >>> import pyarrow as pa, pyarrow.parquet as pq
+        >>> import raydl
+        >>> folder = tempfile.mkdtemp()
+        >>> pq.write_table(pa.table({"x": [0, 1, 2, 3], "y": list("abcd")}), os.path.join(folder, "part-0.parquet"))
+        >>> ds = raydl.ParquetDataset(folder, cache_dir=os.path.join(folder, "cache"))
+        >>> len(ds), ds[2]
+        (4, {'x': 2, 'y': 'c'})
+        >>> [batch["x"].tolist() for batch in raydl.DataLoader(ds, batch_size=2)]
+        [[0, 1], [2, 3]]
+
+    From object storage, with workers (docs/streaming.md has more)::
 
         ds = raydl.ParquetDataset("s3://bucket/corpus/", cache_dir="/local/nvme/raydl", cache_limit="20GB")
         loader = raydl.DataLoader(ds, batch_size=256, shuffle=True, num_workers=8)

@@ -167,6 +167,17 @@ def patch(**ray_options: Any) -> None:
     keep torch's iteration (see NOTE [ raydl patch design ]). `raydl.DataLoader` is unaffected.
     Calling it again while patched is a no-op.
 
+    Example:
+        >>> import torch
+        >>> import raydl
+        >>> raydl.patch(ray_remote_args={"num_cpus": 0})  # torch loaders with num_workers > 0 now use Ray workers
+        >>> raydl.is_patched()
+        True
+        >>> loader = torch.utils.data.DataLoader(range(6), batch_size=3)  # num_workers=0: torch's own loading
+        >>> [batch.tolist() for batch in loader]
+        [[0, 1, 2], [3, 4, 5]]
+        >>> raydl.unpatch()
+
     Args:
         **ray_options: `raydl.DataLoader`'s `ray_*` options (`ray_address`, `ray_remote_args`,
             `ray_startup_timeout_s`, ...), used for loaders that do not carry their own.
