@@ -21,6 +21,7 @@ from .cluster.locality import warn_if_workers_oversubscribe
 from .driver.coldstart.iter import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
+from .driver.spec import LoaderSpec, index_sampler_of
 from .driver.state.draws import restore_next_epoch_rng
 from .driver.state.layout import FINISHED, STEPS_SINCE_SNAPSHOT, validate
 from .driver.state.samplers import inexact_sampler
@@ -339,14 +340,15 @@ class DataLoader(_TorchDataLoader[T_co]):
             state, self._next_iter_state = self._next_iter_state, None
             if isinstance(self.dataset, (IterDataPipe, MapDataPipe)) and self.ray_seed == "worker":
                 return super()._get_iterator()  # torch's own path (sharding, shared seed)
-            it = _InProcessIter(self, state)
+            it = _InProcessIter(LoaderSpec.of(self), state)
             self._state_source = it
             return it
         return self._new_iterator()
 
     def _new_iterator(self, state: Optional[Mapping] = None) -> _RayLoaderIter | ColdStartIter:
+        spec = LoaderSpec.of(self)  # what the iterator reads of this loader, as of now
         it: _RayLoaderIter | ColdStartIter
-        it = ColdStartIter(self) if cold_start_applies(self, state) else _RayLoaderIter(self, state)
+        it = ColdStartIter(spec) if cold_start_applies(spec, state) else _RayLoaderIter(spec, state)
         self._live_iters().add(it)
         self._stats_recorder = it.stats_recorder  # NOTE [ raydl stats ]: the recorder, never the iterator
         self._state_source = it._ckpt
@@ -371,7 +373,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._next_iter_state = None
         if self.persistent_workers:
             if state is None and isinstance(self._iterator, _RAY_ITERS) and self._iterator.reusable:
-                self._iterator._reset(self)
+                self._iterator._reset(self._IterableDataset_len_called)
                 self._state_source = self._iterator._ckpt
             else:
                 if isinstance(self._iterator, _RAY_ITERS):  # a loaded state starts its own workers
@@ -394,7 +396,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if state.get(FINISHED):  # as torchdata: a state taken after StopIteration resumes into the next epoch
             restore_next_epoch_rng(state)
             if self.persistent_workers:
-                it._reset(self)
+                it._reset(self._IterableDataset_len_called)
             else:
                 it.shutdown()
                 it = self._new_iterator()
@@ -409,7 +411,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         the next `iter()` returns; right after `load_state_dict()` it returns the loaded state.
         It never waits on workers: the driver already holds their state (NOTE [ raydl checkpoint ]).
         """
-        reason = inexact_sampler(self.batch_sampler if self.batch_sampler is not None else self.sampler)
+        reason = inexact_sampler(index_sampler_of(self))
         if reason is not None and not self.__dict__.get("_warned_inexact"):
             self._warned_inexact = True  # once per loader
             warnings.warn(f"DataLoader.state_dict(): {reason}", UserWarning, stacklevel=2)

@@ -11,10 +11,9 @@ caller's thread, so the state is simply read when asked for.
 from __future__ import annotations
 
 import logging
-from typing import Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import torch
-from torch.utils.data import IterableDataset
 
 from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
@@ -38,6 +37,9 @@ from .state.layout import (
 )
 from .state.samplers import export_sampler_state, new_sampler_iter, rng_record_for_torchdata, sampler_state
 
+if TYPE_CHECKING:
+    from .spec import LoaderSpec
+
 __all__ = ["_InProcessIter"]
 
 logger = logging.getLogger(__name__)
@@ -46,24 +48,24 @@ logger = logging.getLogger(__name__)
 class _InProcessIter(Iterator[Any]):
     """One epoch of a num_workers=0 loader; resumes from `state` when given (already validated)."""
 
-    def __init__(self, loader: Any, state: Optional[dict] = None) -> None:
-        self._dataset = loader.dataset
-        self._is_iterable = isinstance(loader.dataset, IterableDataset)
-        self._auto_collation = loader.batch_sampler is not None
-        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
-        self._IterableDataset_len_called = loader._IterableDataset_len_called
-        warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
-        self._pin_device = pin_memory_target(loader.pin_memory)
-        self._facts = loader_facts(loader)
-        self._rng_for_td = rng_record_for_torchdata(loader, self._index_sampler)
-        self._next_draws_global = next_epoch_draws_global(loader, self._index_sampler)
+    def __init__(self, spec: LoaderSpec, state: Optional[dict] = None) -> None:
+        self._dataset = spec.dataset
+        self._is_iterable = spec.is_iterable
+        self._auto_collation = spec.auto_collation
+        self._index_sampler = spec.index_sampler
+        self._IterableDataset_len_called = spec.len_called
+        warn_pin_memory_args(spec)  # torch's warnings, at iterator creation as torch's
+        self._pin_device = pin_memory_target(spec.pin_memory)
+        self._facts = loader_facts(spec)
+        self._rng_for_td = rng_record_for_torchdata(spec, self._index_sampler)
+        self._next_draws_global = next_epoch_draws_global(spec, self._index_sampler)
         # torch's order: the sampler iterator, then the base seed (it consumes the generator; only
         # ray_seed="batch" uses it, NOTE [ raydl batch seeding ]).
         self._sampler_iter = new_sampler_iter(self._index_sampler)
         saved_seed = (state.get(RAYDL) or {}).get("base_seed") if state is not None else None
         # a resumed iterator draws from the loader's generator as a new one does, never from the global RNG,
         # and takes the saved base seed (NOTE [ raydl checkpoint ], draws)
-        drawn = iterator_base_seed(loader.generator, state is not None)
+        drawn = iterator_base_seed(spec.generator, state is not None)
         if saved_seed is not None:
             drawn = int(saved_seed)
         if drawn is None:  # torchdata's state has none, and the global RNG is left alone: a seed of its own
@@ -71,18 +73,18 @@ class _InProcessIter(Iterator[Any]):
             own.seed()  # non-deterministic, as an unseeded job's base seed is
             drawn = draw_base_seed(own)
         self._base_seed = drawn
-        self._seed_per_batch = getattr(loader, "ray_seed", "worker") == "batch"
-        self._deal = Deal(loader, self._index_sampler, state)  # NOTE [ raydl global epoch ]
+        self._seed_per_batch = spec.options.seed == "batch"
+        self._deal = Deal(spec, self._index_sampler, state)  # NOTE [ raydl global epoch ]
         if self._deal.redeal:  # the saved job's position, re-dealt: nothing else of its layout applies
             self._base_seed = saved_base_seed(state)  # type: ignore[arg-type]
             self._sampler_iter = self._deal.iterator()
             state = None
-        sample_seeded = getattr(loader, "ray_seed", "worker") == "sample"
+        sample_seeded = spec.options.seed == "sample"
         self._sample_key = self._deal.sample_key(self._base_seed, 0) if sample_seeded else None
         self._sampler_iter_yielded = 0
         self._num_yielded = 0
         self._finished = False
-        collate = loader.collate_fn
+        collate = spec.collate_fn
         replay = 0
         if state is not None:
             self._sampler_iter = restore_sampler(
@@ -98,7 +100,7 @@ class _InProcessIter(Iterator[Any]):
             if state.get(DATASET_STATE) is not None and is_stateful(self._dataset):
                 self._dataset.load_state_dict(state[DATASET_STATE])
         if self._is_iterable:
-            self._fetcher: Any = IterableFetcher(self._dataset, self._auto_collation, collate, loader.drop_last)
+            self._fetcher: Any = IterableFetcher(self._dataset, self._auto_collation, collate, spec.drop_last)
             if state is not None:
                 it = self._fetcher.dataset_iter
                 fetcher_state = state.get(FETCHER_STATE) or {}

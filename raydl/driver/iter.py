@@ -58,11 +58,8 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from torch.utils.data import IterableDataset
-
 from .._constants import STATUS_CHECK_INTERVAL_S
 from .._errors import rebuild_worker_exception, remote_traceback, short_indices
-from .._options import RayOptions
 from ..cluster.cache.driver_feed import CacheFeed
 from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
@@ -85,7 +82,7 @@ from .transport.lane import LaneLost
 from .waits import BatchWaits
 
 if TYPE_CHECKING:
-    from ..loader import DataLoader
+    from .spec import LoaderSpec
 
 __all__ = ["_RayLoaderIter"]
 
@@ -118,31 +115,32 @@ class _RayLoaderIter(Iterator[Any]):
     See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (driver/recovery.py), NOTE [ raydl scheduling ], NOTE [ raydl waits ] (driver/waits.py) and NOTE [ raydl shutdown ].
     """
 
-    def __init__(self, loader: DataLoader, state: Optional[dict] = None, handover: Any = None) -> None:
-        """`state`: a validated loader state to resume from (NOTE [ raydl checkpoint ] in driver/state/checkpoint.py);
-        `handover`: with it, the driver's part of a cold start (NOTE [ raydl cold start ] in driver/coldstart/iter.py)."""
-        options = RayOptions.from_loader(loader)
-        self._dataset = loader.dataset
-        self._is_iterable = isinstance(loader.dataset, IterableDataset)
-        self._auto_collation = loader.batch_sampler is not None
-        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
-        self._num_workers = loader.num_workers
-        self._prefetch_factor = loader.prefetch_factor
-        self._timeout = loader.timeout
-        self._persistent_workers = loader.persistent_workers
-        self._in_order = loader.in_order
-        self._IterableDataset_len_called = loader._IterableDataset_len_called
+    def __init__(self, spec: LoaderSpec, state: Optional[dict] = None, handover: Any = None) -> None:
+        """`spec`: the loader as of `iter()`; `state`: a validated loader state to resume from (NOTE [ raydl
+        checkpoint ] in driver/state/checkpoint.py); `handover`: with it, the driver's part of a cold start (NOTE
+        [ raydl cold start ] in driver/coldstart/iter.py)."""
+        options = spec.options
+        self._dataset = spec.dataset
+        self._is_iterable = spec.is_iterable
+        self._auto_collation = spec.auto_collation
+        self._index_sampler = spec.index_sampler
+        self._num_workers = spec.num_workers
+        self._prefetch_factor = spec.prefetch_factor
+        self._timeout = spec.timeout
+        self._persistent_workers = spec.persistent_workers
+        self._in_order = spec.in_order
+        self._IterableDataset_len_called = spec.len_called
         self._state = IterState.RUNNING
         self._pinned: Optional[PinnedBatches] = None  # made at the first pinned batch
         # a dataset streamed through the node cache, which is told the epoch's order (NOTE [ raydl node cache ])
         self._feed = CacheFeed.for_dataset(
-            loader.dataset,
+            spec.dataset,
             getattr(self._index_sampler, "batch_size", 1) if self._auto_collation else 1,
             where=self._batch_nodes,
         )
 
-        warn_pin_memory_args(loader)  # torch's warnings, at iterator creation as torch's
-        self._pin_device = pin_memory_target(loader.pin_memory)
+        warn_pin_memory_args(spec)  # torch's warnings, at iterator creation as torch's
+        self._pin_device = pin_memory_target(spec.pin_memory)
         self._copier: Optional[DeviceCopier] = None
         target = resolve_device(options.device)
         if target is not None:  # batches go to the GPU from pinned memory: pinning is implied
@@ -152,12 +150,12 @@ class _RayLoaderIter(Iterator[Any]):
         # torch draws the base seed after creating the sampler iterator and before the first
         # index: the generator is consumed in the same order here. A resumed iterator then takes
         # its sampler position, base seed and epoch from the state (NOTE [ raydl checkpoint ], draws).
-        self._ckpt = Tracker(loader, self._index_sampler, state)
+        self._ckpt = Tracker(spec, self._index_sampler, state)
         if handover is not None:  # the sampler and base seed as the driver left them: nothing drawn again
             self._sampler_iter, self._base_seed = handover.take_main(self._ckpt)
         else:
             self._sampler_iter = self._ckpt.sampler_iter()
-            base_seed = iterator_base_seed(loader.generator, state is not None)
+            base_seed = iterator_base_seed(spec.generator, state is not None)
             self._sampler_iter, self._base_seed = self._ckpt.resume_main(
                 self._sampler_iter, base_seed, self._IterableDataset_len_called
             )
@@ -172,14 +170,14 @@ class _RayLoaderIter(Iterator[Any]):
         self._via_client = (
             ray.util.client.ray.is_connected()
         )  # Ray Client: batches are copied (NOTE [ raydl zero-copy ])
-        payload = worker_payload(loader, options, self._is_iterable, self._auto_collation)
+        payload = worker_payload(spec, options, self._is_iterable, self._auto_collation)
         actor_options = worker_actor_options(options.remote_args)
-        warn_if_workers_oversubscribe(loader, actor_options)  # NOTE [ raydl worker-count warning ]
+        warn_if_workers_oversubscribe(spec, actor_options)  # NOTE [ raydl worker-count warning ]
         # the job's pool, shared by its ranks, or one of its own (NOTE [ raydl pool choice ])
         self._pool: Any
         self._job_rank: Optional[int]
         self._pool, self._job_rank = make_pool(
-            loader, options, payload, self._base_seed, self._ckpt, self._driver_node_id, self._epoch, actor_options
+            spec, options, payload, self._base_seed, self._ckpt, self._driver_node_id, self._epoch, actor_options
         )
         self._calls = CallSender(  # NOTE [ raydl calls ]; a worker's lane: NOTE [ raydl lane, driver ]
             self._pool,
@@ -238,11 +236,9 @@ class _RayLoaderIter(Iterator[Any]):
         self.stats_recorder = (
             taken.rebind(self)
             if taken is not None
-            else make_recorder(
-                payload.stats_name, self, options.threads_per_worker, loader.__dict__.setdefault("_hint_given", [False])
-            )
+            else make_recorder(payload.stats_name, self, options.threads_per_worker, spec.hint_given)
         )
-        self._reset(loader, first_iter=True, epoch_begun=taken is not None)
+        self._reset(first_iter=True, epoch_begun=taken is not None)
 
     # ------------------------------------------------------------------ public surface
 
@@ -306,12 +302,13 @@ class _RayLoaderIter(Iterator[Any]):
 
     # ------------------------------------------------------------------ epoch state machine
 
-    def _reset(self, loader: DataLoader, first_iter: bool = False, epoch_begun: bool = False) -> None:
+    def _reset(self, len_called: Optional[int] = None, first_iter: bool = False, epoch_begun: bool = False) -> None:
         """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch.
+        `len_called`: the loader's `_IterableDataset_len_called` now (after the first epoch);
         `epoch_begun`: the stats recorder already records this epoch (a cold start's)."""
         if not first_iter:
             self._sampler_iter = self._ckpt.sampler_iter()
-            self._IterableDataset_len_called = loader._IterableDataset_len_called
+            self._IterableDataset_len_called = len_called
             self._drop_all_tasks()
             self._epoch += 1
             self._pool.epoch = self._epoch

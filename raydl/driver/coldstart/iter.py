@@ -72,7 +72,6 @@ from torch.utils.data.datapipes.datapipe import IterDataPipe, MapDataPipe
 
 from ..._constants import WARM_MAX_IDLE_PER_KEY
 from ..._errors import WorkerDiedError, rebuild_worker_exception, short_indices
-from ..._options import RayOptions
 from ...cluster.connect import never_connected, resource_request, worker_actor_options
 from ...cluster.startup import Startup, start, starts_in_progress
 from ...job.global_epoch import GLOBAL_EPOCH
@@ -90,7 +89,7 @@ from ..waits import BatchWaits
 from .makers import ForkedMaker, InProcessMaker, MakerDied
 
 if TYPE_CHECKING:
-    from ...loader import DataLoader
+    from ..spec import LoaderSpec
 
 __all__ = ["ColdStartIter", "cold_start_applies", "IN_PROCESS"]
 
@@ -102,30 +101,31 @@ IN_PROCESS = "in_process"  # ray_cold_start's opt-in: the first batches made in 
 _MAX_DRIVER_BATCHES: Optional[int] = None
 
 
-def cold_start_applies(loader: DataLoader, state: Optional[Any]) -> bool:
+def cold_start_applies(spec: LoaderSpec, state: Optional[Any]) -> bool:
     """Whether `iter(loader)` makes its first batches while Ray starts (NOTE [ raydl cold start ])."""
-    dataset = loader.dataset
+    dataset = spec.dataset
+    options = spec.options
     return (
-        bool(getattr(loader, "ray_cold_start", False))
+        bool(options.cold_start)
         and state is None
-        and loader.num_workers > 0
+        and spec.num_workers > 0
         and not isinstance(dataset, (IterableDataset, IterDataPipe, MapDataPipe))
         and not callable(getattr(dataset, "raydl_cache_units", None))  # streamed through the node cache
-        and loader.ray_seed == "worker"
-        and loader.ray_job is None
-        and not loader.pin_memory
-        and loader.ray_device is None
+        and options.seed == "worker"
+        and options.job is None
+        and not spec.pin_memory
+        and options.device is None
         and never_connected()
-        and (loader.ray_cold_start == IN_PROCESS or _fork_allowed(loader))
+        and (options.cold_start == IN_PROCESS or _fork_allowed(spec))
     )
 
 
-def _fork_allowed(loader: DataLoader) -> bool:
+def _fork_allowed(spec: LoaderSpec) -> bool:
     """Whether start-up processes may be forked: the platform forks, and the user asked for no other start method
     (a `multiprocessing_context` of spawn or forkserver says this process must not be forked)."""
     if "fork" not in multiprocessing.get_all_start_methods():
         return False
-    ctx = loader.multiprocessing_context
+    ctx = spec.multiprocessing_context
     return ctx is None or ctx.get_start_method() == "fork"
 
 
@@ -172,24 +172,24 @@ class ColdStartIter(Iterator[Any]):
     workers' batches; after it, every call goes to `_RayLoaderIter`.
     """
 
-    def __init__(self, loader: DataLoader) -> None:
-        self._loader: Optional[DataLoader] = loader  # until the handover builds the Ray iterator from it
-        self._num_workers = loader.num_workers
-        self._auto_collation = loader.batch_sampler is not None
-        self._index_sampler = loader.batch_sampler if self._auto_collation else loader.sampler
-        self._timeout = loader.timeout  # torch's: the bound on one batch, as the user gave it
+    def __init__(self, spec: LoaderSpec) -> None:
+        self._spec = spec  # the handover builds the Ray iterator from it
+        self._num_workers = spec.num_workers
+        self._auto_collation = spec.auto_collation
+        self._index_sampler = spec.index_sampler
+        self._timeout = spec.timeout  # torch's: the bound on one batch, as the user gave it
         self._waits = BatchWaits(self._timeout, lambda w: self._makers[w].describe())  # NOTE [ raydl waits ]
         self._inner: Optional[_RayLoaderIter] = None
-        options = RayOptions.from_loader(loader)
+        options = spec.options
         self._options = options
-        self._payload = worker_payload(loader, options, False, self._auto_collation)
-        self._maker_kind = InProcessMaker if loader.ray_cold_start == IN_PROCESS else ForkedMaker
+        self._payload = worker_payload(spec, options, False, self._auto_collation)
+        self._maker_kind = InProcessMaker if options.cold_start == IN_PROCESS else ForkedMaker
         # a maker in this process makes its batches when read: one at a time, none ahead
-        self._window = 1 if self._maker_kind is InProcessMaker else loader.prefetch_factor * self._num_workers
+        self._window = 1 if self._maker_kind is InProcessMaker else spec.prefetch_factor * self._num_workers
         # torch's order, as _RayLoaderIter: the sampler iterator, then the base seed
-        self._tracker = Tracker(loader, self._index_sampler, None)
+        self._tracker = Tracker(spec, self._index_sampler, None)
         it = self._tracker.sampler_iter()
-        base_seed = iterator_base_seed(loader.generator, False)
+        base_seed = iterator_base_seed(spec.generator, False)
         self._sampler_iter, self._base_seed = self._tracker.resume_main(it, base_seed, None)
         self._tracker.await_start = weakref.WeakMethod(self._await_makers_start)
         self._epoch = 0
@@ -207,18 +207,17 @@ class ColdStartIter(Iterator[Any]):
             self._payload.stats_name,
             self,
             options.threads_per_worker,
-            loader.__dict__.setdefault("_hint_given", [False]),
+            spec.hint_given,
         )
         self._begin_epoch(first_iter=True)
 
     def _start_ray(self) -> list[Startup]:
         """Ray, and blank workers where the warm pool may hold them, started by `raydl.start()`'s thread."""
         if self._startups is None:
-            loader = self._loader
-            assert loader is not None
             actor_options = worker_actor_options(self._options.remote_args)
             keep_warm = self._options.reuse_workers and not resource_request(actor_options)
-            n = loader.num_workers if keep_warm and loader.num_workers <= WARM_MAX_IDLE_PER_KEY else 0
+            wanted = self._num_workers if self._resize_to is None else self._resize_to  # the loader's size now
+            n = wanted if keep_warm and wanted <= WARM_MAX_IDLE_PER_KEY else 0
             self._startups = [
                 *starts_in_progress(),
                 start(n, ray_address=self._options.address, ray_remote_args=self._options.remote_args),
@@ -270,12 +269,11 @@ class ColdStartIter(Iterator[Any]):
             return self._inner.reusable
         return self._state != IterState.SHUT_DOWN
 
-    def _reset(self, loader: DataLoader) -> None:
+    def _reset(self, len_called: Optional[int] = None) -> None:
         """Persistent workers: the next epoch, on the same workers (or makers), with a new sampler iterator."""
         if self._inner is not None:
-            self._inner._reset(loader)
+            self._inner._reset(len_called)
             return
-        self._loader = loader
         self._sampler_iter = self._tracker.sampler_iter()
         self._epoch += 1
         self._begin_epoch(first_iter=False)
@@ -438,21 +436,15 @@ class ColdStartIter(Iterator[Any]):
 
     def _handover(self) -> None:
         """The Ray iterator takes the epoch on from the record of it (NOTE [ raydl cold start ], step 3)."""
-        loader = self._loader
-        assert loader is not None and not self._tasks
+        assert not self._tasks
         _stop_all(self._makers)
         self._finalizer.detach()
         state = self._tracker.state_dict()
         state[RAYDL][GLOBAL_EPOCH] = None  # this rank's epoch goes on as it is: nothing to re-deal
         handover = _Handover(self._sampler_iter, self._base_seed, self._tracker.len_called, self.stats_recorder)
-        resize_to, loader.num_workers = loader.num_workers, self._num_workers  # the epoch goes on as it was
-        t0 = time.perf_counter()
-        try:
-            self._inner = _RayLoaderIter(loader, state, handover=handover)
-        finally:
-            loader.num_workers = resize_to
+        t0 = time.perf_counter()  # the epoch goes on as it was, with the spec's num_workers: a resize follows
+        self._inner = _RayLoaderIter(self._spec, state, handover=handover)
         self.handover_s = time.perf_counter() - t0
-        self._loader = None
         if self._resize_to is not None:
             self._inner._set_num_workers(self._resize_to)
         logger.debug(

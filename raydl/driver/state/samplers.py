@@ -212,7 +212,7 @@ def rng_record_for_torchdata(loader: Any, index_sampler: Any) -> bool:
     as it does its own states.
     """
     s = rng_sampler(index_sampler)
-    return s is None or s.generator is None or bool(getattr(loader, "_default_shuffle", False))
+    return s is None or s.generator is None or bool(getattr(loader, "default_shuffle", False))
 
 
 def export_sampler_state(index_sampler: Any, it_state: Any, for_torchdata: bool) -> tuple[Any, Any]:
