@@ -1,6 +1,7 @@
-"""The node cache on the namespace cluster (cluster/netns_cluster.py, `private=True`): each worker node its own address
-and its own tmpfs at the cache's folder, S3 (moto behind a byte-counting proxy) in the head's namespace at the head's
-bridge address. Skipped where network namespaces cannot be made. The driver is tests/_netns_cache_main.py."""
+"""The node cache and the job service on the namespace cluster (cluster/netns_cluster.py, `private=True`): each worker
+node its own address and its own tmpfs at the cache's folder, S3 (moto behind a byte-counting proxy) in the head's
+namespace at the head's bridge address (tests/_netns_cache_main.py); a `ray_job` of two gloo ranks, one in the head's
+namespace and one in a worker node's (tests/_netns_job_main.py). Skipped where network namespaces cannot be made."""
 
 from __future__ import annotations
 
@@ -61,3 +62,23 @@ def test_s3_server_stopped_and_caches_released(facts):
     the proxy and moto's process were stopped (nothing listens on their ports)."""
     assert facts["reference_caches_released"] == 1 and facts["caches_released"] == 2
     assert facts["endpoints_closed"] == [True, True]
+
+
+@pytest.fixture(scope="module")
+def job_facts(cluster):
+    """Two ranks of a `ray_job` (gloo at the head's address), rank 0 on the head, rank 1 on worker node 1."""
+    facts = run_driver(cluster, "job", timeout_s=240, module="tests._netns_job_main")
+    print("tests/_netns_job_main.py job:", facts)
+    return facts
+
+
+def test_job_ranks_on_two_nodes_share_one_pool_and_get_their_shards(cluster, job_facts):
+    """Each rank runs on its own node's address; both use one pool (one coordinator, the same 2 workers: num_workers
+    x world size), and each rank's samples are exactly its DistributedSampler shard, in order: every sample once."""
+    ranks = job_facts["ranks"]
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert [r["ip"] for r in ranks] == [cluster.ip(0), cluster.ip(1)]
+    assert ranks[0]["coordinator"] == ranks[1]["coordinator"]
+    assert ranks[0]["pool"] == ranks[1]["pool"] and len(ranks[0]["pool"]) == 2, ranks
+    assert all(r["shard_exact"] for r in ranks), ranks
+    assert sorted(ranks[0]["samples"] + ranks[1]["samples"]) == list(range(48))
