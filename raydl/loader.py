@@ -21,6 +21,7 @@ from .cluster.locality import warn_if_workers_oversubscribe
 from .driver.coldstart.iter import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
+from .driver.lifecycle import EpochIter
 from .driver.spec import LoaderSpec, index_sampler_of
 from .driver.state.draws import restore_next_epoch_rng
 from .driver.state.layout import FINISHED, STEPS_SINCE_SNAPSHOT, validate
@@ -341,17 +342,16 @@ class DataLoader(_TorchDataLoader[T_co]):
             if isinstance(self.dataset, (IterDataPipe, MapDataPipe)) and self.ray_seed == "worker":
                 return super()._get_iterator()  # torch's own path (sharding, shared seed)
             it = _InProcessIter(LoaderSpec.of(self), state)
-            self._state_source = it
+            self._state_source = it.checkpoint
             return it
         return self._new_iterator()
 
-    def _new_iterator(self, state: Optional[Mapping] = None) -> _RayLoaderIter | ColdStartIter:
+    def _new_iterator(self, state: Optional[Mapping] = None) -> EpochIter:
         spec = LoaderSpec.of(self)  # what the iterator reads of this loader, as of now
-        it: _RayLoaderIter | ColdStartIter
-        it = ColdStartIter(spec) if cold_start_applies(spec, state) else _RayLoaderIter(spec, state)
+        it: EpochIter = ColdStartIter(spec) if cold_start_applies(spec, state) else _RayLoaderIter(spec, state)
         self._live_iters().add(it)
         self._stats_recorder = it.stats_recorder  # NOTE [ raydl stats ]: the recorder, never the iterator
-        self._state_source = it._ckpt
+        self._state_source = it.checkpoint  # never the iterator: a dropped one is released
         return it
 
     def _live_iters(self) -> weakref.WeakSet:
@@ -373,8 +373,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._next_iter_state = None
         if self.persistent_workers:
             if state is None and isinstance(self._iterator, _RAY_ITERS) and self._iterator.reusable:
-                self._iterator._reset(self._IterableDataset_len_called)
-                self._state_source = self._iterator._ckpt
+                self._iterator.next_epoch(self._IterableDataset_len_called)
+                self._state_source = self._iterator.checkpoint
             else:
                 if isinstance(self._iterator, _RAY_ITERS):  # a loaded state starts its own workers
                     self._iterator.shutdown()
@@ -386,9 +386,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             it = self._resume(it, state)
         return it
 
-    def _resume(self, it: _RayLoaderIter, state: Mapping) -> _RayLoaderIter:
+    def _resume(self, it: EpochIter, state: Mapping) -> EpochIter:
         """After a loaded state: replay what cannot be positioned, and go on into the next epoch if it had ended."""
-        for _ in range(it._ckpt.replay + int(state.get(STEPS_SINCE_SNAPSHOT) or 0)):
+        for _ in range(it.checkpoint.replay + int(state.get(STEPS_SINCE_SNAPSHOT) or 0)):
             try:
                 next(it)
             except StopIteration:
@@ -396,7 +396,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if state.get(FINISHED):  # as torchdata: a state taken after StopIteration resumes into the next epoch
             restore_next_epoch_rng(state)
             if self.persistent_workers:
-                it._reset(self._IterableDataset_len_called)
+                it.next_epoch(self._IterableDataset_len_called)
             else:
                 it.shutdown()
                 it = self._new_iterator()
@@ -472,7 +472,7 @@ class DataLoader(_TorchDataLoader[T_co]):
             raise ValueError(f"set_num_workers({n}) exceeds ray_max_workers={self.ray_max_workers}")
         self.num_workers = n
         for it in list(self._live_iters()):
-            it._set_num_workers(n)
+            it.resize(n)
 
     def stats(self) -> Optional[LoaderStats]:
         """Figures of the current (or last) epoch: data stall, per-worker times, bytes, restarts.

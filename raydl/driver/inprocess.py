@@ -160,6 +160,30 @@ class _InProcessIter(Iterator[Any]):
     def finished(self) -> bool:
         return self._finished
 
+    # ------------------------------------------------------------------ `EpochIter`: no workers, no next epoch here
+
+    stats_recorder = None  # nothing to measure: `loader.stats()` refuses num_workers=0
+    replay = 0  # a stream without state is replayed in __init__
+    reusable = False  # torch keeps no num_workers=0 iterator between epochs
+
+    @property
+    def checkpoint(self) -> _InProcessIter:
+        """The state is read from this iterator itself: it holds no worker or process to release."""
+        return self
+
+    @property
+    def worker_records(self) -> list:
+        return []
+
+    def next_epoch(self, len_called: Optional[int]) -> None:
+        raise RuntimeError("raydl bug: a num_workers=0 iterator is made again for each epoch")
+
+    def resize(self, num_workers: int) -> None:
+        raise RuntimeError("raydl bug: set_num_workers refuses a num_workers=0 loader")
+
+    def shutdown(self) -> None:
+        """Nothing to release."""
+
     def state_dict(self) -> dict:
         """StatefulDataLoader's num_workers=0 state, plus raydl's `_raydl` section."""
         it_state, idx_state = sampler_state(self._index_sampler, self._sampler_iter)

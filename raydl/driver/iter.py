@@ -103,7 +103,7 @@ class _Held(Exception):
 
 
 class _RayLoaderIter(Iterator[Any]):
-    """Iterates once over a raydl DataLoader's dataset with Ray actors as workers.
+    """Iterates once over a raydl DataLoader's dataset with Ray actors as workers (an `EpochIter`).
 
     State (torch's names), with invariants that hold between calls:
       * `_send_idx`: idx of the next task to send; `_rcvd_idx`: idx of the next task to hand out
@@ -253,11 +253,16 @@ class _RayLoaderIter(Iterator[Any]):
         return self._ckpt.state_dict()
 
     @property
+    def checkpoint(self) -> Tracker:
+        """The epoch's record, which the loader keeps after this iterator is dropped (`EpochIter`)."""
+        return self._ckpt
+
+    @property
     def worker_records(self) -> list:
         """Where each worker runs (`WorkerRecord`s; None for a worker not yet started); retired workers are left out."""
         return [r for w, r in enumerate(self._pool.records) if w not in self._pool.released]
 
-    def _set_num_workers(self, num_workers: int) -> None:
+    def resize(self, num_workers: int) -> None:
         """Resize the pool now, mid-epoch included (NOTE [ raydl elastic pool ])."""
         if self._state != IterState.SHUT_DOWN:
             self._elastic.resize(num_workers)
@@ -301,6 +306,10 @@ class _RayLoaderIter(Iterator[Any]):
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
 
     # ------------------------------------------------------------------ epoch state machine
+
+    def next_epoch(self, len_called: Optional[int]) -> None:
+        """Persistent workers: the next epoch on the same actors (`EpochIter`)."""
+        self._reset(len_called)
 
     def _reset(self, len_called: Optional[int] = None, first_iter: bool = False, epoch_begun: bool = False) -> None:
         """Start an epoch: fresh cursors, a fresh sampler iterator (after the first), prime the prefetch.

@@ -121,7 +121,7 @@ def _patched_iter(self):
     current = self._iterator
     if isinstance(current, _RayLoaderIter):
         if current.reusable:
-            current._reset(self._IterableDataset_len_called)
+            current.next_epoch(self._IterableDataset_len_called)
             return current
         current.shutdown()
     elif current is not None:

@@ -159,8 +159,24 @@ class _Handover:
         return self._sampler_iter, self._base_seed
 
 
+class _EpochRecord:
+    """The record of a cold-started epoch (a `Checkpoint`): the makers' tracker, then the Ray iterator's. It holds
+    no iterator, so a dropped `ColdStartIter` is released (its makers stop) as a dropped Ray iterator is."""
+
+    def __init__(self, tracker: Tracker) -> None:
+        self.tracker = tracker
+
+    @property
+    def replay(self) -> int:
+        return self.tracker.replay
+
+    def state_dict(self) -> dict:
+        return self.tracker.state_dict()
+
+
 class ColdStartIter(Iterator[Any]):
-    """An epoch that starts with start-up makers and goes on with Ray workers (NOTE [ raydl cold start ]).
+    """An epoch that starts with start-up makers and goes on with Ray workers (NOTE [ raydl cold start ]); an
+    `EpochIter`.
 
     State between calls (torch's names, as `_RayLoaderIter`):
       * `_send_idx`: idx of the next task to send; `_rcvd_idx`: idx of the next one to hand out;
@@ -192,6 +208,7 @@ class ColdStartIter(Iterator[Any]):
         base_seed = iterator_base_seed(spec.generator, False)
         self._sampler_iter, self._base_seed = self._tracker.resume_main(it, base_seed, None)
         self._tracker.await_start = weakref.WeakMethod(self._await_makers_start)
+        self._record = _EpochRecord(self._tracker)
         self._epoch = 0
         self._makers: dict[int, Any] = {}
         self._finalizer = weakref.finalize(self, _stop_all, self._makers)
@@ -248,15 +265,13 @@ class ColdStartIter(Iterator[Any]):
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
 
     @property
-    def _ckpt(self) -> ColdStartIter:
-        """What the loader's `state_dict()` reads (this iterator answers for both parts of the epoch)."""
-        return self
+    def checkpoint(self) -> _EpochRecord:
+        """What the loader's `state_dict()` reads: the makers' record, then the Ray iterator's (`EpochIter`)."""
+        return self._record
 
     def state_dict(self) -> dict:
         """The loader state as of the last batch handed out (NOTE [ raydl checkpoint ])."""
-        if self._inner is not None:
-            return self._inner._ckpt.state_dict()
-        return self._tracker.state_dict()
+        return self._record.state_dict()
 
     @property
     def worker_records(self) -> list:
@@ -269,20 +284,20 @@ class ColdStartIter(Iterator[Any]):
             return self._inner.reusable
         return self._state != IterState.SHUT_DOWN
 
-    def _reset(self, len_called: Optional[int] = None) -> None:
+    def next_epoch(self, len_called: Optional[int]) -> None:
         """Persistent workers: the next epoch, on the same workers (or makers), with a new sampler iterator."""
         if self._inner is not None:
-            self._inner._reset(len_called)
+            self._inner.next_epoch(len_called)
             return
         self._sampler_iter = self._tracker.sampler_iter()
         self._epoch += 1
         self._begin_epoch(first_iter=False)
 
-    def _set_num_workers(self, num_workers: int) -> None:
+    def resize(self, num_workers: int) -> None:
         """A resize goes to the workers: no task is sent to the makers any more, the epoch is handed over once
         their batches in flight are handed out, and the pool is resized then."""
         if self._inner is not None:
-            self._inner._set_num_workers(num_workers)
+            self._inner.resize(num_workers)
         elif self._state == IterState.RUNNING:
             self._resize_to = num_workers
             self._draining = True
@@ -445,8 +460,9 @@ class ColdStartIter(Iterator[Any]):
         t0 = time.perf_counter()  # the epoch goes on as it was, with the spec's num_workers: a resize follows
         self._inner = _RayLoaderIter(self._spec, state, handover=handover)
         self.handover_s = time.perf_counter() - t0
+        self._record.tracker = self._inner.checkpoint
         if self._resize_to is not None:
-            self._inner._set_num_workers(self._resize_to)
+            self._inner.resize(self._resize_to)
         logger.debug(
             "raydl: cold start: workers take over after %d batches from start-up makers", self.batches_in_driver
         )
