@@ -258,7 +258,7 @@ class _Recorder:
     def __init__(self) -> None:
         self.calls: list[tuple[int, list[int]]] = []
 
-    def __call__(self, worker_id, tasks):
+    def __call__(self, worker_id, epoch, tasks):
         self.calls.append((worker_id, [idx for idx, _ in tasks]))
         return object(), object(), None
 

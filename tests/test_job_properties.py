@@ -133,7 +133,7 @@ class _Driver:
         for _ in range(self.sched.max_tasks):
             self.put_index()
 
-    def _submit(self, wid: int, tasks: list):
+    def _submit(self, wid: int, epoch: int, tasks: list):
         coord = self.pool.coord
         for idx, _work in tasks:
             assert wid not in coord._pool.released, f"task {idx} sent to worker {wid}, which the job released"

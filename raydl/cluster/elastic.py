@@ -134,7 +134,7 @@ class ElasticPool:
         self._pool = pool
         self._sched = sched
         self._prefetch_factor = prefetch_factor
-        # weakly, as Schedule holds submit: a strong bound method would put the iterator in a reference cycle
+        # weakly: a strong bound method of the iterator would put it in a reference cycle (NOTE [ raydl shutdown ])
         self._put_index_ref = weakref.WeakMethod(put_index) if hasattr(put_index, "__self__") else (lambda: put_index)
         self._startup_timeout_s = startup_timeout_s
         self._resizable = resizable

@@ -192,7 +192,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._pool.num_workers,
             self._prefetch_factor * self._num_workers,
             self._in_order,
-            self._submit,
+            self._calls.send,
             balanced_from=None if self._job_rank is None else self._job_rank * self._num_workers,
             batches_per_call=options.batches_per_call,
             call_bytes=self._calls.call_bytes,
@@ -335,7 +335,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._waits.new_epoch()
         self._send_idx = start  # idx of the next task to be sent to workers
         self._rcvd_idx = start  # idx of the next task to be handed out in order
-        self._sched.reset(first_worker)
+        self._sched.reset(first_worker, self._epoch)
         self._elastic.new_epoch()
         if self._feed is not None:  # the plan first: what the first batches may fetch is weighed too (`has_room`)
             self._feed.begin_epoch(self._sampler_iter, self._rcvd_idx, self._worker_nodes())
@@ -384,10 +384,6 @@ class _RayLoaderIter(Iterator[Any]):
         if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx
             self._feed.on_send(self._send_idx - 1, index, self._pool_node(worker_id))
         return True
-
-    def _submit(self, worker_id: int, tasks: list) -> tuple[Any, Any, Any]:
-        """One call to a worker for `tasks` [(idx, work), ...] (the Schedule's `submit`; NOTE [ raydl calls ])."""
-        return self._calls.send(worker_id, self._epoch, tasks)
 
     def _abandon(self, tasks: list[Task]) -> None:
         """Forget these tasks' results (their worker must finish their calls before being reused)."""

@@ -46,15 +46,15 @@ Invariants, between calls (tests/test_recovery.py checks them after every `next(
     younger than its sent ones;
   * `active` lists distinct worker ids; the per-worker lists are indexed by worker id and
     cover every id ever used (a retired id keeps its slot, with no task).
-A Schedule talks to no actor: it sends through the `submit(worker_id, [(idx, work), ...])` callable
-it is given (one call; returns its batches ref and metas ref), held weakly when a bound method: a
-strong one would put every iterator in a reference cycle (NOTE [ raydl shutdown ] in driver/iter.py).
+A Schedule talks to no actor: it sends each call through the `send(worker_id, epoch, [(idx, work), ...])`
+callable it is given (the iterator's CallSender.send: its batches ref, metas ref and transport), with the epoch
+`reset` gave it. It holds `send` strongly: the CallSender refers to the pool, never to the iterator, so no
+reference cycle keeps an iterator alive (NOTE [ raydl shutdown ] in driver/iter.py).
 """
 
 from __future__ import annotations
 
 import time
-import weakref
 from typing import Any, Callable, Optional
 
 from .._constants import CALL_TARGET_S, MAX_BATCHES_PER_CALL
@@ -111,7 +111,7 @@ class Task:
         return None if self.call is None else self.call.ref
 
 
-Submit = Callable[[int, "list[tuple[int, Any]]"], "tuple[Any, Any, Any]"]
+Send = Callable[[int, int, "list[tuple[int, Any]]"], "tuple[Any, Any, Any]"]
 
 
 class Schedule:
@@ -122,7 +122,7 @@ class Schedule:
         num_workers: int,
         max_tasks: int,
         in_order: bool,
-        submit: Submit,
+        send: Send,
         balanced_from: Optional[int] = None,
         batches_per_call: Optional[int] = None,
         call_bytes: Optional[Callable[[int], Optional[int]]] = None,
@@ -138,7 +138,8 @@ class Schedule:
         self._fetch_s: dict[int, float] = {}  # worker id -> moving average of its batch time
         self._nbytes: dict[int, int] = {}  # worker id -> bytes of its last batch
         self._call_bytes = call_bytes  # worker id -> the most bytes its next call should carry (None: no bound)
-        self._submit_ref = weakref.WeakMethod(submit) if hasattr(submit, "__self__") else (lambda: submit)
+        self._send = send
+        self.epoch = 0  # the epoch each call carries (`reset`)
         self.calls_sent = 0  # actor calls made (for stats and tests: batches / calls is the grouping achieved)
         self.reset()
 
@@ -147,9 +148,10 @@ class Schedule:
         """Workers in the round robin now."""
         return len(self.active)
 
-    def reset(self, first_worker: int = 0) -> None:
-        """A new epoch: no task, every worker active, the round robin at `first_worker` (its first worker, as
+    def reset(self, first_worker: int = 0, epoch: int = 0) -> None:
+        """Epoch `epoch` begins: no task, every worker active, the round robin at `first_worker` (its first worker, as
         torch's; a resumed epoch goes on after the worker of the last batch handed out, NOTE [ raydl checkpoint ])."""
+        self.epoch = epoch
         self.task_info: dict[int, Task] = {}
         self.tasks_outstanding = 0
         self.workers_status = [True] * self._num_ids
@@ -164,10 +166,7 @@ class Schedule:
 
     def _submit(self, worker_id: int, idxs: list[int]) -> None:
         """One call to `worker_id` carrying tasks `idxs` (oldest first)."""
-        submit = self._submit_ref()
-        if submit is None:
-            raise RuntimeError("raydl bug: a Schedule outlived the iterator that sends its tasks")
-        ref, meta_ref, via = submit(worker_id, [(i, self.task_info[i].work) for i in idxs])
+        ref, meta_ref, via = self._send(worker_id, self.epoch, [(i, self.task_info[i].work) for i in idxs])
         call = Call(ref, meta_ref, idxs, via)
         now = time.monotonic()
         for i in idxs:
