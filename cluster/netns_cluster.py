@@ -159,6 +159,7 @@ class NetnsCluster:
         object_store_bytes: int = 150_000_000,
         private_size: str = "256m",
         python: str = sys.executable,
+        node_cpus: Optional[dict] = None,
     ) -> None:
         self.workers, self.tag, self.subnet, self.rate = workers, tag, subnet, rate
         self.tls, self.private, self.private_size = tls, private, private_size
@@ -166,6 +167,7 @@ class NetnsCluster:
         self.head_resources = {"trainer": 1} if head_resources is None else head_resources
         self.worker_resources = {"data": 4} if worker_resources is None else worker_resources
         self.python = python
+        self.node_cpus = dict(node_cpus or {})  # node -> a CPU list for `taskset -c` (its Ray processes pinned there)
         self.root = cluster_dir(tag)
         self.bridge_ns = f"{PREFIX}{tag}-br"
         self._reaper: Optional[subprocess.Popen] = None
@@ -316,6 +318,8 @@ class NetnsCluster:
             os.makedirs(self.private_dir, exist_ok=True)
             mount = f'mount -t tmpfs -o size={self.private_size},mode=1777 raydl-n{node} "$0" && exec "$@"'
             cmd = ["unshare", "--mount", "--propagation", "private", "sh", "-c", mount, self.private_dir, *cmd]
+        if node in self.node_cpus:
+            cmd = ["taskset", "-c", str(self.node_cpus[node]), *cmd]
         return self.exec_prefix(node) + cmd
 
     def _ray(self, tries: int = 3) -> None:

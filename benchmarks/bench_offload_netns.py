@@ -1,0 +1,142 @@
+"""Offload over a real (virtual) link: bench_offload's shape on the namespace cluster (cluster/netns_cluster.py).
+
+The head's namespace holds the trainer (this driver, pinned to one core, as bench_offload pins it) and the head's
+Ray on that core; one worker node, its own namespace and address, its Ray pinned to the other core; the link
+between them capped at `--rates` with `tc tbf`. The workload is bench_offload's: CPU-bound ~1 ms a sample of
+3x64x64 float32 (48 KiB), batch 64 (3 MiB a batch), 2 workers, and a training step per batch as long as the
+batch's data work (S = D). Loaders: torch (workers forked on the trainer's core), raydl with TCP lanes (the
+default: its placement puts the workers on the worker node), raydl with `ray_lane=False` (Ray's transfer); each
+cluster again with Ray's TLS (lanes then TLS). Reported: samples/s (median of the measured epochs), the ratio to
+torch in the same cluster, and the share of the link the batches used, so the bound can be read off: the data
+core (~1,000 samples/s for 2 workers of 1 ms samples on one core), the trainer's core, or the link.
+
+    sudo .venv/bin/python -m benchmarks.bench_offload_netns [--rates 10gbit,1gbit] [--samples 1024] [--epochs 2]
+
+Needs root (network namespaces) and 2 CPUs. A fresh cluster per rate and TLS setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+from benchmarks.common.clusters import run_in_netns_head
+from benchmarks.common.results import md_table, printed_report
+
+BATCH = 64
+SAMPLE_BYTES = 3 * 64 * 64 * 4
+
+
+def _driver(samples: int, epochs: int, loaders: list) -> dict:
+    """In the head's namespace, pinned to the trainer's core (importing common.offload pins it)."""
+    import ray
+    import torch
+
+    import raydl
+    from benchmarks.common.offload import TRAINER_CPU, TrainStep, run_epochs
+    from benchmarks.common.workloads import Workload, WorkloadDataset, calibrate_cpu_iters, register_by_value
+
+    torch.set_num_threads(1)
+    iters = calibrate_cpu_iters()
+    wl = Workload("cpu", "CPU-bound ~1 ms/sample, 3x64x64 f32, batch 64", samples, BATCH, "cpu", iters)
+    ray.init()
+    register_by_value()
+    per_batch_s = _data_s_per_batch(wl)
+    step = TrainStep(per_batch_s * 1e3)
+    out: dict = {"trainer_cpu": TRAINER_CPU, "data_ms_per_batch": per_batch_s * 1e3}
+    for name in loaders:
+        kwargs = dict(batch_size=BATCH, num_workers=2, persistent_workers=True)
+        if name == "torch":
+            loader = torch.utils.data.DataLoader(WorkloadDataset(wl), **kwargs)
+        else:
+            loader = raydl.DataLoader(
+                WorkloadDataset(wl), timeout=300, ray_startup_timeout_s=240, ray_lane=name == "raydl-lanes", **kwargs
+            )
+        rates = [run_epochs(loader, 1, step)["samples_per_s"] for _ in range(epochs)]
+        where = sorted({r.node_ip for r in loader.worker_records}) if name != "torch" else ["trainer's core"]
+        if name != "torch":
+            loader.shutdown()
+        out[name] = {"samples_per_s": rates, "workers_on": where}
+        del loader
+    ray.shutdown()
+    return out
+
+
+def _data_s_per_batch(wl) -> float:
+    """One core's time to make a batch's samples (the 10th percentile of a few batches)."""
+    from benchmarks.common.workloads import sample_cost_s
+
+    return sample_cost_s(wl.sample) * BATCH
+
+
+def _run(rate: str, tls: bool, samples: int, epochs: int) -> dict:
+    from cluster import netns_cluster
+
+    cluster = netns_cluster.NetnsCluster(
+        workers=1,
+        tag=f"o{os.getpid() % 100000}{'t' if tls else ''}",
+        rate=rate,
+        tls=tls,
+        node_cpus={0: "0", 1: "1"},
+        worker_resources={"data": 4},
+        object_store_bytes=400_000_000,
+    )
+    loaders = ["torch", "raydl-lanes", "raydl-ray"]
+    with cluster:
+        return run_in_netns_head(
+            cluster, "bench_offload_netns", "--driver", ",".join(loaders), "--samples", str(samples), "--epochs",
+            str(epochs),
+        )  # fmt: skip
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", default="10gbit,1gbit")
+    ap.add_argument("--samples", type=int, default=1024)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--driver", help=argparse.SUPPRESS)
+    a = ap.parse_args()
+    if a.driver:
+        print("RESULT " + json.dumps(_driver(a.samples, a.epochs, a.driver.split(","))), flush=True)
+        return
+    from cluster.netns_cluster import _rate_bits
+
+    rows = []
+    t0 = time.time()
+    for rate in a.rates.split(","):
+        link = _rate_bits(rate) / 8
+        for tls in (False, True):
+            res = _run(rate, tls, a.samples, a.epochs)
+            print(json.dumps({"rate": rate, "tls": tls, **res}), flush=True)
+            torch_rate = statistics.median(res["torch"]["samples_per_s"])
+            for name in ("torch", "raydl-lanes", "raydl-ray"):
+                r = statistics.median(res[name]["samples_per_s"])
+                label = {"torch": "torch (forked, trainer's core)", "raydl-lanes": "raydl, TCP lanes"}.get(
+                    name, "raydl, Ray's transfer (ray_lane=False)"
+                )
+                rows.append(
+                    [
+                        rate,
+                        "yes" if tls else "no",
+                        label,
+                        f"{r:,.0f}",
+                        f"{r / torch_rate:.2f}×",
+                        f"{r * SAMPLE_BYTES / link:.1%}",
+                        ", ".join(f"{x:,.0f}" for x in res[name]["samples_per_s"]),
+                        ", ".join(res[name]["workers_on"]),
+                    ]
+                )
+    print(
+        f"\n{a.samples} samples an epoch, batch {BATCH}, 2 workers, step = the batch's data work; {time.time() - t0:.0f} s\n"
+    )
+    header = ["link", "Ray TLS", "loader", "samples/s", "/ torch", "of the link", "epochs", "workers on"]
+    print(md_table(header, rows))
+
+
+if __name__ == "__main__":
+    with printed_report("bench_offload_netns", quick="--quick" in sys.argv, enabled="--driver" not in sys.argv):
+        main()
