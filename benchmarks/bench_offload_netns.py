@@ -9,8 +9,12 @@ default: its placement puts the workers on the worker node), raydl with `ray_lan
 cluster again with Ray's TLS (lanes then TLS). Reported: samples/s (median of the measured epochs), the ratio to
 torch in the same cluster, and the share of the link the batches used, so the bound can be read off: the data
 core (~1,000 samples/s for 2 workers of 1 ms samples on one core), the trainer's core, or the link.
+`--workload jpeg`: bench_images --offload's pipeline instead (examples/train_image_classifier.py: generated
+500x375 JPEGs, PIL decode, RandomResizedCrop(224), flip, normalize; 3x224x224 float32 = 588 KiB a sample,
+37.6 MiB a batch of 64), its JPEGs written once under /tmp/raydl-bench-images.
 
     sudo .venv/bin/python -m benchmarks.bench_offload_netns [--rates 10gbit,1gbit] [--samples 1024] [--epochs 2]
+    sudo .venv/bin/python -m benchmarks.bench_offload_netns --workload jpeg --samples 512
 
 Needs root (network namespaces) and 2 CPUs. A fresh cluster per rate and TLS setting.
 """
@@ -28,33 +32,52 @@ from benchmarks.common.clusters import run_in_netns_head
 from benchmarks.common.results import md_table, printed_report
 
 BATCH = 64
-SAMPLE_BYTES = 3 * 64 * 64 * 4
+SAMPLE_BYTES = {"cpu": 3 * 64 * 64 * 4, "jpeg": 3 * 224 * 224 * 4}
+JPEG_DIR = "/tmp/raydl-bench-images/500x375-n{n}-c100-q90"
 
 
-def _driver(samples: int, epochs: int, loaders: list) -> dict:
+def _dataset(workload: str, samples: int):
+    """The workload's dataset, and one core's time to make a batch of it (the 10th percentile of a few)."""
+    from benchmarks.common.workloads import Workload, WorkloadDataset, calibrate_cpu_iters, sample_cost_s
+
+    if workload == "jpeg":
+        from examples.train_image_classifier import JpegFolder, TrainTransform
+
+        ds = JpegFolder(JPEG_DIR.format(n=samples), TrainTransform(224))
+        times = []
+        for b in range(4):
+            t0 = time.perf_counter()
+            for i in range(b * BATCH, (b + 1) * BATCH):
+                ds[i % len(ds)]
+            times.append(time.perf_counter() - t0)
+        return ds, sorted(times)[0]
+    iters = calibrate_cpu_iters()
+    wl = Workload("cpu", "CPU-bound ~1 ms/sample, 3x64x64 f32, batch 64", samples, BATCH, "cpu", iters)
+    return WorkloadDataset(wl), sample_cost_s(wl.sample) * BATCH
+
+
+def _driver(samples: int, epochs: int, loaders: list, workload: str) -> dict:
     """In the head's namespace, pinned to the trainer's core (importing common.offload pins it)."""
     import ray
     import torch
 
     import raydl
     from benchmarks.common.offload import TRAINER_CPU, TrainStep, run_epochs
-    from benchmarks.common.workloads import Workload, WorkloadDataset, calibrate_cpu_iters, register_by_value
+    from benchmarks.common.workloads import register_by_value
 
     torch.set_num_threads(1)
-    iters = calibrate_cpu_iters()
-    wl = Workload("cpu", "CPU-bound ~1 ms/sample, 3x64x64 f32, batch 64", samples, BATCH, "cpu", iters)
+    ds, per_batch_s = _dataset(workload, samples)
     ray.init()
     register_by_value()
-    per_batch_s = _data_s_per_batch(wl)
     step = TrainStep(per_batch_s * 1e3)
     out: dict = {"trainer_cpu": TRAINER_CPU, "data_ms_per_batch": per_batch_s * 1e3}
     for name in loaders:
         kwargs = dict(batch_size=BATCH, num_workers=2, persistent_workers=True)
         if name == "torch":
-            loader = torch.utils.data.DataLoader(WorkloadDataset(wl), **kwargs)
+            loader = torch.utils.data.DataLoader(ds, **kwargs)
         else:
             loader = raydl.DataLoader(
-                WorkloadDataset(wl), timeout=300, ray_startup_timeout_s=240, ray_lane=name == "raydl-lanes", **kwargs
+                ds, timeout=300, ray_startup_timeout_s=240, ray_lane=name == "raydl-lanes", **kwargs
             )
         rates = [run_epochs(loader, 1, step)["samples_per_s"] for _ in range(epochs)]
         where = sorted({r.node_ip for r in loader.worker_records}) if name != "torch" else ["trainer's core"]
@@ -66,14 +89,7 @@ def _driver(samples: int, epochs: int, loaders: list) -> dict:
     return out
 
 
-def _data_s_per_batch(wl) -> float:
-    """One core's time to make a batch's samples (the 10th percentile of a few batches)."""
-    from benchmarks.common.workloads import sample_cost_s
-
-    return sample_cost_s(wl.sample) * BATCH
-
-
-def _run(rate: str, tls: bool, samples: int, epochs: int) -> dict:
+def _run(rate: str, tls: bool, samples: int, epochs: int, workload: str) -> dict:
     from cluster import netns_cluster
 
     cluster = netns_cluster.NetnsCluster(
@@ -89,7 +105,7 @@ def _run(rate: str, tls: bool, samples: int, epochs: int) -> dict:
     with cluster:
         return run_in_netns_head(
             cluster, "bench_offload_netns", "--driver", ",".join(loaders), "--samples", str(samples), "--epochs",
-            str(epochs),
+            str(epochs), "--workload", workload,
         )  # fmt: skip
 
 
@@ -98,11 +114,20 @@ def main() -> None:
     ap.add_argument("--rates", default="10gbit,1gbit")
     ap.add_argument("--samples", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--workload", choices=["cpu", "jpeg"], default="cpu")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.driver:
-        print("RESULT " + json.dumps(_driver(a.samples, a.epochs, a.driver.split(","))), flush=True)
+        print("RESULT " + json.dumps(_driver(a.samples, a.epochs, a.driver.split(","), a.workload)), flush=True)
         return
+    from benchmarks.common.processes import REPO
+
+    # every node's Ray processes import this checkout (the example's module, for the JPEG workload)
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [REPO, os.environ.get("PYTHONPATH")]))
+    if a.workload == "jpeg":
+        from examples.train_image_classifier import write_jpeg_folder
+
+        write_jpeg_folder(JPEG_DIR.format(n=a.samples), a.samples, 100, size=(500, 375), quality=90)
     from cluster.netns_cluster import _rate_bits
 
     rows = []
@@ -110,7 +135,7 @@ def main() -> None:
     for rate in a.rates.split(","):
         link = _rate_bits(rate) / 8
         for tls in (False, True):
-            res = _run(rate, tls, a.samples, a.epochs)
+            res = _run(rate, tls, a.samples, a.epochs, a.workload)
             print(json.dumps({"rate": rate, "tls": tls, **res}), flush=True)
             torch_rate = statistics.median(res["torch"]["samples_per_s"])
             for name in ("torch", "raydl-lanes", "raydl-ray"):
@@ -125,13 +150,13 @@ def main() -> None:
                         label,
                         f"{r:,.0f}",
                         f"{r / torch_rate:.2f}×",
-                        f"{r * SAMPLE_BYTES / link:.1%}",
+                        f"{r * SAMPLE_BYTES[a.workload] / link:.1%}",
                         ", ".join(f"{x:,.0f}" for x in res[name]["samples_per_s"]),
                         ", ".join(res[name]["workers_on"]),
                     ]
                 )
     print(
-        f"\n{a.samples} samples an epoch, batch {BATCH}, 2 workers, step = the batch's data work; {time.time() - t0:.0f} s\n"
+        f"\n{a.workload}: {a.samples} samples an epoch, batch {BATCH}, 2 workers, step = the batch's data work; {time.time() - t0:.0f} s\n"
     )
     header = ["link", "Ray TLS", "loader", "samples/s", "/ torch", "of the link", "epochs", "workers on"]
     print(md_table(header, rows))
