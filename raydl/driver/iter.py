@@ -65,13 +65,12 @@ from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
 from ..cluster.startup import wait_for_early_start
-from ..job.elastic import JobElastic
 from ..worker.actor import BatchFailed, BatchMeta
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
 from .lifecycle import IterState
-from .pool_choice import make_pool, worker_payload
+from .pool_choice import make_elastic, make_pool, worker_payload
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .state.checkpoint import Tracker
@@ -197,27 +196,9 @@ class _RayLoaderIter(Iterator[Any]):
             batches_per_call=options.batches_per_call,
             call_bytes=self._calls.call_bytes,
         )
-        self._elastic: ElasticPool
-        if self._job_rank is not None:  # the job's resizes and autoscaler: NOTE [ raydl job elastic ]
-            self._elastic = JobElastic(
-                self._pool,
-                self._sched,
-                self._prefetch_factor,
-                self._try_put_index,
-                options.startup_timeout_s,
-                autoscale=options.max_workers is not None,
-            )
-        else:  # resizing, autoscaling, lost nodes: NOTE [ raydl elastic pool ]
-            self._elastic = ElasticPool(
-                self._pool,
-                self._sched,
-                self._prefetch_factor,
-                self._try_put_index,
-                options.startup_timeout_s,
-                self._num_workers,
-                options.max_workers,
-                resizable=not self._is_iterable,
-            )
+        self._elastic: ElasticPool = make_elastic(  # NOTE [ raydl elastic pool ], [ raydl job elastic ]
+            self._pool, self._sched, self._job_rank, spec, self._try_put_index
+        )
         self._recovery = Recovery(  # NOTE [ raydl recovery ] in driver/recovery.py
             self._pool,
             self._sched,

@@ -16,9 +16,11 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._options import RayOptions
+from ..cluster.elastic import ElasticPool
 from ..cluster.placement import worker_placement
 from ..cluster.pool import WorkerPool
 from ..data.payload import put_payload
+from ..job.elastic import JobElastic
 from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from ..worker.actor import WorkerPayload
 from .state.checkpoint import Tracker
@@ -82,3 +84,28 @@ def make_pool(
         epoch=epoch,
     )
     return pool, None
+
+
+def make_elastic(pool: Any, sched: Any, job_rank: Optional[int], spec: Any, put_index: Any) -> ElasticPool:
+    """The resize and autoscale policy that goes with the pool `make_pool` chose: the job's (its ranks decide
+    together, NOTE [ raydl job elastic ]) or the iterator's own (NOTE [ raydl elastic pool ])."""
+    options = spec.options
+    if job_rank is not None:
+        return JobElastic(
+            pool,
+            sched,
+            spec.prefetch_factor,
+            put_index,
+            options.startup_timeout_s,
+            autoscale=options.max_workers is not None,
+        )
+    return ElasticPool(
+        pool,
+        sched,
+        spec.prefetch_factor,
+        put_index,
+        options.startup_timeout_s,
+        spec.num_workers,
+        options.max_workers,
+        resizable=not spec.is_iterable,
+    )
