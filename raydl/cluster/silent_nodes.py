@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any, Iterable
+from typing import Any
 
-__all__ = ["mark_silent", "is_silent", "silent_nodes", "without_silent", "raylet_refuses"]
+__all__ = ["mark_silent", "is_silent", "silent_nodes", "raylet_refuses"]
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +100,6 @@ def silent_nodes() -> list[str]:
     _look()
     with _lock:
         return sorted(_probes)
-
-
-def without_silent(node_ids: Iterable[str]) -> list[str]:
-    nodes = list(node_ids)
-    if not _probes:
-        return nodes
-    _look()
-    return [n for n in nodes if n not in _probes]
 
 
 def _look() -> None:
