@@ -35,7 +35,7 @@ import time
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Protocol
 
 from .._constants import (
     AUTOSCALE_ADD_BUSY_FRACTION,
@@ -49,7 +49,10 @@ from .._constants import (
 from .._errors import WorkerDiedError, WorkerPlacementError
 from .connect import fits_available, resource_request
 
-__all__ = ["ElasticPool", "AutoscaleDecision", "AutoscaleRule"]
+if TYPE_CHECKING:
+    from .pool_protocol import ResizablePool
+
+__all__ = ["ElasticPool", "ElasticSchedule", "AutoscaleDecision", "AutoscaleRule"]
 
 logger = logging.getLogger(__name__)
 
@@ -112,6 +115,26 @@ class AutoscaleRule:
         return None
 
 
+class ElasticSchedule(Protocol):
+    """What resizing uses of the driver's `Schedule` (driver/schedule.py), which this layer does not import."""
+
+    active: list[int]  # the round robin's worker ids, in cycle order
+    max_tasks: int  # the bound on tasks in flight
+    workers_num_tasks: list[int]  # worker id -> its tasks in flight
+
+    def add_worker(self, worker_id: int) -> None:
+        """A started worker joins the round robin at the end of the cycle."""
+        ...
+
+    def remove_worker(self, worker_id: int, lost: bool = False) -> None:
+        """Worker `worker_id` gets no new task (`lost`: its tasks wait for `reassign`)."""
+        ...
+
+    def reassign(self, worker_id: int) -> list[int]:
+        """Worker `worker_id` is gone: its tasks not yet received go to the active workers; returns their idxs."""
+        ...
+
+
 class ElasticPool:
     """Resizes one iterator's `WorkerPool` and `Schedule` (NOTE [ raydl elastic pool ]).
 
@@ -120,8 +143,8 @@ class ElasticPool:
 
     def __init__(
         self,
-        pool: Any,
-        sched: Any,
+        pool: ResizablePool,
+        sched: ElasticSchedule,
         prefetch_factor: int,
         put_index: Callable[[], None],
         startup_timeout_s: float,

@@ -13,7 +13,7 @@ seeding mode, stats name) and hands it to its pool:
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._options import RayOptions
 from ..cluster.elastic import ElasticPool
@@ -25,6 +25,11 @@ from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from ..worker.actor import WorkerPayload
 from .state.checkpoint import Tracker
 from .state.draws import track_rng_enabled
+
+if TYPE_CHECKING:
+    from ..cluster.pool_protocol import DriverPool
+    from .schedule import Schedule
+    from .spec import LoaderSpec
 
 __all__ = ["worker_payload", "make_pool"]
 
@@ -54,11 +59,11 @@ def make_pool(
     driver_node_id: str,
     epoch: int,
     actor_options: dict,
-) -> tuple[Any, Optional[int]]:
+) -> tuple[DriverPool, Optional[int]]:
     """(the pool, this process's rank in its job or None) for one iterator (NOTE [ raydl pool choice ])."""
     if options.job is not None:
         rank, world = rank_and_world()
-        pool = JobPool(
+        pool: DriverPool = JobPool(
             job_name(options.job),
             rank,
             world,
@@ -86,7 +91,9 @@ def make_pool(
     return pool, None
 
 
-def make_elastic(pool: Any, sched: Any, job_rank: Optional[int], spec: Any, put_index: Any) -> ElasticPool:
+def make_elastic(
+    pool: DriverPool, sched: Schedule, job_rank: Optional[int], spec: LoaderSpec, put_index: Callable[[], None]
+) -> ElasticPool:
     """The resize and autoscale policy that goes with the pool `make_pool` chose: the job's (its ranks decide
     together, NOTE [ raydl job elastic ]) or the iterator's own (NOTE [ raydl elastic pool ])."""
     options = spec.options

@@ -30,11 +30,17 @@ of each call (`RecoveryHost`), so no reference cycle keeps it alive (NOTE [ rayd
 from __future__ import annotations
 
 import logging
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Optional, Protocol
 
 from .._errors import WorkerDiedError, WorkerPlacementError, WorkerStartDied, short_indices
 from ..cluster.silent_nodes import mark_silent, raylet_refuses
 from .transport.lane import LaneSilent
+
+if TYPE_CHECKING:
+    from ..cluster.elastic import ElasticPool
+    from ..cluster.pool_protocol import DriverPool
+    from .schedule import Schedule
+    from .state.checkpoint import Tracker
 
 __all__ = ["Recovery", "RecoveryHost"]
 
@@ -60,15 +66,15 @@ class Recovery:
 
     def __init__(
         self,
-        pool: Any,
-        sched: Any,
-        ckpt: Any,
-        elastic: Any,
+        pool: DriverPool,
+        sched: Schedule,
+        ckpt: Tracker,
+        elastic: ElasticPool,
         *,
         is_iterable: bool,
         max_worker_restarts: int,
         startup_timeout_s: float,
-        driver_node_id: Any = None,
+        driver_node_id: Optional[str] = None,
     ) -> None:
         self._pool = pool
         self._driver_node_id = driver_node_id
@@ -114,7 +120,7 @@ class Recovery:
             return []
         return [w for w in self._sched.active if w != worker_id and self._pool.node_of(w) == node]
 
-    def _replace(self, worker_id: int, error: BaseException, host: RecoveryHost) -> Any:
+    def _replace(self, worker_id: int, error: BaseException, host: RecoveryHost) -> Optional[list[int]]:
         """Start a replacement for a dead worker and hold its lost batches (their idxs), None when it needs none (it
         was retiring); WorkerDiedError when it may not be replaced."""
         where = self._pool.describe(worker_id)

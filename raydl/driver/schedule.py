@@ -55,9 +55,12 @@ reference cycle keeps an iterator alive (NOTE [ raydl shutdown ] in driver/iter.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._constants import CALL_TARGET_S, MAX_BATCHES_PER_CALL
+
+if TYPE_CHECKING:
+    from .transport.calls import Transport
 
 __all__ = ["Call", "Task", "Schedule"]
 
@@ -67,7 +70,7 @@ class Call:
 
     __slots__ = ("ref", "meta_ref", "idxs", "via", "batches", "metas")
 
-    def __init__(self, ref: Any, meta_ref: Any, idxs: list[int], via: Any = None) -> None:
+    def __init__(self, ref: Any, meta_ref: Any, idxs: list[int], via: Optional[Transport] = None) -> None:
         self.ref = ref  # the batches, one object (a Ray call's ObjectRef, a lane's ticket)
         self.meta_ref = meta_ref  # their BatchMetas, a small object Ray inlines in the reply (None on a lane)
         self.idxs = idxs
@@ -111,7 +114,7 @@ class Task:
         return None if self.call is None else self.call.ref
 
 
-Send = Callable[[int, int, "list[tuple[int, Any]]"], "tuple[Any, Any, Any]"]
+Send = Callable[[int, int, "list[tuple[int, Any]]"], "tuple[Any, Any, Transport]"]
 
 
 class Schedule:

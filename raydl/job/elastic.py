@@ -24,20 +24,27 @@ worker makes them, and the job's seeding does not depend on the worker.
 from __future__ import annotations
 
 import math
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
-from ..cluster.elastic import ElasticPool
+from .._errors import WorkerPlacementError
+from ..cluster.elastic import ElasticPool, ElasticSchedule
+
+if TYPE_CHECKING:
+    from .pool import JobPool
 
 __all__ = ["JobElastic"]
 
 
 class JobElastic(ElasticPool):
-    """Follows the job's worker set in this rank's `Schedule` (NOTE [ raydl job elastic ])."""
+    """Follows the job's worker set in this rank's `Schedule` (NOTE [ raydl job elastic ]).
+
+    Its pool is the rank's `JobPool`, not a `ResizablePool`: every method of `ElasticPool` that would start or
+    release a worker itself is overridden here by one that asks the job's coordinator."""
 
     def __init__(
         self,
-        pool: Any,
-        sched: Any,
+        pool: JobPool,
+        sched: ElasticSchedule,
         prefetch_factor: int,
         put_index: Callable[[], None],
         startup_timeout_s: float,
@@ -105,7 +112,7 @@ class JobElastic(ElasticPool):
         self._pool.done_with(worker_id)
         return True
 
-    def survive_unplaceable(self, error: Any) -> bool:
+    def survive_unplaceable(self, error: WorkerPlacementError) -> bool:
         return False  # a job's replacement that cannot be placed fails the rank (the coordinator keeps trying)
 
     def new_epoch(self) -> None:

@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import os
 import time
-from typing import Any, Callable, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
 from ..._measures import batch_nbytes
 from .lane import Lanes, LaneSilent, worker_node
+
+if TYPE_CHECKING:
+    from ...cluster.pool_protocol import DriverPool
 
 __all__ = ["CallSender", "RayCalls", "Transport"]
 
@@ -47,7 +50,7 @@ class RayCalls:
 
     def __init__(
         self,
-        pool: Any,
+        pool: DriverPool,
         on_other_node: Callable[[int], bool],
         silent: Optional[Callable[[int], Optional[str]]] = None,
         sent: Optional[Callable[[int], None]] = None,
@@ -96,7 +99,7 @@ class CallSender:
 
     def __init__(
         self,
-        pool: Any,
+        pool: DriverPool,
         driver_node_id: str,
         lanes: bool = False,
         max_batches: int = 2,

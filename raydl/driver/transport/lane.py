@@ -33,7 +33,7 @@ import threading
 import time
 from collections import deque
 from multiprocessing.connection import Connection
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from ..._constants import (
     LANE_HEARTBEAT_S,
@@ -49,12 +49,15 @@ from ...worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
 from .lane_accept import Greeter
 
+if TYPE_CHECKING:
+    from ...cluster.pool_protocol import DriverPool
+
 __all__ = ["Lanes", "LaneTicket", "LaneLost", "LaneSilent", "worker_node", "listen_for_lane"]
 
 logger = logging.getLogger(__name__)
 
 
-def worker_node(pool: Any, worker_id: int) -> Optional[str]:
+def worker_node(pool: DriverPool, worker_id: int) -> Optional[str]:
     """The node a pool's worker runs on; None until its actor reported where it runs (it has not started)."""
     record = pool.records[worker_id]
     return None if record is None else record.node_id
@@ -210,7 +213,7 @@ class Lanes:
     """The lanes of one iterator's workers (NOTE [ raydl lane, driver ])."""
 
     def __init__(
-        self, pool: Any, driver_node_id: str, max_batches: int, silence_timeout_s: Optional[float] = None
+        self, pool: DriverPool, driver_node_id: str, max_batches: int, silence_timeout_s: Optional[float] = None
     ) -> None:
         self._pool = pool
         self._silence_timeout_s = silence_timeout_s  # None: only TCP's own timeouts end a silent node's lane
