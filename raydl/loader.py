@@ -74,10 +74,12 @@ class DataLoader(_TorchDataLoader[T_co]):
     defaults and the same errors; `num_workers=0` loads in the calling process exactly as torch
     does. Options only raydl has are keyword-only and start with `ray_`.
 
-    Example:
+    Example (on the Ray this process runs, else on a local one it starts):
         >>> from raydl import DataLoader
         >>> loader = DataLoader(range(10), batch_size=4, num_workers=2)
         >>> [b.tolist() for b in loader]
+        [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
+        >>> [b.tolist() for b in DataLoader(range(10), batch_size=4, num_workers=0)]  # in this process, as torch
         [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]]
 
     Args (raydl's own; torch's are documented by torch):
@@ -480,6 +482,21 @@ class DataLoader(_TorchDataLoader[T_co]):
         Returns a `raydl.LoaderStats` (`print(loader.stats())` shows a table;
         `loader.stats().timeline("epoch.json")` writes a Chrome trace and a PNG), or None before
         the first iteration. See NOTE [ raydl stats ] in driver/stats/recorder.py.
+
+        Example:
+            >>> from raydl import DataLoader
+            >>> loader = DataLoader(range(8), batch_size=2, num_workers=2, ray_name="digits")
+            >>> _ = list(loader)
+            >>> stats = loader.stats()
+            >>> stats.name, stats.finished, stats.batches, stats.samples, len(stats.workers)
+            ('digits', True, 4, 8, 2)
+            >>> sum(w.batches for w in stats.workers)
+            4
+            >>> print(stats)  # the data stall first, then one row per worker
+            raydl loader 'digits', epoch 0 (finished): 4 batches, 8 samples in ... s; the loop waited for data ...
+            in flight: 0 batches, ...
+            worker  node ... restarts
+            ...
 
         Raises:
             RuntimeError: num_workers=0 (torch's in-process loading, nothing to measure here), or

@@ -13,8 +13,8 @@ def _run_examples(obj) -> None:
     """Run every `>>>` example in `obj`'s docstring; fail with doctest's report if one differs."""
     finder = doctest.DocTestFinder(recurse=False)
     runner = doctest.DocTestRunner(optionflags=doctest.ELLIPSIS | doctest.NORMALIZE_WHITESPACE)
-    tests = [t for t in finder.find(obj, name=f"raydl.{obj.__name__}", globs={}) if t.examples]
-    assert tests, f"raydl.{obj.__name__} has no runnable example in its docstring"
+    tests = [t for t in finder.find(obj, name=f"raydl.{obj.__qualname__}", globs={}) if t.examples]
+    assert tests, f"raydl.{obj.__qualname__} has no runnable example in its docstring"
     report: list = []
     for test in tests:
         runner.run(test, out=report.append)
@@ -38,3 +38,13 @@ def test_patch_example_runs():
 def test_start_example_runs(ray_session):
     """raydl.start()'s example starts a worker that the next loader takes, on the suite's Ray."""
     _run_examples(raydl.start)
+
+
+def test_dataloader_example_runs(ray_session):
+    """DataLoader's example loads with two Ray workers (the suite's Ray) and with num_workers=0."""
+    _run_examples(raydl.DataLoader)
+
+
+def test_stats_example_runs(ray_session):
+    """DataLoader.stats()'s example reads an epoch's figures and prints its table, on the suite's Ray."""
+    _run_examples(raydl.DataLoader.stats)
