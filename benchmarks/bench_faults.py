@@ -1,5 +1,5 @@
 """What a lost worker costs the training loop on a real (virtual) network: the namespace cluster
-(cluster/netns_cluster.py: a head and two worker nodes, each its own network namespace and address, links capped
+(cluster/netns_testbed.py: a head and two worker nodes, each its own network namespace and address, links capped
 with `tc tbf`), the driver in the head's namespace, workers on TCP lanes (the defaults). Faults, mid-epoch, on the
 node of worker 1:
   * process: worker 1's process SIGKILLed (its lane ends with a reset at once);
@@ -40,7 +40,7 @@ def _driver(fault: str, per_node: int, seed: str) -> dict:
     from torch.utils.data import Dataset
 
     import raydl
-    from cluster import netns_cluster
+    from cluster import netns_testbed
 
     class Spin(Dataset):
         def __len__(self) -> int:
@@ -60,7 +60,7 @@ def _driver(fault: str, per_node: int, seed: str) -> dict:
 
     logging.getLogger("raydl").addHandler(Said(logging.WARNING))
     ray.init()
-    cluster = netns_cluster.from_state(os.environ["RAYDL_NETNS_TAG"])
+    cluster = netns_testbed.from_state(os.environ["RAYDL_NETNS_TAG"])
     ips = [cluster.ip(n) for n in cluster.nodes]
     loader = raydl.DataLoader(
         Spin(), batch_size=BATCH, num_workers=2 * per_node, timeout=300, ray_startup_timeout_s=240, ray_seed=seed
@@ -120,10 +120,10 @@ def _driver(fault: str, per_node: int, seed: str) -> dict:
 
 
 def _run_case(fault: str, per_node: int, rate: str, seed: str) -> dict:
-    from cluster import netns_cluster
+    from cluster import netns_testbed
 
     tag = f"f{os.getpid() % 100000}"
-    cluster = netns_cluster.NetnsCluster(workers=2, tag=tag, rate=rate)
+    cluster = netns_testbed.NetnsCluster(workers=2, tag=tag, rate=rate)
     with cluster:
         return run_in_netns_head(cluster, "bench_faults", "--driver", fault, str(per_node), seed, RAYDL_NETNS_TAG=tag)
 

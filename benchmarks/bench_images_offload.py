@@ -10,7 +10,7 @@ followed by a training step as costly as making the batch.
 Shape (bench_offload.py's helpers, imported): this driver is pinned to the first usable CPU
 before torch or Ray start a thread (importing bench_offload does it), so torch's forked workers
 share that core with the trainer; a head node (GCS, the driver's raylet and object store) is
-started with cluster/local_cluster.sh under `taskset -c <trainer cpu>` and a 1-CPU node with
+started with cluster/local_launcher.sh under `taskset -c <trainer cpu>` and a 1-CPU node with
 {"data": num_workers} under `taskset -c <data cpu>` (own directory and ports:
 /tmp/raydl-bench-imgoff, 6790, dashboard 8790).
 

@@ -4,7 +4,7 @@
     python -m benchmarks.bench_multinode            # full run (about 3-5 minutes with cluster start-up)
     python -m benchmarks.bench_multinode --quick    # smoke run (about 1-2 minutes)
 
-A local multi-node cluster (cluster/local_cluster.sh: a head node with the driver and 2 worker
+A local multi-node cluster (cluster/local_launcher.sh: a head node with the driver and 2 worker
 nodes with resource "data", every node its own raylet and object store, all on 127.0.0.1; own
 directory and ports: RAYDL_CLUSTER_DIR=/tmp/raydl-bench-mn, port 6690, dashboard 8690). For batch
 sizes from 64 KB to 64 MB, the same raydl loader runs with its workers

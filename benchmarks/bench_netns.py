@@ -1,5 +1,5 @@
 """4 MiB batches from two worker nodes to the driver over a real (virtual) network: the namespace cluster
-(cluster/netns_cluster.py, each node its own network namespace and address, links capped with `tc tbf`), the
+(cluster/netns_testbed.py, each node its own network namespace and address, links capped with `tc tbf`), the
 driver in the head's namespace. MB/s of batches handed to the loop for TCP lanes, TCP lanes with TLS (a cluster
 started with Ray's TLS) and Ray's transfer (`ray_lane=False`, with and without TLS), against the head's link cap
 (every batch enters the driver's node through its one link).
@@ -74,9 +74,9 @@ def _driver(mb: int, reps: int, modes: list) -> dict:
 
 
 def _run_cluster(tls: bool, rate: str, mb: int, reps: int, modes: list) -> dict:
-    from cluster import netns_cluster
+    from cluster import netns_testbed
 
-    cluster = netns_cluster.NetnsCluster(workers=2, tag=f"b{os.getpid()}{'t' if tls else ''}", rate=rate, tls=tls)
+    cluster = netns_testbed.NetnsCluster(workers=2, tag=f"b{os.getpid()}{'t' if tls else ''}", rate=rate, tls=tls)
     with cluster:
         return run_in_netns_head(
             cluster, "bench_netns", "--driver", ",".join(modes), "--mb", str(mb), "--reps", str(reps)
@@ -97,7 +97,7 @@ def main() -> None:
     for tls in (False, True):
         for mode, res in _run_cluster(tls, a.rate, a.mb, a.reps, ["lanes", "ray"]).items():
             results[("TCP lanes" if mode == "lanes" else "Ray's transfer") + (" + TLS" if tls else "")] = res
-    from cluster.netns_cluster import _rate_bits
+    from cluster.netns_testbed import _rate_bits
 
     cap = _rate_bits(a.rate) / 8 / 1e6
     print(f"\n{BATCH_MB} MiB batches, 2 worker nodes -> driver, links {a.rate} (head's link: {cap:.0f} MB/s), ")

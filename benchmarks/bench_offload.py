@@ -12,7 +12,7 @@ ray_remote_args={"resources": {"data": 1}, "num_cpus": ...} ("raydl"), or with n
 all ("raydl-auto": raydl's own placement, NOTE [ raydl placement ], which must pick the node that
 is not the driver's). The head node (GCS, the driver's
 raylet and object store) is started under `taskset -c 0`, beside the trainer, as the GPU host's
-own raylet would be. Both use cluster/local_cluster.sh's loopback-only start, in their own
+own raylet would be. Both use cluster/local_launcher.sh's loopback-only start, in their own
 directory and ports (RAYDL_CLUSTER_DIR=/tmp/raydl-bench-off, port 6590, dashboard 8590).
 
 Workload: CPU-bound ~1 ms/sample producing 3x64x64 float32, batch 64, 2 workers; optionally a

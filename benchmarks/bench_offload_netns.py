@@ -1,4 +1,4 @@
-"""Offload over a real (virtual) link: bench_offload's shape on the namespace cluster (cluster/netns_cluster.py).
+"""Offload over a real (virtual) link: bench_offload's shape on the namespace cluster (cluster/netns_testbed.py).
 
 The head's namespace holds the trainer (this driver, pinned to one core, as bench_offload pins it) and the head's
 Ray on that core; one worker node, its own namespace and address, its Ray pinned to the other core; the link
@@ -90,9 +90,9 @@ def _driver(samples: int, epochs: int, loaders: list, workload: str) -> dict:
 
 
 def _run(rate: str, tls: bool, samples: int, epochs: int, workload: str) -> dict:
-    from cluster import netns_cluster
+    from cluster import netns_testbed
 
-    cluster = netns_cluster.NetnsCluster(
+    cluster = netns_testbed.NetnsCluster(
         workers=1,
         tag=f"o{os.getpid() % 100000}{'t' if tls else ''}",
         rate=rate,
@@ -128,7 +128,7 @@ def main() -> None:
         from examples.train_image_classifier import write_jpeg_folder
 
         write_jpeg_folder(JPEG_DIR.format(n=a.samples), a.samples, 100, size=(500, 375), quality=90)
-    from cluster.netns_cluster import _rate_bits
+    from cluster.netns_testbed import _rate_bits
 
     rows = []
     t0 = time.time()

@@ -3,10 +3,10 @@
 Start the local multi-node cluster first (a head with resource "trainer" and worker nodes with
 resource "data", all on loopback), then run this against it:
 
-    cluster/local_cluster.sh start 2
+    cluster/local_launcher.sh start 2
     RAY_AUTH_MODE=token RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 \\
-        python examples/cluster_training.py --address "$(cluster/local_cluster.sh address)"
-    cluster/local_cluster.sh stop
+        python examples/cluster_training.py --address "$(cluster/local_launcher.sh address)"
+    cluster/local_launcher.sh stop
 
 The same script works on a cloud or KubeRay cluster built from cluster/*.yaml (run it on the
 head node with --address auto). Every worker asks for one "data" unit, so none runs on the
@@ -48,7 +48,7 @@ class AugmentedImages(Dataset):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description="raydl on a multi-node Ray cluster")
-    parser.add_argument("--address", default="auto", help="Ray cluster address (cluster/local_cluster.sh address)")
+    parser.add_argument("--address", default="auto", help="Ray cluster address (cluster/local_launcher.sh address)")
     parser.add_argument("--samples", type=int, default=2048)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--num-workers", type=int, default=4)

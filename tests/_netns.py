@@ -1,10 +1,10 @@
-"""The namespace cluster (cluster/netns_cluster.py) for tests: a module-scoped fixture factory and a driver runner.
+"""The namespace cluster (cluster/netns_testbed.py) for tests: a module-scoped fixture factory and a driver runner.
 
-`netns_cluster(**kwargs)` is a generator for a `scope="module"` fixture: it skips (with the reason) where network
+`namespace_cluster(**kwargs)` is a generator for a `scope="module"` fixture: it skips (with the reason) where network
 namespaces cannot be made, starts the cluster with a tag of this process (`p<pid>`, so concurrent sessions never
 meet), and always tears it down; a reaper process of its own tears it down if pytest dies without its
 finalizers (SIGKILL, a lost terminal), and the next session sweeps what a dead session's reaper could not
-(NOTE [ netns cluster teardown ] in cluster/netns_cluster.py). `run_driver` runs a tests._netns_main scenario in the
+(NOTE [ netns cluster teardown ] in cluster/netns_testbed.py). `run_driver` runs a tests._netns_main scenario in the
 head's namespace, bounded in time, and returns its facts.
 """
 
@@ -22,9 +22,9 @@ from tests._session import REPO, read_facts
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location("netns_cluster", os.path.join(REPO, "cluster", "netns_cluster.py"))
+    spec = importlib.util.spec_from_file_location("netns_testbed", os.path.join(REPO, "cluster", "netns_testbed.py"))
     module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("netns_cluster", module)
+    sys.modules.setdefault("netns_testbed", module)
     spec.loader.exec_module(module)
     return module
 
@@ -32,7 +32,7 @@ def _load():
 netns = _load()
 
 
-def netns_cluster(index: int = 0, **kwargs):
+def namespace_cluster(index: int = 0, **kwargs):
     """Yields a started NetnsCluster (tag `p<pid>x<index>`: one per module at a time); skips where it cannot be made."""
     why = netns.can_make_namespaces()
     if why is not None:

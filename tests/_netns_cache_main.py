@@ -1,5 +1,5 @@
 """Run by tests/test_netns_cache.py (tests/_netns.py's `run_driver(..., module=...)`) in the head's namespace of a
-namespace cluster started with `private=True` (cluster/netns_cluster.py: each worker node its own tmpfs at
+namespace cluster started with `private=True` (cluster/netns_testbed.py: each worker node its own tmpfs at
 `private_dir`): a driver that joins it and prints one `FACTS {json}` line.
 
 Scenario `cache`: moto's S3 server and a byte-counting proxy in this process's namespace, the proxy listening on the

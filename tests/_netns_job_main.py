@@ -1,4 +1,4 @@
-"""The job service (`ray_job`, docs/job.md) on a namespace cluster (cluster/netns_cluster.py): two ranks of a gloo job
+"""The job service (`ray_job`, docs/job.md) on a namespace cluster (cluster/netns_testbed.py): two ranks of a gloo job
 on two nodes, rank 0 in the head's namespace and rank 1 in worker node 1's, each joining the cluster with its node's
 Ray environment, the gloo rendezvous at the head's bridge address.
 

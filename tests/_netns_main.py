@@ -1,4 +1,4 @@
-"""Run by tests/_netns.py in the head's namespace of a namespace cluster (cluster/netns_cluster.py): a driver that
+"""Run by tests/_netns.py in the head's namespace of a namespace cluster (cluster/netns_testbed.py): a driver that
 joins it (RAY_ADDRESS, its token and TLS files in the environment) and prints one `FACTS {json}` line.
 
 Scenarios: `plain` (placement over the nodes' addresses, TCP lanes seen on the wire, a node killed mid-epoch: last,

@@ -10,7 +10,7 @@ os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 # Prometheus endpoint, with a bounded wait.
 os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # Every Ray the suite starts (this session, the ray.cluster_utils clusters of the fresh drivers,
-# cluster/local_cluster.sh) runs its workers at the test process's niceness, as raydl's own local
+# cluster/local_launcher.sh) runs its workers at the test process's niceness, as raydl's own local
 # Ray does (NOTE [ raydl worker niceness ]). At Ray's default (+15) any busy process on a shared CI
 # machine starves them, and the suite's bounded waits become failures.
 os.environ.setdefault("RAY_worker_niceness", "0")

@@ -1,7 +1,7 @@
 """cluster/: the AWS launcher and KubeRay configs, and the local multi-node cluster script.
 
 The YAML tests only parse files (and run Ray's own launcher schema offline). The one `cluster`
-test starts a real 3-node Ray on loopback with cluster/local_cluster.sh and stops it; deselect
+test starts a real 3-node Ray on loopback with cluster/local_launcher.sh and stops it; deselect
 it with `-m "not cluster"`. It never uses the suite's `ray_session` fixture.
 """
 
@@ -28,7 +28,7 @@ from tests._session import ENV_AT_START, background_call, run_command
 CLUSTER_DIR = Path(__file__).resolve().parent.parent / "cluster"
 AWS_YAML = CLUSTER_DIR / "aws-gpu-head-cpu-data.yaml"
 KUBERAY_YAML = CLUSTER_DIR / "kuberay-raycluster.yaml"
-LOCAL_SCRIPT = CLUSTER_DIR / "local_cluster.sh"
+LOCAL_SCRIPT = CLUSTER_DIR / "local_launcher.sh"
 
 RAY_VERSION = ray.__version__
 GPU_INSTANCE_FAMILIES = ("g4dn", "g5", "g6", "g6e", "p3", "p4d", "p5")
@@ -219,7 +219,7 @@ def test_kuberay_installs_raydl_before_ray_start_in_every_container(kuberay):
 # ---------------------------------------------------------------- local multi-node cluster
 
 
-def test_local_cluster_script_never_runs_a_bare_ray_stop():
+def test_local_launcher_never_runs_a_bare_ray_stop():
     """The script is valid bash, starts every node on 127.0.0.1 without the loopback switch, and never calls `ray stop`."""
     subprocess.run(["bash", "-n", str(LOCAL_SCRIPT)], check=True, timeout=30)
     code = [line for line in LOCAL_SCRIPT.read_text().splitlines() if not line.lstrip().startswith("#")]
@@ -266,10 +266,10 @@ _DRIVER = textwrap.dedent(
 )
 
 
-def _local_cluster_run() -> None:
-    """The whole check of test_local_cluster_starts_three_loopback_nodes_and_stops_them (fresh processes only: it runs
+def _local_launcher_run() -> None:
+    """The whole check of test_local_launcher_starts_three_loopback_nodes_and_stops_them (fresh processes only: it runs
     in the background while the in-process tests run, NOTE [ tests background commands ] in tests/_session.py)."""
-    tmp_path = tempfile.mkdtemp(prefix="raydl_local_cluster_")
+    tmp_path = tempfile.mkdtemp(prefix="raydl_local_launcher_")
     if shutil.which("ss") is None or shutil.which("setsid") is None:
         pytest.skip("needs ss and setsid (iproute2, util-linux)")
     # Own temp dir and ports: never touches a cluster someone started with the defaults.
@@ -347,12 +347,12 @@ def _local_cluster_run() -> None:
     shutil.rmtree(tmp_path, ignore_errors=True)
 
 
-_LOCAL_CLUSTER_TEST = "test_local_cluster_starts_three_loopback_nodes_and_stops_them"
-background_call(f"tests/test_cluster_configs.py::{_LOCAL_CLUSTER_TEST}", "local_cluster", _local_cluster_run, 840)
+_LOCAL_LAUNCHER_TEST = "test_local_launcher_starts_three_loopback_nodes_and_stops_them"
+background_call(f"tests/test_cluster_configs.py::{_LOCAL_LAUNCHER_TEST}", "local_launcher", _local_launcher_run, 840)
 
 
 @pytest.mark.cluster
 @pytest.mark.timeout(900)  # sized for a loaded 2-core machine: 3 `ray start`s, a driver, the example, `stop`
-def test_local_cluster_starts_three_loopback_nodes_and_stops_them():
+def test_local_launcher_starts_three_loopback_nodes_and_stops_them():
     """`start 2`: 3 alive loopback nodes (8 "data", 1 "trainer"), raydl "data" workers only on data nodes; `stop` cleans up."""
-    run_command("local_cluster")
+    run_command("local_launcher")

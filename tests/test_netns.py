@@ -1,4 +1,4 @@
-"""On the namespace cluster (cluster/netns_cluster.py): a head and two worker nodes, each in its own network
+"""On the namespace cluster (cluster/netns_testbed.py): a head and two worker nodes, each in its own network
 namespace with its own address, links capped at 10 Gbit; the driver in the head's namespace. Skipped where network
 namespaces cannot be made (not root, no CAP_NET_ADMIN, no `ip`)."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests._netns import netns_cluster, run_driver
+from tests._netns import namespace_cluster, run_driver
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(420)]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from netns_cluster(0, workers=2)
+    yield from namespace_cluster(0, workers=2)
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The node cache and the job service on the namespace cluster (cluster/netns_cluster.py, `private=True`): each worker
+"""The node cache and the job service on the namespace cluster (cluster/netns_testbed.py, `private=True`): each worker
 node its own address and its own tmpfs at the cache's folder, S3 (moto behind a byte-counting proxy) in the head's
 namespace at the head's bridge address (tests/_netns_cache_main.py); a `ray_job` of two gloo ranks, one in the head's
 namespace and one in a worker node's (tests/_netns_job_main.py). Skipped where network namespaces cannot be made."""
@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests._netns import netns_cluster, run_driver
+from tests._netns import namespace_cluster, run_driver
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(360)]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from netns_cluster(2, workers=2, private=True)
+    yield from namespace_cluster(2, workers=2, private=True)
 
 
 @pytest.fixture(scope="module")

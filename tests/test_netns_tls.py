@@ -1,4 +1,4 @@
-"""On a namespace cluster started with Ray's TLS (cluster/netns_cluster.py --tls: a CA and node certificates naming
+"""On a namespace cluster started with Ray's TLS (cluster/netns_testbed.py --tls: a CA and node certificates naming
 each node's IP): the TCP lanes between namespaces are TLS, and no sample's bytes cross the wire in the clear
 (issue 37). tests/test_netns.py is the control: the same sniffer finds the marker on a cluster without TLS."""
 
@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 
-from tests._netns import netns_cluster, run_driver
+from tests._netns import namespace_cluster, run_driver
 
 pytestmark = [pytest.mark.netns, pytest.mark.timeout(300)]
 
 
 @pytest.fixture(scope="module")
 def cluster():
-    yield from netns_cluster(1, workers=1, tls=True)
+    yield from namespace_cluster(1, workers=1, tls=True)
 
 
 def test_lanes_are_tls_and_no_batch_crosses_in_the_clear(cluster):

@@ -1,6 +1,6 @@
 """No Ray behind the user's back (NOTE [ raydl no Ray behind the user's back ] in raydl/cluster/connect.py).
 
-A script joins a `ray start` head (cluster/local_cluster.sh, head only), runs loaders with
+A script joins a `ray start` head (cluster/local_launcher.sh, head only), runs loaders with
 persistent_workers=True, calls `ray.shutdown()`; the head is then stopped. raydl's background
 threads (warm pool reaper, job lease renewal) and its finalizers must not start a new Ray, and the
 process ends promptly. A loader iterated after `ray.shutdown()` starts Ray again and says so.
@@ -19,7 +19,7 @@ import pytest
 
 from tests._session import ENV_AT_START, REPO, background, background_call, fresh_env, read_facts, run_command
 
-LOCAL_SCRIPT = os.path.join(REPO, "cluster", "local_cluster.sh")
+LOCAL_SCRIPT = os.path.join(REPO, "cluster", "local_launcher.sh")
 
 
 def _port_free(port: int) -> bool:

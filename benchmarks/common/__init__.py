@@ -3,7 +3,7 @@
     machine     what the results depend on (machine, versions, commit) and the load other processes add
     results     where a run writes (results/<script>-<stamp>.jsonl and .md, figures/<script>.png), tables
     workloads   the synthetic datasets torch, raydl and Ray Data all run
-    clusters    multi-node Rays on this machine (cluster/local_cluster.sh), stopped on exit
+    clusters    multi-node Rays on this machine (cluster/local_launcher.sh), stopped on exit
     processes   measurements in child processes (`python -m benchmarks.<script>` from the repository root)
     peers       the loaders raydl is measured against (torch, Ray Data, SPDL, torchdata.nodes)
     offload     the offload shape: the trainer pinned to one core, the workers on a node of another

@@ -1,4 +1,4 @@
-"""Multi-node Rays on this machine: cluster/local_cluster.sh's loopback nodes in a benchmark's own directory and ports.
+"""Multi-node Rays on this machine: cluster/local_launcher.sh's loopback nodes in a benchmark's own directory and ports.
 
 `LocalCluster` starts and stops them (always, on exit, bounded waits, never `ray stop`);
 `connect_driver` and `wait_for_nodes` join the driver to one; `cluster_pids` finds its processes.
@@ -20,7 +20,7 @@ from benchmarks.common.results import log
 
 
 def cluster_pids(cluster_dir: str) -> list[int]:
-    """Processes of a cluster started by cluster/local_cluster.sh (or like it) with RAYDL_CLUSTER_DIR=cluster_dir."""
+    """Processes of a cluster started by cluster/local_launcher.sh (or like it) with RAYDL_CLUSTER_DIR=cluster_dir."""
     real = os.path.realpath(cluster_dir)
     marker = ("RAYDL_LOCAL_CLUSTER_DIR=" + real).encode()
     needle = (real + "/ray/").encode()
@@ -38,9 +38,9 @@ def cluster_pids(cluster_dir: str) -> list[int]:
     return pids
 
 
-LOCAL_CLUSTER_SH = os.path.join(REPO, "cluster", "local_cluster.sh")
+LOCAL_LAUNCHER_SH = os.path.join(REPO, "cluster", "local_launcher.sh")
 
-# Ray's CLI with 127.0.0.1 kept as 127.0.0.1: the same rewrite cluster/local_cluster.sh does (see
+# Ray's CLI with 127.0.0.1 kept as 127.0.0.1: the same rewrite cluster/local_launcher.sh does (see
 # its header): stock `ray start` on Linux replaces --node-ip-address=127.0.0.1 with the routable IP.
 RAY_CLI_LOOPBACK = """
 import sys
@@ -55,11 +55,11 @@ sys.exit(main())
 
 
 class LocalCluster:
-    """A cluster from cluster/local_cluster.sh in its own directory and ports; always stopped on exit.
+    """A cluster from cluster/local_launcher.sh in its own directory and ports; always stopped on exit.
 
     `start N` starts a head ({"trainer": 1}) and N worker nodes ({"data": ...}); `add_worker_node`
     starts one more worker node the same way (loopback only, token auth, the script's marker in
-    its environment so that `local_cluster.sh stop` stops it too), optionally pinned to CPUs with
+    its environment so that `local_launcher.sh stop` stops it too), optionally pinned to CPUs with
     `taskset`. Every subprocess is bounded in time.
     """
 
@@ -83,12 +83,12 @@ class LocalCluster:
         self.extra_nodes = 0
 
     def _script(self, *args: str, taskset: Optional[str] = None, timeout_s: float = 600) -> None:
-        cmd = (["taskset", "-c", taskset] if taskset else []) + ["bash", LOCAL_CLUSTER_SH, *args]
+        cmd = (["taskset", "-c", taskset] if taskset else []) + ["bash", LOCAL_LAUNCHER_SH, *args]
         log(f"$ {' '.join(cmd)}   (RAYDL_CLUSTER_DIR={self.dir}, port {self.port})")
         proc = subprocess.run(cmd, env=self.env, capture_output=True, text=True, timeout=timeout_s)
         if proc.returncode != 0:
             raise RuntimeError(
-                f"local_cluster.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
+                f"local_launcher.sh {' '.join(args)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}"
             )
 
     def start(self, n_worker_nodes: int, taskset: Optional[str] = None) -> None:
@@ -102,7 +102,7 @@ class LocalCluster:
         taskset: Optional[str] = None,
         timeout_s: float = 180,
     ) -> None:
-        """One more `ray start --address=...` worker node, as local_cluster.sh starts them."""
+        """One more `ray start --address=...` worker node, as local_launcher.sh starts them."""
         self.extra_nodes += 1
         name = f"x{self.extra_nodes}"
         state_dir = os.path.join(self.dir, "state")
@@ -179,7 +179,7 @@ def disconnect_and_stop(cluster: "LocalCluster") -> None:
 
 
 def connect_driver(address: str) -> None:
-    """ray.init to a local_cluster.sh cluster, as its header says a driver must (token auth, loopback kept)."""
+    """ray.init to a local_launcher.sh cluster, as its header says a driver must (token auth, loopback kept)."""
     os.environ["RAY_AUTH_MODE"] = "token"
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
     import ray
@@ -202,7 +202,7 @@ def wait_for_nodes(n: int, timeout_s: float = 120) -> list[dict]:
 
 def run_in_netns_head(cluster: Any, script: str, *args: str, timeout_s: float = 900, **env: str) -> dict:
     """`python -m benchmarks.<script> *args` as a driver in the head's namespace of a namespace cluster
-    (cluster/netns_cluster.py), with the cluster's driver environment plus `env`; its `RESULT {json}` line, or
+    (cluster/netns_testbed.py), with the cluster's driver environment plus `env`; its `RESULT {json}` line, or
     SystemExit with its output when it failed."""
     from benchmarks.common.processes import child_result, script_command
 

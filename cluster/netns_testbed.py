@@ -8,11 +8,11 @@ root namespace's links or routes: the bridge lives in a namespace of its own (`r
 node `i` in `rdl-<tag>-n<i>` (0 = head) with `eth0` = 10.237.0.(10+i)/24 (`--subnet`), its veth peer `v<i>` on the
 bridge. No namespace has a route off the bridge, so no packet of this cluster can leave it.
 
-    cluster/netns_cluster.py up --workers 2 [--rate 10gbit] [--tls] [--private] [--tag c]
-    cluster/netns_cluster.py env            # the driver's environment, as `export` lines
-    cluster/netns_cluster.py exec 0 -- python train.py   # a command in node 0's (the head's) namespace, with it
-    cluster/netns_cluster.py kill 2 | link-down 2 | link-up 2
-    cluster/netns_cluster.py down           # also cleans what an earlier crashed run of the tag left
+    cluster/netns_testbed.py up --workers 2 [--rate 10gbit] [--tls] [--private] [--tag c]
+    cluster/netns_testbed.py env            # the driver's environment, as `export` lines
+    cluster/netns_testbed.py exec 0 -- python train.py   # a command in node 0's (the head's) namespace, with it
+    cluster/netns_testbed.py kill 2 | link-down 2 | link-up 2
+    cluster/netns_testbed.py down           # also cleans what an earlier crashed run of the tag left
 
 From Python (tests/_netns.py): `NetnsCluster(workers=2, tls=True).start()`; `stop()` is idempotent, and with
 `reaper=True` a process of its own (its own session) tears the cluster down when the creating process dies, however
@@ -431,7 +431,7 @@ def _rate_bits(rate: str) -> float:
 def sniff(marker: bytes, seconds: float) -> dict:
     """Frames seen in this process's network namespace (every interface, both ways; run it in the bridge's to see
     all of the cluster's traffic) for `seconds` or until SIGTERM: how many, their TCP bytes by port, and how many
-    carry `marker` by port. `ip netns exec NS python netns_cluster.py sniff --marker HEX` prints it as JSON."""
+    carry `marker` by port. `ip netns exec NS python netns_testbed.py sniff --marker HEX` prints it as JSON."""
     import socket
     import struct
 

@@ -2,10 +2,10 @@
 # A real multi-node Ray cluster on this one machine, for trying raydl's placement options
 # (ray_remote_args resources / scheduling) without a cloud account.
 #
-#   cluster/local_cluster.sh start N   head node {"trainer": 1} + N worker nodes {"data": 4}
-#   cluster/local_cluster.sh stop      stop the nodes this script started, and nothing else
-#   cluster/local_cluster.sh status    are they running, and what the cluster holds
-#   cluster/local_cluster.sh address   the address a driver connects to (127.0.0.1:6390)
+#   cluster/local_launcher.sh start N   head node {"trainer": 1} + N worker nodes {"data": 4}
+#   cluster/local_launcher.sh stop      stop the nodes this script started, and nothing else
+#   cluster/local_launcher.sh status    are they running, and what the cluster holds
+#   cluster/local_launcher.sh address   the address a driver connects to (127.0.0.1:6390)
 #
 # Every node is a separate `ray start` (its own raylet, object store and agents) joined to
 # one head. What this script guarantees, and how:
@@ -71,7 +71,7 @@ STOP_GRACE_S="${RAYDL_CLUSTER_STOP_GRACE_S:-8}"
 MAX_WORKER_NODES=16
 ADDRESS="127.0.0.1:$HEAD_PORT"
 
-die() { echo "local_cluster.sh: $*" >&2; exit 1; }
+die() { echo "local_launcher.sh: $*" >&2; exit 1; }
 
 find_python() {
     local candidate
@@ -92,7 +92,7 @@ read -r -d '' RAY_CLI <<'EOF' || true
 import sys
 import ray._private.services as services
 if not hasattr(services, "resolve_ip_for_localhost"):
-    sys.exit("local_cluster.sh: this Ray has no services.resolve_ip_for_localhost; "
+    sys.exit("local_launcher.sh: this Ray has no services.resolve_ip_for_localhost; "
              "the loopback-only start is only checked against ray 2.60")
 services.resolve_ip_for_localhost = lambda host: host
 from ray.scripts.scripts import main
@@ -299,7 +299,7 @@ ray_start() {
 cmd_start() {
     local n="${1:-}"
     [[ "$n" =~ ^[0-9]+$ ]] && ((n <= MAX_WORKER_NODES)) \
-        || die "usage: local_cluster.sh start N   (N worker nodes, 0..$MAX_WORKER_NODES)"
+        || die "usage: local_launcher.sh start N   (N worker nodes, 0..$MAX_WORKER_NODES)"
     local tool
     for tool in ss setsid timeout; do
         command -v "$tool" >/dev/null || die "needs '$tool' (ss checks that every node listens on loopback only)"
@@ -308,7 +308,7 @@ cmd_start() {
     # and a socket path must fit 107 bytes.
     (($(realpath -m "$RAY_TEMP_DIR" | wc -c) <= 40)) \
         || die "RAYDL_CLUSTER_DIR=$CLUSTER_DIR is too long for Ray's socket paths (keep it under ~35 characters)"
-    [[ -z "$(procs pids)" ]] || die "a cluster from $CLUSTER_DIR is already running; run 'local_cluster.sh stop' first"
+    [[ -z "$(procs pids)" ]] || die "a cluster from $CLUSTER_DIR is already running; run 'local_launcher.sh stop' first"
     local port
     for port in "$HEAD_PORT" "$CLIENT_PORT" "$AUTOSCALER_METRIC_PORT" "$DASHBOARD_METRIC_PORT" \
             "$DASHBOARD_PORT" $(seq "$AGENT_PORT_BASE" $((AGENT_PORT_BASE + n))); do
