@@ -23,6 +23,24 @@ PIN_THREAD_JOIN_TIMEOUT_S = 5.0
 # of batch k+1 overlaps the training step on batch k.
 PIN_LOOKAHEAD_BATCHES = 2
 
+# NOTE [ raydl pin copy ] in worker/transfer.py: an array of at least PIN_COPY_SPLIT_BYTES is copied into pinned
+# memory by PIN_COPY_THREADS threads at once (the pin thread and helpers), each a page-aligned slice: one core's
+# memcpy is below a GPU's host-to-device rate. A quarter of this process's cores, at most 4; 1 (off) on a machine
+# of under 8 cores; RAYDL_PIN_COPY_THREADS sets it.
+PIN_COPY_SPLIT_BYTES = 4 * 1024 * 1024
+
+
+def _pin_copy_threads() -> int:
+    import os
+
+    if os.environ.get("RAYDL_PIN_COPY_THREADS"):
+        return max(1, int(os.environ["RAYDL_PIN_COPY_THREADS"]))
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(4, cores // 4))
+
+
+PIN_COPY_THREADS = _pin_copy_threads()
+
 # Default options of a worker actor; `ray_remote_args` overrides them key by key.
 # num_cpus=0: like torch's worker processes, raydl workers do not reserve CPUs, so the
 # default request always fits (a laptop with 2 cores can run a loader with 8 workers, and a
@@ -113,6 +131,9 @@ LANE_TCP_USER_TIMEOUT_S = 30
 LANE_HEARTBEAT_S = 0.5
 LANE_SILENCE_MIN_BEATS = 4
 DEFAULT_SILENCE_TIMEOUT_S = 4.0
+# A worker reached over Ray's calls: after `ray_silence_timeout_s` with nothing from it, one TCP connection to its
+# node's raylet port, given this long to be answered (TCP resends a lost SYN after 1 s: one loss is forgiven).
+RAYLET_PROBE_S = 2.5
 # ... and the longest a worker tries to connect to it (a worker's calls wait meanwhile; a node that cannot reach the
 # driver's, behind a firewall, keeps Ray's calls and is not asked again by this process).
 LANE_TCP_CONNECT_S = 3.0

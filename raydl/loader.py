@@ -183,6 +183,9 @@ class DataLoader(_TorchDataLoader[T_co]):
             no error ever comes): the worker is replaced elsewhere and its batches remade, every
             batch once and in order, and no worker is placed on that node until Ray reaches it
             again (NOTE [ raydl silent node ] in raydl/cluster/silent_nodes.py; docs/faults.md).
+            Over Ray's calls (``ray_lane=False``, ``ray_job``), after this long with nothing from
+            a worker on another node, one TCP connection to its node's raylet tells a silent node
+            (no answer) from a slow batch.
             Lower: a silent node costs less; higher: fewer false alarms (one worker replaced each)
             when workers hold the GIL in native code for long. At least 2. ``None``: TCP's and
             Ray's own timeouts decide (about a minute). Defaults to ``4.0``.

@@ -9,6 +9,7 @@ tests/test_netns.py takes a real node's link down on the namespace cluster.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -25,6 +26,30 @@ from raydl.worker.lane import recv_reply, send_reply, since_received_s
 from tests import _datasets as D
 
 pytestmark = pytest.mark.usefixtures("ray_session")
+
+
+@contextlib.contextmanager
+def frozen(pid: int):
+    """The process stopped (SIGSTOP) inside the block: it holds its connections open and sends nothing."""
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        yield
+    finally:
+        try:
+            os.kill(pid, signal.SIGCONT)  # (killed by its replacement's start already, normally)
+        except ProcessLookupError:
+            pass
+
+
+def _freeze_worker_1_to_the_end(it, out: list, n: int, caplog) -> str:
+    """Worker 1 frozen for the rest of the epoch `it` (batches of 2 of range(n), `out` those read so far): every
+    sample comes once, worker 1 and worker 0 (on the same node) are replaced once each; what was logged."""
+    with frozen(it.worker_records[1].pid), caplog.at_level(logging.WARNING, logger="raydl"):
+        out += [b.flatten().tolist() for b in it]
+    samples = [i for batch in out for i in batch]
+    assert sorted(samples) == list(range(n)) and len(out) == n // 2
+    assert sum(it._pool.restarts) == 2, it._pool.restarts  # worker 1, and worker 0 on the same (silent) node
+    return " ".join(r.getMessage() for r in caplog.records)
 
 
 @pytest.fixture
@@ -50,23 +75,10 @@ def test_a_frozen_worker_on_another_node_is_replaced_and_every_batch_comes_once(
     it = iter(loader)
     out = []
     lanes = it._calls._lanes
-    while lanes is None or not lanes.has_lane(1):  # (a frozen worker still on Ray's calls waits for Ray's verdict)
+    while lanes is None or not lanes.has_lane(1):  # (on Ray's calls, this node's raylet would answer a probe)
         out.append(next(it).flatten().tolist())
         lanes = it._calls._lanes
-    pid = it.worker_records[1].pid
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        with caplog.at_level(logging.WARNING, logger="raydl"):
-            out += [b.flatten().tolist() for b in it]
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)  # (killed by its replacement's start already, normally)
-        except ProcessLookupError:
-            pass
-    samples = [i for batch in out for i in batch]
-    assert sorted(samples) == list(range(n)) and len(out) == n // 2
-    assert sum(it._pool.restarts) == 2, it._pool.restarts  # worker 1, and worker 0 on the same (silent) node
-    said = " ".join(r.getMessage() for r in caplog.records)
+    said = _freeze_worker_1_to_the_end(it, out, n, caplog)
     assert "went silent" in said and f"ray_silence_timeout_s={DEFAULT_SILENCE_TIMEOUT_S:g}" in said, said
     assert silent_nodes.is_silent("another-node")
 
@@ -147,3 +159,96 @@ def test_a_node_marked_silent_is_a_candidate_again_once_its_probe_runs():
         assert Placement("driver-of-a-job-elsewhere").candidates() == []
     finally:
         silent_nodes._forget_all()
+
+
+# --- Without a lane: Ray's calls to a worker on another node (ray_lane=False, a ray_job's ranks) ----------------------
+
+
+@pytest.fixture
+def over_ray_calls(monkeypatch):
+    """Every started worker is reported on "another-node", reached over Ray's calls; `verdicts[node]` is what the
+    probe of a node's raylet port says (`reach_raylet`), `asked` the nodes probed, in order."""
+    from raydl.driver.transport import calls as C
+    from raydl.driver.transport import lane as L
+    from raydl.driver.transport import ray_silence as RS
+
+    real = L.worker_node
+
+    def fake(pool, w):
+        return None if real(pool, w) is None else "another-node"
+
+    monkeypatch.setattr(L, "worker_node", fake)
+    monkeypatch.setattr(C, "worker_node", fake)
+    verdicts = {"another-node": "answers"}
+    asked: list = []
+
+    def reach(node, timeout_s):
+        asked.append(node)
+        return verdicts.get(node, "unknown")
+
+    monkeypatch.setattr(RS, "reach_raylet", reach)
+    yield verdicts, asked
+    silent_nodes._forget_all()
+
+
+@pytest.mark.parametrize("in_order", [True, False], ids=["in-order", "first-ready"])
+def test_over_ray_calls_a_silent_node_is_found_by_its_raylet_and_every_batch_comes_once(
+    over_ray_calls, caplog, in_order
+):
+    """ray_lane=False, otherwise the defaults (shuffle=True, no generator, the default silence timeout): worker 1
+    frozen mid-epoch and its node's raylet no longer answering. After the timeout with nothing from it, the driver
+    probes the node, marks it silent and replaces both its workers; every sample comes once."""
+    verdicts, asked = over_ray_calls
+    n = 48
+    loader = raydl.DataLoader(
+        D.SlowDataset(n, {i: 0.01 for i in range(n)}),
+        batch_size=2,
+        shuffle=True,
+        num_workers=2,
+        timeout=120,
+        in_order=in_order,
+        ray_lane=False,
+    )
+    it = iter(loader)
+    out = [next(it).flatten().tolist() for _ in range(6)]
+    assert asked == []  # replies kept coming: nothing was probed
+    verdicts["another-node"] = "timeout"
+    said = _freeze_worker_1_to_the_end(it, out, n, caplog)
+    assert "went silent" in said and "its raylet did not answer" in said, said
+    assert asked and set(asked) == {"another-node"}
+    assert silent_nodes.is_silent("another-node")
+
+
+def test_over_ray_calls_a_slow_batch_on_a_node_that_answers_is_waited_for(over_ray_calls):
+    """A batch three times the silence timeout long, on a node whose raylet answers the probe: no worker is replaced,
+    the batches come in order, and the node is probed at most once per timeout."""
+    verdicts, asked = over_ray_calls
+    delays = {i: 0.01 for i in range(24)}
+    delays[13] = 3 * 2.0
+    loader = raydl.DataLoader(
+        D.SlowDataset(24, delays), batch_size=2, num_workers=2, timeout=120, ray_lane=False, ray_silence_timeout_s=2.0
+    )
+    it = iter(loader)
+    out = [b.flatten().tolist() for b in it]
+    assert out == [[i, i + 1] for i in range(0, 24, 2)]
+    assert it._pool.restarts == [0, 0]
+    assert 1 <= len(asked) <= 3, asked  # 6 s of waiting, one probe per 2 s at most
+    assert not silent_nodes.silent_nodes()
+
+
+def test_the_raylet_probe_tells_an_answer_a_refusal_and_silence_apart():
+    """`connect_verdict`, the probe's one connection: a listening port answers, a closed one refuses, and a port whose
+    SYNs are dropped (a listener whose accept queue is full, as a silent link drops them) times out."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    try:
+        assert silent_nodes.connect_verdict(listener.getsockname(), 1.0) == "answers"  # fills the one-slot queue
+        started = time.monotonic()
+        assert silent_nodes.connect_verdict(listener.getsockname(), 0.5) == "timeout"
+        assert time.monotonic() - started < 5
+    finally:
+        listener.close()
+    closed = socket.socket()
+    closed.bind(("127.0.0.1", 0))
+    address = closed.getsockname()
+    closed.close()
+    assert silent_nodes.connect_verdict(address, 1.0) == "refused"

@@ -2,24 +2,27 @@
 
 NOTE [ raydl silent node ]
 A node can vanish without a word (a frozen VM, a dead switch port, a partition): no RST, no FIN, and Ray declares
-it dead only after its health checks give up (a minute with the defaults measured on the namespace cluster). The
-driver hears of it first: a worker on another node sends on its TCP lane at least every LANE_HEARTBEAT_S, so a lane
-on which the kernel has received nothing for `ray_silence_timeout_s` (TCP_INFO's time since the last data, the
-same for TLS lanes) belongs to a silent node. The lane is then closed (a late reply can never be read from it),
-its worker is recovered as a dead one (NOTE [ raydl recovery ]), and so are the iterator's other workers on that
-node (their replacements start together), and its node is marked here, process-wide:
+it dead only after its health checks give up (a minute with the defaults). The driver hears of it first:
+  * over a lane: a worker on another node sends at least every LANE_HEARTBEAT_S, so a lane on which the kernel has
+    received nothing for `ray_silence_timeout_s` (TCP_INFO's time since the last data, TLS lanes too) is silent;
+  * over Ray's calls (`ray_lane=False`, a `ray_job`'s ranks, a call sent before its worker's lane opened): once
+    the driver has heard nothing from a worker it waits on for `ray_silence_timeout_s`, it opens one TCP
+    connection to the node's raylet port (`reach_raylet`); no answer within RAYLET_PROBE_S is silence. The kernel
+    answers for a listening raylet however busy it is, so a slow batch on a live node is never taken for it.
+The lane is closed (a late reply can never be read from it), or the Ray call dropped, its worker is recovered as a
+dead one (NOTE [ raydl recovery ]) with the iterator's other workers on that node (their replacements start
+together), and the node is marked here, process-wide:
   * raydl's placement leaves the node out of its candidates (NOTE [ raydl placement ]), so no replacement lands on
     a node that cannot answer; placement by the user's own hints is Ray's business and is not changed;
   * a probe (a zero-CPU task pinned to the node) is sent when it is marked; the node is a candidate again once the
     probe has run there (Ray reached it: its link is back), never earlier. A node Ray declares dead fails the probe
     and stays marked (a dead node's id never returns).
-A node whose raylet is gone (every process of it killed, a host rebooting: connections reset, but Ray still lists
-the node as alive until its health checks give up, 14 s measured) is marked the same way when one of its workers
-dies and a TCP connection to its raylet's port is refused (`raylet_refuses`, asked once per death): without it the
-replacement went to the dead node first and died there. A refused connection is the only verdict taken: a
-timeout is left to the lanes' silence, and a process that died on a live node gets its replacement there.
-The cost of a false alarm (a worker whose process holds the GIL in native code past the timeout, a link stalled
-longer) is one worker replaced: the timeout is the knob between that and the stall of a real silence.
+A node whose raylet is gone (every process killed: connections reset, but Ray lists the node alive until its
+health checks give up) is marked the same way when one of its workers dies and a TCP connection to its raylet's
+port is refused (`raylet_refuses`, asked once per death): else the replacement went to the dead node and died.
+A false alarm (a worker holding the GIL in native code past the timeout, a link stalled longer) costs one worker
+replaced: the timeout is the knob between that and the stall of a real silence. Ray Client drivers take no
+verdict of their own: the raylet's port need not be reachable from the client.
 """
 
 from __future__ import annotations
@@ -28,7 +31,7 @@ import logging
 import threading
 from typing import Any
 
-__all__ = ["mark_silent", "is_silent", "silent_nodes", "raylet_refuses"]
+__all__ = ["mark_silent", "is_silent", "silent_nodes", "raylet_refuses", "reach_raylet"]
 
 logger = logging.getLogger(__name__)
 
@@ -69,22 +72,37 @@ def mark_silent(node_id: str, why: str = "nothing on a lane for ray_silence_time
 def raylet_refuses(node_id: str, timeout_s: float = 1.0) -> bool:
     """Whether a TCP connection to `node_id`'s raylet (its address and port as Ray lists them) is refused: its
     raylet process is gone. False when it answers, when the connection times out, or when Ray does not say."""
-    import socket
+    return reach_raylet(node_id, timeout_s) == "refused"
 
+
+def reach_raylet(node_id: str, timeout_s: float) -> str:
+    """One TCP connection to `node_id`'s raylet port: "answers", "refused" (its raylet is gone), "timeout" (nothing
+    came back: the node or its link is silent) or "unknown" (Ray does not list the node as alive, or another error).
+    The kernel answers a connection for a listening process however busy the process is, so a busy raylet still
+    answers; a SIGSTOPped worker process on a live node does too."""
     import ray
 
     try:
         row = next(n for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive"))
         address = (row["NodeManagerAddress"], int(row["NodeManagerPort"]))
     except (StopIteration, KeyError, TypeError, ValueError, Exception):  # noqa: BLE001 - unknown: no verdict
-        return False
+        return "unknown"
+    return connect_verdict(address, timeout_s)
+
+
+def connect_verdict(address: tuple, timeout_s: float) -> str:
+    """`reach_raylet`'s verdict for one TCP connection to `address` (host, port)."""
+    import socket
+
     try:
         socket.create_connection(address, timeout=timeout_s).close()
     except ConnectionRefusedError:
-        return True
+        return "refused"
+    except TimeoutError:  # socket.timeout: no answer at all
+        return "timeout"
     except OSError:
-        return False
-    return False
+        return "unknown"
+    return "answers"
 
 
 def is_silent(node_id: Any) -> bool:

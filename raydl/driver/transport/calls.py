@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 from ..._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
 from ..._measures import batch_nbytes
 from .lane import Lanes, LaneSilent, worker_node
+from .ray_silence import RaySilence
 
 if TYPE_CHECKING:
     from ...cluster.pool_protocol import DriverPool
@@ -46,7 +47,8 @@ class Transport(Protocol):
 
 class RayCalls:
     """Ray's actor calls to one iterator's pool. `on_other_node(worker_id)`: the call's batches start moving here at
-    once; `silent(worker_id)`: why the worker's node is known silent, or None; `sent(worker_id)`: told of each call."""
+    once; `silent(worker_id)`: why the worker's node is known silent, or None; `sent(worker_id)`: told of each call;
+    `watch`: asks whether a worker's node went silent while its calls are awaited (NOTE [ raydl silent node ])."""
 
     def __init__(
         self,
@@ -54,12 +56,16 @@ class RayCalls:
         on_other_node: Callable[[int], bool],
         silent: Optional[Callable[[int], Optional[str]]] = None,
         sent: Optional[Callable[[int], None]] = None,
+        watch: Optional[RaySilence] = None,
     ) -> None:
         self._pool = pool
         self._on_other_node = on_other_node
         self._silent = silent
         self._sent = sent
+        self._watch = watch
         self._methods: dict[int, tuple[Any, Any]] = {}  # worker id -> (its actor, fetch_many with num_returns=2)
+        self._worker_of: dict[Any, int] = {}  # a watched call's ref -> its worker (first_ready's silence check)
+        self._silenced: dict[Any, str] = {}  # a ref first_ready returned for its silent node -> why
 
     def send(self, worker_id: int, epoch: int, tasks: list) -> tuple[Any, Any]:
         actor = self._pool.actors[worker_id]
@@ -69,6 +75,9 @@ class RayCalls:
         ref, meta_ref = cached[1].remote(epoch, tasks)
         if self._sent is not None:
             self._sent(worker_id)
+        if self._watch is not None:
+            self._watch.sent(worker_id)
+            self._worker_of[ref] = worker_id
         if self._on_other_node(worker_id):
             prefetch([ref])
         return ref, meta_ref
@@ -76,20 +85,38 @@ class RayCalls:
     def receive(self, call: Any, worker_id: int, timeout_s: float) -> tuple[list, list]:
         import ray
 
-        if self._silent is not None:
+        why = self._silenced.pop(call.ref, None)
+        if why is None and self._silent is not None:
             why = self._silent(worker_id)
-            if why is not None:
-                raise LaneSilent(why)
+        if why is None and self._watch is not None:
+            why = self._watch.why_silent(worker_id)
+        if why is not None:
+            self._worker_of.pop(call.ref, None)
+            raise LaneSilent(why)
         batches, metas = ray.get([call.ref, call.meta_ref], timeout=timeout_s)
+        if self._worker_of.pop(call.ref, None) is not None:
+            self._watch.done(worker_id)
         return batches, metas
 
     def first_ready(self, refs: list, timeout_s: float) -> Optional[Any]:
         import ray
 
         ready, _ = ray.wait(refs, num_returns=1, timeout=timeout_s, fetch_local=True)
-        return ready[0] if ready else None
+        if ready:
+            return ready[0]
+        if self._watch is not None:  # in_order=False: a silent node's call is "ready" to raise in `receive`
+            for ref in refs:
+                worker_id = self._worker_of.get(ref)
+                why = None if worker_id is None else self._watch.why_silent(worker_id)
+                if why is not None:
+                    self._silenced[ref] = why
+                    return ref
+        return None
 
     def abandon(self, worker_id: int, ref: Any) -> None:
+        if self._worker_of.pop(ref, None) is not None:
+            self._watch.done(worker_id)
+        self._silenced.pop(ref, None)
         self._pool.abandon(worker_id, ref)
 
 
@@ -108,10 +135,15 @@ class CallSender:
         self._pool = pool
         self._driver_node_id = driver_node_id
         self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id, max_batches, silence_timeout_s) if lanes else None
+        watch = None
+        if silence_timeout_s is not None and not _via_ray_client():  # NOTE [ raydl silent node ]
+            watch = RaySilence(pool, self._other_node, silence_timeout_s)
         if self._lanes is None:
-            self._ray = RayCalls(pool, self.on_other_node)
+            self._ray = RayCalls(pool, self.on_other_node, watch=watch)
         else:
-            self._ray = RayCalls(pool, self.on_other_node, self._lanes.node_went_silent, self._lanes.note_ray_call)
+            self._ray = RayCalls(
+                pool, self.on_other_node, self._lanes.node_went_silent, self._lanes.note_ray_call, watch=watch
+            )
         # offered a call in this order: a lane when the worker has one open, else Ray's call (it takes every call)
         self._transports: tuple[Transport, ...] = (self._ray,) if self._lanes is None else (self._lanes, self._ray)
         self._ray_call_bytes = int(RAY_INLINE_SHARE * _ray_inline_bytes())  # NOTE [ raydl calls ]: Ray's inline share
@@ -182,8 +214,12 @@ class CallSender:
             self._lanes.close()
 
     def on_other_node(self, worker_id: int) -> bool:
+        return self._other_node(worker_id) is not None
+
+    def _other_node(self, worker_id: int) -> Optional[str]:
+        """The worker's node when it is another than the driver's, else None."""
         node = worker_node(self._pool, worker_id)
-        return node is not None and node != self._driver_node_id
+        return node if node is not None and node != self._driver_node_id else None
 
     def abandon(self, tasks: list) -> None:
         """Forget these tasks' results: each call carrying one of them goes back to the pool once."""
@@ -204,6 +240,13 @@ def prefetch(refs: list) -> None:
     """Have Ray pull these (remote) batches to this node as soon as they exist."""
     for ref in refs:
         ref.future()
+
+
+def _via_ray_client() -> bool:
+    """This process reaches Ray through Ray Client (its nodes' raylet ports need not be reachable from here)."""
+    import ray
+
+    return ray.util.client.ray.is_connected()
 
 
 def _ray_inline_bytes() -> int:
