@@ -4,51 +4,47 @@ NOTE [ raydl ordering ]
 The driver follows torch's multiprocessing iterator step for step, with ObjectRefs in place of
 index and result queues:
   * the (batch) sampler is drawn in the driver; each draw becomes task `send_idx`, given to the
-    next worker of a round-robin cycle (skipping exhausted iterable workers; with
-    in_order=False also skipping workers that already hold their share of tasks); a worker's
-    tasks travel several to an actor call when its batches are cheap (NOTE [ raydl calls ] in
-    driver/schedule.py), which changes no batch;
+    next worker of a round-robin cycle (skipping exhausted iterable workers; with in_order=False
+    also workers that already hold their share of tasks); a worker's tasks may travel several to
+    an actor call (NOTE [ raydl calls ] in driver/schedule.py), which changes no batch;
   * the prefetch is primed with `prefetch_factor * num_workers` tasks and refilled by one task
-    each time a batch is handed out (or an iterable worker reports its end); over a node cache,
-    a task waits while the units of the batches in flight would not fit in the cache, and the
+    each time a batch is handed out (or an iterable worker reports its end); over a node cache a
+    task also waits until its batch's units fit in the cache beside those in flight, and the
     tasks held back go as room comes (`_refill`; NOTE [ raydl node cache ]);
-  * with in_order=True, batches are handed out in send order: the driver waits on the ref of
-    task `rcvd_idx`. With in_order=False, it hands out whichever outstanding batch is ready
-    first;
-  * results stay in Ray's object store until handed out: `ray.get` is only called on the call
-    whose batch is about to be returned (its other batches wait there for their turn); a local
-    worker's call over its lane is read from its socket likewise, a remote worker's lane by its
-    reader thread as the reply arrives (NOTE [ raydl lane, driver ]).
+  * with in_order=True batches are handed out in send order: the driver waits on task
+    `rcvd_idx`; with in_order=False, on whichever outstanding batch is ready first;
+  * results stay in Ray's object store (or a local lane's socket) until handed out: only the
+    call whose batch is about to be returned is read, its other batches wait in it (NOTE [ raydl
+    receive ] in driver/receive.py); a remote worker's lane is read by its reader thread as the
+    reply arrives (NOTE [ raydl lane, driver ]).
 Same generator, same sampler draws, same worker for every batch: the batches are torch's.
 A batch made on another node starts moving to the driver's node as soon as it exists, so the
-transfer overlaps the training step: `ref.future()` registers Ray's asynchronous get, which asks
-the local raylet to pull the object once it is made (a plain `ray.get` pulls only when called,
-after the caller's step; `ray.wait(fetch_local=True, timeout=0)` on a task still running
-registers no pull in Ray 2.60, measured). The future is dropped at once: nothing waits on it,
-and it holds no batch once the pull is done.
+transfer overlaps the training step: `ref.future()` (driver/transport/calls.py) registers Ray's
+asynchronous get, whose pull starts once the object is made, where a plain `ray.get` pulls only
+when called, after the step. The future is dropped at once: nothing waits on it, and it holds no
+batch once the pull is done (docs/design-notes.md has why `ray.wait` does not do this).
 
 NOTE [ raydl shutdown ]
 `shutdown()` is the one way resources are released; it is idempotent and runs, in order:
   1. stop and join the pin thread (bounded wait);
   2. drop every buffered ObjectRef (Ray frees the objects);
-  3. kill the worker actors (`ray.kill(no_restart=True)`).
-It is called when an epoch ends without persistent workers, when an error ends the iterator,
-and from `DataLoader.shutdown()` / the loader's context manager. Persistent workers survive the
-end of an epoch: only step 2 happens there, and `_reset` starts the next epoch on the same
-actors. Nothing runs while the interpreter is finalizing: Ray tears its actors down with the
-driver then.
-A dropped iterator (an early `break`, a loader let go, an exception's traceback that kept it
-alive) is released by finalizers, not by a `__del__`: `weakref.finalize` callbacks that hold the
-`WorkerPool` (`release_when_collected`) and the pin stage, never the iterator. The iterator
-often dies in a reference cycle (a traceback's frame holds it, the frame is held by the
-exception stored in it), and the cyclic collector runs the finalizer of every object in the
-garbage set: were the pool reachable only from the iterator, its actor handles' finalizers
-would run in the same collection, and Ray kills an actor whose handles are all finalized, even
-one `__del__` had just handed to the warm pool (issue 14: the next loader took dead actors).
-Held by a finalizer, the pool and its handles stay reachable: the collection frees only the
-iterator, then the finalizer returns clean actors to the warm pool. Buffered refs go with the
-iterator there, unabandoned, so a worker given back that way is reused only after the `reset`
-queued behind all its tasks has run (NOTE [ raydl warm pool ] in cluster/warm.py).
+  3. kill the worker actors (`ray.kill(no_restart=True)`), or return clean ones to the warm pool.
+It runs when an epoch ends without persistent workers, when an error ends the iterator, and from
+`DataLoader.shutdown()` / the loader's context manager. Persistent workers survive the end of an
+epoch: only step 2 happens there, and `_reset` starts the next epoch on the same actors. Nothing
+runs while the interpreter is finalizing: Ray tears its actors down with the driver then.
+A dropped iterator (an early `break`, a loader let go, a traceback that kept it alive) is
+released by `weakref.finalize` callbacks that hold the `WorkerPool` (`release_when_collected`)
+and the pin stage, never the iterator, and never by a `__del__`. Why: the iterator often dies in
+a reference cycle (a traceback's frame holds it), and the cyclic collector finalizes every object
+of the garbage set together; were the pool reachable only from the iterator, its actor handles
+would be finalized in the same collection, and Ray kills an actor whose handles are all gone,
+even one just handed to the warm pool. Held by a finalizer, the pool and its handles stay
+reachable, and the finalizer returns clean actors to the warm pool. Buffered refs go with the
+iterator, unabandoned, so a worker given back that way is reused only after the `reset` queued
+behind all its tasks has run (NOTE [ raydl warm pool ] in cluster/warm.py).
+Recovery and receiving hold the epoch's parts, never the iterator: it passes itself as `host`
+of each call (`RecoveryHost`, `ReceiveHost`).
 """
 
 from __future__ import annotations
@@ -58,26 +54,25 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-from .._constants import STATUS_CHECK_INTERVAL_S
-from .._errors import rebuild_worker_exception, remote_traceback, short_indices
+from .._errors import rebuild_worker_exception, short_indices
 from ..cluster.cache.driver_feed import CacheFeed
 from ..cluster.connect import ensure_ray_initialized, worker_actor_options
 from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
 from ..cluster.startup import wait_for_early_start
-from ..worker.actor import BatchFailed, BatchMeta
+from ..worker.actor import BatchMeta
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
 from .lifecycle import IterState
 from .pool_choice import make_elastic, make_pool, worker_payload
+from .receive import BatchError, Receiver, TaskHeld, failure
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .state.checkpoint import Tracker
 from .state.draws import iterator_base_seed
 from .stats.recorder import make_recorder
 from .transport.calls import CallSender
-from .transport.lane import LaneLost
 from .waits import BatchWaits
 
 if TYPE_CHECKING:
@@ -86,19 +81,6 @@ if TYPE_CHECKING:
 __all__ = ["_RayLoaderIter"]
 
 logger = logging.getLogger(__name__)
-
-
-class _Failed(Exception):
-    """Internal: user code raised while the worker made this batch (`BatchFailed`); raised again in the driver."""
-
-    def __init__(self, error: BaseException, traceback_text: str) -> None:
-        super().__init__(error)
-        self.error = error
-        self.traceback = traceback_text
-
-
-class _Held(Exception):
-    """Internal: the task waited on was held for its worker's probation (NOTE [ raydl scheduling ] in driver/schedule.py); pick another."""
 
 
 class _RayLoaderIter(Iterator[Any]):
@@ -111,7 +93,8 @@ class _RayLoaderIter(Iterator[Any]):
         idx: its keys lie in `[_rcvd_idx, _send_idx)`; which worker gets a task, probation and
         held tasks are its business (NOTE [ raydl scheduling ] in driver/schedule.py, with its own
         invariants).
-    See NOTE [ raydl ordering ], NOTE [ raydl recovery ] (driver/recovery.py), NOTE [ raydl scheduling ], NOTE [ raydl waits ] (driver/waits.py) and NOTE [ raydl shutdown ].
+    See NOTE [ raydl ordering ], NOTE [ raydl receive ] (driver/receive.py), NOTE [ raydl recovery ]
+    (driver/recovery.py), NOTE [ raydl scheduling ], NOTE [ raydl waits ] (driver/waits.py) and NOTE [ raydl shutdown ].
     """
 
     def __init__(self, spec: LoaderSpec, state: Optional[dict] = None, handover: Any = None) -> None:
@@ -211,6 +194,7 @@ class _RayLoaderIter(Iterator[Any]):
         )
         self._ckpt.await_start = weakref.WeakMethod(self._await_start)  # a state before any batch
         self._waits = BatchWaits(self._timeout, self._pool.describe)  # NOTE [ raydl waits ]
+        self._receiver = Receiver(self._sched, self._calls, self._waits)  # NOTE [ raydl receive ]
         # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
         # a cold start's recorder goes on with the epoch it began (NOTE [ raydl cold start ])
         taken = handover.recorder if handover is not None else None
@@ -402,19 +386,19 @@ class _RayLoaderIter(Iterator[Any]):
                 idx = self._rcvd_idx
                 self._sched.flush_for(idx)  # a pending task's call goes before it is waited on
             else:
-                idx = self._first_ready_idx()
+                idx = self._receiver.first_ready(self._rcvd_idx)
             task = self._sched.task_info[idx]
             try:
                 # A timeout leaves the task in place: the next call waits for the same batch.
-                data = self._get_result(idx, task)
-            except _Held:
+                data = self._receiver.get(idx, task, self)
+            except TaskHeld:
                 continue
-            except (RayTaskError, _Failed) as e:
+            except (RayTaskError, BatchError) as e:
                 self._ckpt.on_batch_failed(idx)
                 self._consume(idx)
                 # As torch does: refill before raising, so a caller that catches the error can go on.
                 self._refill()
-                cause, tb = (e.error, e.traceback) if isinstance(e, _Failed) else (e.cause, remote_traceback(e))
+                cause, tb = failure(e)
                 raise rebuild_worker_exception(
                     cause,
                     f"in {self._pool.describe(task.worker_id)} while making batch {idx} (indices {short_indices(task.index)})",
@@ -471,57 +455,9 @@ class _RayLoaderIter(Iterator[Any]):
         process's current Ray session: after the user's `ray.shutdown()` a new iterator starts anew)."""
         return self._state != IterState.SHUT_DOWN and self._pool.alive and self._pool.in_session()
 
-    def _first_ready_idx(self) -> int:
-        """in_order=False: the idx of whichever worker's oldest task finishes first (bounded by timeout)."""
-        deadline = self._waits.deadline()
-        by_ref = self._sched.unordered_candidates()
-        for idx in by_ref.values():
-            call = self._sched.task_info[idx].call
-            if call is not None and call.received:  # a later batch of a call already read
-                return idx
-        while True:
-            calls = [self._sched.task_info[idx].call for idx in by_ref.values()]
-            ready = self._calls.first_ready(calls, STATUS_CHECK_INTERVAL_S)
-            if ready is not None:
-                return by_ref[ready]
-            if deadline is not None and time.monotonic() >= deadline:
-                self._waits.raise_timeout(self._rcvd_idx, self._sched.task_info.get(self._rcvd_idx))
-
-    def _get_result(self, idx: int, task: Task) -> Any:
-        """`ray.get` the task's batch in slices, bounded by `timeout`; a lost worker is replaced.
-
-        Raises:
-            RayTaskError: user code failed in the worker (handled by the caller).
-            RuntimeError: torch's timeout error, with the batch and worker named.
-            WorkerDiedError: the worker died and cannot be replaced (NOTE [ raydl recovery ]).
-        """
-        from ray.exceptions import ActorUnschedulableError, GetTimeoutError, ObjectLostError, RayActorError
-
-        deadline = self._waits.deadline()
-        while True:
-            try:
-                call = task.call
-                assert call is not None, "raydl bug: waiting on a task no call carries"
-                if not call.received:  # one get for the whole call (NOTE [ raydl calls ])
-                    call.batches, call.metas = self._calls.receive(call, task.worker_id, STATUS_CHECK_INTERVAL_S)
-                data, meta = call.take(idx)
-                if isinstance(data, BatchFailed):
-                    raise _Failed(data.error, data.traceback)
-                nbytes = self._calls.on_batch(task.worker_id, meta.nbytes, data)
-                self._on_batch_made(idx, task, meta, nbytes)
-                self._waits.on_batch(task)
-                return data
-            except GetTimeoutError:
-                self._waits.after_slice(idx, task, deadline)  # torch's timeout error, or a stall warning
-            except (RayActorError, ObjectLostError, ActorUnschedulableError, LaneLost) as e:
-                self._recover(task.worker_id, e)
-                task = self._sched.task_info[idx]
-                if task.held:  # in_order=False picked a later batch of the worker: it waits its turn
-                    raise _Held from None
-                deadline = self._waits.deadline()
-
-    def _recover(self, worker_id: int, error: BaseException) -> None:
-        """Replace a dead worker and resend its tasks, or raise WorkerDiedError (NOTE [ raydl recovery ])."""
+    def recover(self, worker_id: int, error: BaseException) -> None:
+        """Replace a dead worker and resend its tasks, or raise WorkerDiedError (`ReceiveHost`; NOTE [ raydl
+        recovery ])."""
         self._recovery.recover(worker_id, error, self)
 
     def _wait_workers_ready(self) -> None:
@@ -561,8 +497,8 @@ class _RayLoaderIter(Iterator[Any]):
         # Tasks sent before the workers reported where they run: start their transfers now.
         self._calls.start_transfers(self._sched.task_info.values())
 
-    def _on_batch_made(self, idx: int, task: Task, meta: BatchMeta, nbytes: int) -> None:
-        """Task `idx`'s batch is in hand, with what its worker reported about making it (`BatchMeta`)."""
+    def on_batch_made(self, idx: int, task: Task, meta: BatchMeta, nbytes: int) -> None:
+        """Task `idx`'s batch is in hand, with what its worker reported about making it (`ReceiveHost`)."""
         self._ckpt.on_batch_made(idx, task.worker_id, meta)
         self._elastic.on_batch_made(meta.fetch_s)
         self._sched.on_batch_made(task.worker_id, meta.fetch_s, nbytes)
