@@ -1,62 +1,35 @@
 """`ColdStartIter`: a new process's first batches, made by start-up processes while Ray and the workers come up.
 
 NOTE [ raydl cold start ]
-A process that has never used Ray pays, before its first batch from a worker actor, for
-`ray.init()` (GCS, raylet, agents: 4-10 s on a 2-core machine) and for its workers' start (a
-Python process importing torch each: 1.3-2 s), where torch's DataLoader forks its workers in
-milliseconds (benchmarks/README.md, start-up). So on a cold start the loader's first `iter()`:
-  1. forks one start-up process per worker, as torch forks its workers (worker/startup.py, NOTE
-     [ raydl start-up process ]), and sends them the first `prefetch_factor * num_workers` tasks:
-     the base seed and the sampler's indices are drawn exactly as the Ray iterator would draw them,
-     task k goes to worker k mod num_workers (torch's round robin), and each process is a plain
-     `Worker`: torch's seeds, `worker_init_fn`, `get_worker_info()`, its own generators, and each
-     batch's `BatchMeta` (the dataset's state, the generators that moved) as an actor reports it;
-  2. after the first batch is out (importing Ray holds the GIL for most of a second), begins Ray's
-     start and its workers' in the background, through `raydl.start()`'s thread (NOTE [ raydl
-     early start ] in cluster/startup.py): Ray by the usual precedence, and blank workers put in
-     the warm pool, which the loader takes when they run. After the user's `ray.shutdown()` the
-     loader starts Ray at `iter()` in the foreground instead (NOTE [ raydl no Ray behind the
-     user's back ]);
-  3. once Ray is up and the started workers run (checked without blocking at each `next()`),
-     sends no more tasks to the start-up processes, hands out the batches they are making, and
-     then hands the epoch over: the record of it is a loader state (NOTE [ raydl checkpoint ]) as
-     of the last batch handed out, with each worker's generators (and its dataset's `state_dict()`,
-     for a stateful dataset); a `_RayLoaderIter` is built from that state with the sampler
-     iterator, base seed and stats recorder as they are (nothing drawn again, nothing replayed),
-     so each actor starts as a resumed worker: seeded, worker_init_fn run on its own copy, then
-     its generators set to where its start-up process left them. The processes exit.
-The batches are those of a loader whose actors made them all, batch for batch: torch's. Which
-batches the start-up processes made depends only on timing; their content does not.
-What a worker guarantees holds for a start-up process too: a process that dies (a native crash,
-an OOM kill, `os._exit`) is replaced by a fork that starts from the worker's last batch read and
-makes its lost batches again, up to `ray_max_worker_restarts` times (then WorkerDiedError, as
-for an actor); an error in user code is raised at its batch's turn with the process named, and
-the next batches still come; `timeout` bounds the wait for each batch (Ray's start is not a batch:
-the wait for the workers at a handover is bounded by `ray_startup_timeout_s` instead); the loop's
-wait counts as data stall in `loader.stats()`, and the timeline has a track per start-up process.
-The processes share the trainer's memory copy-on-write, so a large array or Arrow table is not
-copied, and the workers that take over are handed the dataset as without a cold start.
-An epoch that runs out before the workers run hands over at its end (waiting, bounded, for them),
-so an epoch still ends with Ray up and the workers holding its streams: a failed start (a bad
-`ray_address`) raises there at the latest, a persistent loader's next epoch goes on in the
-workers, and the script finds Ray initialized after its first epoch. A resize meanwhile
-(`set_num_workers`) applies at the handover, after the batches already sent.
-Measured (benchmarks/bench_startup.py, 2-core VM): forking a start-up process from a trainer that
-imported torch takes a few milliseconds; see benchmarks/README.md for the first batch against torch's.
-Applies to: num_workers > 0, a platform that forks (Linux) and no `multiprocessing_context` other
-than fork (for the start-up processes; "in_process" needs neither), a map-style dataset, `ray_seed="worker"` without `ray_job`, no
-pinning or `ray_device`, no loaded state, `ray_cold_start` not False (the default: on unless
-RAYDL_COLD_START=0 in the environment). A script's own Ray call while Ray starts in the
-background (`ray.get_runtime_context()`, `ray.get`: Ray initializes itself on first use) waits for
-that start and then uses its Ray: raydl inits under the lock Ray's own automatic init takes
-(`_init_unless_connected` in cluster/connect.py; tests/test_cold_start.py repeats the race).
-IterableDataset streams stay in their workers (a stream's position cannot be handed from one
-process to an actor unless it has a `state_dict()`).
-`ray_cold_start="in_process"` (or RAYDL_COLD_START=in_process) makes the first batches in the
-trainer's own process instead, one at a time as they are asked for (`ShadowWorker`,
-driver/coldstart/shadow.py), as raydl did before: no fork, but user code then runs in the trainer, where a
-crash ends the training process, `timeout` cannot interrupt it and its effects on process-wide
-state stay. `ray_cold_start=False` keeps every batch in the workers.
+Before a new process's first batch from a worker actor, Ray must start (GCS, raylet, agents) and
+so must each worker (a Python process importing torch): seconds, where torch forks its workers in
+milliseconds. So on a cold start the loader's first `iter()`:
+  1. forks one start-up process per worker, as torch forks its workers (NOTE [ raydl start-up
+     process ] in worker/startup.py), and sends them the first `prefetch_factor * num_workers`
+     tasks: the base seed and the sampler's indices drawn exactly as the Ray iterator draws them,
+     task k to worker k mod num_workers (torch's round robin); each process is a plain `Worker`
+     (torch's seeds, `worker_init_fn`, `get_worker_info()`, each batch's `BatchMeta`);
+  2. after the first batch is out (importing Ray holds the GIL), starts Ray and blank warm
+     workers in the background through `raydl.start()`'s thread (NOTE [ raydl early start ]);
+  3. once Ray and those workers run (checked without blocking at each `next()`), sends the
+     processes no more tasks, hands out their batches in flight, then hands the epoch over: its
+     record is a loader state as of the last batch handed out (NOTE [ raydl checkpoint ]), from
+     which a `_RayLoaderIter` starts with the sampler iterator, base seed and stats recorder as
+     they are (nothing drawn again); each actor starts as a resumed worker, its generators where
+     its start-up process left them. The processes exit.
+Invariant: the batches are those of a loader whose actors made them all, batch for batch:
+torch's. Which batches the start-up processes made depends only on timing, never their content.
+A start-up process keeps a worker's guarantees: one that dies is replaced by a fork from the
+worker's last batch read, up to `ray_max_worker_restarts` times; a user error is raised at its
+batch's turn; `timeout` bounds each batch (the wait for Ray at the handover is bounded by
+`ray_startup_timeout_s`: Ray's start is not a batch). An epoch that runs out before the workers
+run hands over at its end, so every epoch ends with Ray up and the workers holding its streams.
+Applies to (`cold_start_applies`): `ray_cold_start` on (the default; RAYDL_COLD_START=0 turns it
+off), num_workers > 0, a map-style dataset not streamed through the node cache, fork allowed (no
+`multiprocessing_context` but fork), `ray_seed="worker"`, no `ray_job`, pinning, `ray_device` or
+loaded state, and a process that never used Ray. `ray_cold_start="in_process"` makes the first
+batches in the trainer itself, one at a time (`ShadowWorker`, shadow.py): no fork, but a crash
+there ends the training process. The detail and figures are in docs/design-notes.md.
 """
 
 from __future__ import annotations
