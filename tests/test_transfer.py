@@ -98,3 +98,23 @@ def test_threads_per_worker_validation():
     """ray_threads_per_worker must be a positive int."""
     with pytest.raises(ValueError, match="ray_threads_per_worker"):
         raydl.DataLoader(D.RangeDataset(4), num_workers=1, ray_threads_per_worker=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int16, torch.bool, torch.float64])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_large_copies_split_among_threads_keep_every_byte(monkeypatch, dtype, threads):
+    """NOTE [ raydl pin copy ]: arrays over the split size are copied in page-aligned slices by several threads; every
+    element lands where it belongs, for sizes that are no multiple of a page or of the thread count."""
+    from raydl import _constants
+    from raydl.worker import transfer
+
+    monkeypatch.setattr(_constants, "PIN_COPY_THREADS", threads)
+    monkeypatch.setattr(_constants, "PIN_COPY_SPLIT_BYTES", 1024)
+    g = torch.Generator().manual_seed(1)
+    for numel in (100, 4097, 3 * 4096 + 5, 1_000_003):
+        src = (torch.rand(numel, generator=g) * 1000).to(dtype)
+        batch = decode(encode({"x": src.reshape(1, numel)}), copy=True)
+        assert torch.equal(batch["x"], src.reshape(1, numel)), (dtype, threads, numel)
+        assert batch["x"].data_ptr() != src.data_ptr()
+    if threads > 1:
+        assert transfer._copy_pool is not None and transfer._copy_pool._max_workers == threads - 1
