@@ -11,11 +11,9 @@ The facts: the batches, and the GET bytes the proxy relayed to each client addre
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
 import socket
-import sys
 import tempfile
 
 import numpy as np
@@ -23,7 +21,7 @@ import ray
 import torch
 
 import raydl
-from tests._netns_main import _cluster, _wait_alive  # the scenarios' driver helpers
+from tests._netns_driver import main, state_cluster
 from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 
 FILES, GROUPS, ROWS, PAYLOAD = 8, 4, 150, 256  # 32 row groups of 150 rows, ~40 KB each (incompressible payload)
@@ -46,7 +44,7 @@ def _batches(loader) -> list:
 
 
 def cache(facts: dict) -> None:
-    cluster = _cluster()
+    cluster = state_cluster()
     head = cluster.ip(0)
     ip_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     corpus = tempfile.mkdtemp(prefix="raydl-netns-corpus-")
@@ -126,19 +124,5 @@ def _refused(host: str, port: int) -> bool:
     return False
 
 
-def main() -> None:
-    scenario = sys.argv[1]
-    ray.init()  # RAY_ADDRESS and the token come from the environment
-    cluster = _cluster()
-    facts = {"driver_ip": ray.util.get_node_ip_address(), "alive": _wait_alive(len(cluster.nodes))}
-    try:
-        {"cache": cache}[scenario](facts)
-    finally:
-        raydl.release_idle_workers()
-        ray.shutdown()
-    print("FACTS " + json.dumps(facts))
-    sys.stdout.flush()
-
-
 if __name__ == "__main__":
-    main()
+    main({"cache": cache})

@@ -11,12 +11,14 @@ a loader with `DistributedSampler` and `ray_job`, stepping in lockstep (one all_
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+
+from tests._netns_driver import main, state_cluster
+from tests._session import read_facts
 
 N, BATCH, SEED, JOB = 48, 4, 7, "netns-job"
 RANK_TIMEOUT_S = 180.0
@@ -80,9 +82,7 @@ def _own_ip(peer: str) -> str:
 
 
 def job(facts: dict) -> None:
-    from tests._netns_main import _cluster
-
-    cluster = _cluster()
+    cluster = state_cluster()
     with socket.socket() as s:  # the gloo rendezvous port, on the head's bridge address
         s.bind((cluster.ip(0), 0))
         port = s.getsockname()[1]
@@ -108,22 +108,10 @@ def job(facts: dict) -> None:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait(timeout=30)
-    facts["ranks"] = []
-    for p, out in zip(procs, outs):
-        lines = [line for line in out.splitlines() if line.startswith("FACTS ")]
-        assert p.returncode == 0 and lines, out[-4000:]
-        facts["ranks"].append(json.loads(lines[-1][len("FACTS ") :]))
-
-
-def main() -> None:
-    if sys.argv[1] == "rank":
-        facts = rank()
-    else:
-        facts = {}
-        {"job": job}[sys.argv[1]](facts)
-    print("FACTS " + json.dumps(facts))
-    sys.stdout.flush()
+    facts["ranks"] = [
+        read_facts(subprocess.CompletedProcess(p.args, p.returncode, out, "")) for p, out in zip(procs, outs)
+    ]
 
 
 if __name__ == "__main__":
-    main()
+    main({"job": job, "rank": lambda facts: facts.update(rank())}, join_ray=False)

@@ -25,6 +25,7 @@ from torch.utils.data import Dataset
 import raydl
 from tests import _datasets as D
 from tests._netns import netns
+from tests._netns_driver import main, state_cluster
 
 
 class Marked(Dataset):
@@ -39,22 +40,6 @@ class Marked(Dataset):
     def __getitem__(self, i):
         data = np.frombuffer(self.marker * (self.size // len(self.marker)), dtype=np.uint8).copy()
         return {"data": torch.from_numpy(data), "i": i}
-
-
-def _cluster():
-    root = os.environ["RAYDL_NETNS_STATE"]
-    return netns.from_state(os.path.basename(root)[len(netns.PREFIX) :])
-
-
-def _wait_alive(n: int, timeout_s: float = 120) -> int:
-    deadline = time.monotonic() + timeout_s
-    alive = 0
-    while time.monotonic() < deadline:
-        alive = sum(node["Alive"] for node in ray.nodes())
-        if alive >= n:
-            break
-        time.sleep(0.5)
-    return alive
 
 
 def _lane_ports(it) -> dict:
@@ -105,7 +90,7 @@ def _lanes_on_the_wire(cluster) -> dict:
 
 
 def plain(facts: dict) -> None:
-    cluster = _cluster()
+    cluster = state_cluster()
     ips = [cluster.ip(n) for n in cluster.nodes]
 
     # (a) raydl's own placement: the workers go to the two nodes other than the driver's, one each; torch's batches
@@ -219,26 +204,8 @@ def _silent_node(cluster, facts: dict, ips: list) -> None:
 
 
 def tls(facts: dict) -> None:
-    facts["wire"] = _lanes_on_the_wire(_cluster())
-
-
-def main() -> None:
-    scenario = sys.argv[1]
-    ray.init()  # RAY_ADDRESS, the token and (TLS) the head's certificate come from the environment
-    cluster = _cluster()
-    facts = {
-        "driver_ip": ray.util.get_node_ip_address(),
-        "alive": _wait_alive(len(cluster.nodes)),
-        "node_ips": sorted(n["NodeManagerAddress"] for n in ray.nodes() if n["Alive"]),
-    }
-    try:
-        {"plain": plain, "tls": tls}[scenario](facts)
-    finally:
-        raydl.release_idle_workers()
-        ray.shutdown()
-    print("FACTS " + json.dumps(facts))
-    sys.stdout.flush()
+    facts["wire"] = _lanes_on_the_wire(state_cluster())
 
 
 if __name__ == "__main__":
-    main()
+    main({"plain": plain, "tls": tls})
