@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .. import _constants
 from .._errors import short_indices
@@ -29,7 +29,7 @@ __all__ = ["BatchWaits"]
 class BatchWaits:
     """The timeout and stall rules of one iterator (NOTE [ raydl waits ]); `describe(worker_id)` names a worker."""
 
-    def __init__(self, timeout_s: float, describe: Any) -> None:
+    def __init__(self, timeout_s: float, describe: Callable[[int], str]) -> None:
         self.timeout_s = timeout_s
         self._describe = describe
         self._typical_s: Optional[float] = None  # moving average of batch latency
