@@ -6,11 +6,13 @@ node of worker 1:
   * node: every process of its node SIGKILLed (a raylet gone; Ray has not declared the node dead yet);
   * silent: its node's link set down (no RST, no FIN: a frozen VM, a dead switch port), then up once the loop has
     its next batch (NOTE [ raydl silent node ]).
-with 1 and 2 workers per worker node. Reported: the stall (the longest wait for a batch after the fault, against
+with 1 and 2 workers per worker node; `--lane off`: the loader with `ray_lane=False` (Ray's calls: the silence is
+told by a probe of the node's raylet port). Reported: the stall (the longest wait for a batch after the fault, against
 the median before it), when the loss was noticed (the recovery's log line), the restarts, where the replacements
 run. A fresh cluster per case.
 
     .venv/bin/python -m benchmarks.bench_faults [--rate 10gbit] [--cases process,node,silent] [--per-node 1,2]
+        [--lane on|off]
 
 Needs root (network namespaces).
 """
@@ -32,9 +34,9 @@ ITEM_CPU_S = 0.01  # each sample spins this long on the worker's CPU (time.threa
 BATCH = 2
 
 
-def _driver(fault: str, per_node: int, seed: str) -> dict:
-    """In the head's namespace: an epoch of 400 samples; the fault once every worker has its lane and 20 batches
-    are in; the waits for every batch."""
+def _driver(fault: str, per_node: int, seed: str, lane: bool) -> dict:
+    """In the head's namespace: an epoch of 400 samples; the fault once every worker has its lane (with lanes) and 20
+    batches are in; the waits for every batch."""
     import ray
     import torch
     from torch.utils.data import Dataset
@@ -63,13 +65,19 @@ def _driver(fault: str, per_node: int, seed: str) -> dict:
     cluster = netns_testbed.from_state(os.environ["RAYDL_NETNS_TAG"])
     ips = [cluster.ip(n) for n in cluster.nodes]
     loader = raydl.DataLoader(
-        Spin(), batch_size=BATCH, num_workers=2 * per_node, timeout=300, ray_startup_timeout_s=240, ray_seed=seed
+        Spin(),
+        batch_size=BATCH,
+        num_workers=2 * per_node,
+        timeout=300,
+        ray_startup_timeout_s=240,
+        ray_seed=seed,
+        ray_lane=lane,
     )
     it = iter(loader)
     out, waits = [], []
     last = time.monotonic()
-    while (
-        len(out) < 20 or it._calls._lanes is None or not all(it._calls._lanes.has_lane(w) for w in range(2 * per_node))
+    while len(out) < 20 or (
+        lane and (it._calls._lanes is None or not all(it._calls._lanes.has_lane(w) for w in range(2 * per_node)))
     ):
         out += next(it).flatten().tolist()
         now = time.monotonic()
@@ -104,6 +112,7 @@ def _driver(fault: str, per_node: int, seed: str) -> dict:
         "fault": fault,
         "per_node": per_node,
         "seed": seed,
+        "lane": lane,
         "every_batch_once_in_order": out == list(range(400)),
         "median_wait_before_s": statistics.median(before),
         "stall_s": max(after),
@@ -119,13 +128,15 @@ def _driver(fault: str, per_node: int, seed: str) -> dict:
     return facts
 
 
-def _run_case(fault: str, per_node: int, rate: str, seed: str) -> dict:
+def _run_case(fault: str, per_node: int, rate: str, seed: str, lane: str) -> dict:
     from cluster import netns_testbed
 
     tag = f"f{os.getpid() % 100000}"
     cluster = netns_testbed.NetnsCluster(workers=2, tag=tag, rate=rate)
     with cluster:
-        return run_in_netns_head(cluster, "bench_faults", "--driver", fault, str(per_node), seed, RAYDL_NETNS_TAG=tag)
+        return run_in_netns_head(
+            cluster, "bench_faults", "--driver", fault, str(per_node), seed, lane, RAYDL_NETNS_TAG=tag
+        )
 
 
 def main() -> None:
@@ -134,15 +145,17 @@ def main() -> None:
     ap.add_argument("--cases", default="process,node,silent")
     ap.add_argument("--per-node", default="1,2")
     ap.add_argument("--seed", default="worker", help="ray_seed of the loader")
-    ap.add_argument("--driver", nargs=3, help=argparse.SUPPRESS)
+    ap.add_argument("--lane", choices=["on", "off"], default="on", help="off: ray_lane=False (Ray's calls)")
+    ap.add_argument("--driver", nargs=4, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.driver:
-        print("RESULT " + json.dumps(_driver(a.driver[0], int(a.driver[1]), a.driver[2])), flush=True)
+        fault, per_node, seed, lane = a.driver
+        print("RESULT " + json.dumps(_driver(fault, int(per_node), seed, lane == "on")), flush=True)
         return
     rows, raw = [], []
     for fault in a.cases.split(","):
         for per_node in map(int, a.per_node.split(",")):
-            r = _run_case(fault, per_node, a.rate, a.seed)
+            r = _run_case(fault, per_node, a.rate, a.seed, a.lane)
             raw.append(r)
             rows.append(
                 [
@@ -158,7 +171,8 @@ def main() -> None:
             )
             print(json.dumps(r), flush=True)
     print(
-        f"\nlinks {a.rate}; workers on the two worker nodes; {BATCH} samples of {ITEM_CPU_S * 1000:.0f} ms CPU a batch"
+        f"\nlinks {a.rate}; workers on the two worker nodes; {BATCH} samples of {ITEM_CPU_S * 1000:.0f} ms CPU a batch;"
+        f" {'TCP lanes' if a.lane == 'on' else 'ray_lane=False'}"
     )
     print("fault on worker 1's node mid-epoch; stall: the longest wait for a batch after it\n")
     header = ["fault", "workers/node", "stall s", "noticed s", "median wait before ms", "restarts", "once, in order"]

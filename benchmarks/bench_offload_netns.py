@@ -115,6 +115,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=2)
     ap.add_argument("--workload", choices=["cpu", "jpeg"], default="cpu")
+    ap.add_argument("--tls", default="no,yes", help="Ray's TLS off, on, or both in turn (no,yes)")
     ap.add_argument("--driver", help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.driver:
@@ -134,7 +135,7 @@ def main() -> None:
     t0 = time.time()
     for rate in a.rates.split(","):
         link = _rate_bits(rate) / 8
-        for tls in (False, True):
+        for tls in [{"no": False, "yes": True}[t] for t in a.tls.split(",")]:
             res = _run(rate, tls, a.samples, a.epochs, a.workload)
             print(json.dumps({"rate": rate, "tls": tls, **res}), flush=True)
             torch_rate = statistics.median(res["torch"]["samples_per_s"])

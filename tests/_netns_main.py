@@ -171,9 +171,12 @@ def _silent_node(cluster, facts: dict, ips: list) -> None:
         out.append(next(it).flatten().tolist())
     victim = ips.index(it.worker_records[0].node_ip)
     facts["silent_workers_ips_before"] = sorted({r.node_ip for r in it.worker_records})
+    victim_node = it.worker_records[0].node_id
+    facts["silent_probe_before"] = silent_nodes.reach_raylet(victim_node, 1.0)  # the Ray calls' verdict, alive
     t0 = time.monotonic()
     cluster.link_down(victim)
     try:
+        facts["silent_probe_down"] = silent_nodes.reach_raylet(victim_node, 1.0)  # ... and silent
         last, gaps = t0, []
         while it._pool.restarts == [0, 0]:  # until a replacement delivered
             out.append(next(it).flatten().tolist())

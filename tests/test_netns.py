@@ -73,3 +73,6 @@ def test_silent_node_mid_epoch_every_batch_once_no_replacement_there(cluster, fa
     assert facts["silent_replacement_ips"] == [cluster.ip(0)], facts
     assert any("went silent" in line for line in facts["silent_said"]), facts["silent_said"]
     assert facts["silent_mark_right"], facts
+    # the probe a driver on Ray's calls takes its verdict from (NOTE [ raydl silent node ]): the node's raylet port
+    # answers a connection while its link is up, and nothing comes back once it is down
+    assert (facts["silent_probe_before"], facts["silent_probe_down"]) == ("answers", "timeout"), facts
