@@ -74,11 +74,7 @@ def micro(n: int = 20000) -> dict:
     from raydl.worker.actor import BatchMeta
     from raydl.worker.transfer import encode
 
-    class Owner:
-        pass
-
-    owner = Owner()
-    rec = StatsRecorder("micro", owner)
+    rec = StatsRecorder("micro")
     rec._refresh_pool = lambda: None
     metas = [BatchMeta(k % 2, k, 0.0, 0.001, 64, 4096, 0.001) for k in range(160)]
     t0 = time.process_time()

@@ -44,7 +44,7 @@ reachable, and the finalizer returns clean actors to the warm pool. Buffered ref
 iterator, unabandoned, so a worker given back that way is reused only after the `reset` queued
 behind all its tasks has run (NOTE [ raydl warm pool ] in cluster/warm.py).
 Recovery and receiving hold the epoch's parts, never the iterator: it passes itself as `host`
-of each call (`RecoveryHost`, `ReceiveHost`).
+of each call (`RecoveryHost`, `ReceiveHost`); the stats recorder is sent events (NOTE [ raydl stats ]).
 """
 
 from __future__ import annotations
@@ -195,14 +195,16 @@ class _RayLoaderIter(Iterator[Any]):
         self._ckpt.await_start = weakref.WeakMethod(self._await_start)  # a state before any batch
         self._waits = BatchWaits(self._timeout, self._pool.describe)  # NOTE [ raydl waits ]
         self._receiver = Receiver(self._sched, self._calls, self._waits)  # NOTE [ raydl receive ]
-        # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline
-        # a cold start's recorder goes on with the epoch it began (NOTE [ raydl cold start ])
+        # NOTE [ raydl stats ]: per-worker figures, the loop's wait in next(), metrics, timeline; the recorder is
+        # sent events and never holds this iterator; a cold start's goes on with the epoch it began (NOTE [ raydl
+        # cold start ])
         taken = handover.recorder if handover is not None else None
         self.stats_recorder = (
-            taken.rebind(self)
+            taken
             if taken is not None
-            else make_recorder(payload.stats_name, self, options.threads_per_worker, spec.hint_given)
+            else make_recorder(payload.stats_name, options.threads_per_worker, spec.hint_given)
         )
+        self.stats_recorder.watch(self._sched, self._feed)
         self._reset(first_iter=True, epoch_begun=taken is not None)
 
     # ------------------------------------------------------------------ public surface
@@ -231,6 +233,7 @@ class _RayLoaderIter(Iterator[Any]):
         """Resize the pool now, mid-epoch included (NOTE [ raydl elastic pool ])."""
         if self._state != IterState.SHUT_DOWN:
             self._elastic.resize(num_workers)
+            self._report_workers()
 
     def __next__(self) -> Any:
         if self._state == IterState.SHUT_DOWN:
@@ -248,6 +251,7 @@ class _RayLoaderIter(Iterator[Any]):
                 self._ckpt.on_end()
                 raise
         self._elastic.on_next(time.perf_counter() - t0)  # the autoscaler's measure
+        self._report_workers()  # it may have added or dropped a worker
         self._num_yielded += 1
         self._ckpt.on_handed_out()
         if self._is_iterable:
@@ -306,6 +310,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._feed.begin_epoch(self._sampler_iter, self._rcvd_idx, self._worker_nodes())
         for _ in range(self._sched.max_tasks):
             self._try_put_index()
+        self._report_workers()
 
     def _refill(self) -> None:
         """After a batch is handed out: the next task, as torch sends one; and, while the node cache held some back
@@ -362,7 +367,16 @@ class _RayLoaderIter(Iterator[Any]):
             self._abandon(self._sched.drop_all())
 
     def _next_data(self) -> Any:
-        """The next batch, per NOTE [ raydl ordering ]; raises StopIteration at the end of the epoch."""
+        """The next batch, per NOTE [ raydl ordering ]; raises StopIteration at the end of the epoch. Run in the pin
+        thread with pinning. Whatever happens, the stats recorder is then sent the workers (started, replaced,
+        joined or retired on the way), before the epoch's end reaches it."""
+        try:
+            return self._next_batch()
+        finally:
+            self._report_workers()
+
+    def _next_batch(self) -> Any:
+        """`_next_data`'s search: skip what is gone, pick the batch (in order or first ready), receive it."""
         from ray.exceptions import RayTaskError
 
         if self._state != IterState.RUNNING:
@@ -468,6 +482,10 @@ class _RayLoaderIter(Iterator[Any]):
     def running(self) -> bool:
         return self._state == IterState.RUNNING
 
+    def _report_workers(self) -> None:
+        """Send the stats recorder where the workers run and their restarts (NOTE [ raydl stats ])."""
+        self.stats_recorder.workers(self._pool.records, self._pool.restarts)
+
     def _pool_node(self, worker_id: Optional[int]) -> Optional[str]:
         """Where worker `worker_id` runs (or is planned to run); None if not known."""
         return self._pool.node_of(worker_id) if worker_id is not None else None
@@ -487,6 +505,7 @@ class _RayLoaderIter(Iterator[Any]):
         """A state taken before the workers started waits for them: their start replies hold their snapshots."""
         if self._state == IterState.RUNNING and not self._pool.is_ready:
             self._wait_workers_ready()
+            self._report_workers()
 
     def on_workers_ready(self) -> None:
         """Every worker has started (`RecoveryHost`): latencies count from now; remote batches start moving here."""

@@ -193,12 +193,7 @@ class ColdStartIter(Iterator[Any]):
         self._max_in_driver = _MAX_DRIVER_BATCHES
         self._resize_to: Optional[int] = None
         self._startups: Optional[list[Startup]] = None  # started once the first batch is out (see `__next__`)
-        self.stats_recorder = make_recorder(
-            self._payload.stats_name,
-            self,
-            options.threads_per_worker,
-            spec.hint_given,
-        )
+        self.stats_recorder = make_recorder(self._payload.stats_name, options.threads_per_worker, spec.hint_given)
         self._begin_epoch(first_iter=True)
 
     def _start_ray(self) -> list[Startup]:

@@ -15,21 +15,22 @@ measured cost (`ray_stats=False` turns it all off).
 An epoch runs from `iter()` (the iterator's `_reset`) to the `next()` that raises StopIteration
 (for an epoch still running, or left by `break`: to the last batch handed out). At its end:
   * the hint: if the loop waited more than HINT_WAIT_SHARE of the epoch after its first batch
-    (the first batch's wait includes the workers' start-up, which no setting of the loader
-    shortens), one INFO line on the `raydl.stats` logger says so, with what would help
-    (`hint` in driver/stats/report.py). The logger's level is
-    set to INFO here, and without any logging handler configured the line goes to stderr (Python
-    would drop an INFO record); `logging.getLogger("raydl.stats").setLevel(logging.WARNING)`
-    silences it;
+    (whose wait includes the workers' start-up, which no loader setting shortens), one INFO line
+    on the `raydl.stats` logger says what would help (`hint` in report.py); it reaches stderr
+    with no logging configured, and `setLevel(logging.WARNING)` on that logger silences it;
   * figures are exported through `ray.util.metrics` (also every METRICS_FLUSH_S during an
     epoch): counters tagged with the loader's name (`ray_name`) and worker id, so the Ray
-    dashboard and Prometheus show them beside Ray's own. The per-batch time histogram is
-    observed by the workers themselves (`observe_batch_time` in raydl/_measures.py): a Ray histogram costs ~7 us
-    per observation, which the driver would pay in its critical path.
+    dashboard and Prometheus show them beside Ray's own; the per-batch time histogram is
+    observed by the workers (`observe_batch_time` in raydl/_measures.py), off the driver's
+    critical path (benchmarks/README.md: a Ray histogram observation's cost).
 `snapshot()` copies the figures into a plain `LoaderStats` (what `DataLoader.stats()` returns),
 with the spans for `LoaderStats.timeline()`. Totals cover every epoch of one iterator, i.e. of
-one set of persistent workers. The recorder holds the iterator by weakref only: a loader that
-keeps the last epoch's stats never keeps its workers alive.
+one set of persistent workers.
+The recorder is sent events, as SPDL's pipeline hooks are, and never holds or reads its iterator:
+the hooks above, `workers` (where the workers run and their restarts, sent whenever the pool may
+have changed) and `watch` (the epoch's tasks in flight and its node cache, the figures only they
+hold now, held weakly: they go with their iterator). A loader that keeps the last epoch's stats
+thus never keeps its workers alive.
 """
 
 from __future__ import annotations
@@ -104,18 +105,18 @@ class _NextCall:
 
 
 class StatsRecorder:
-    """Records one iterator's epochs (NOTE [ raydl stats ]); the iterator calls its hooks."""
+    """Records one iterator's epochs from the events it sends (NOTE [ raydl stats ]); it holds no iterator."""
 
     enabled = True
 
-    def __init__(
-        self, name: str, iterator: Any, threads_per_worker: int = 1, hint_given: Optional[list] = None
-    ) -> None:
+    def __init__(self, name: str, threads_per_worker: int = 1, hint_given: Optional[list] = None) -> None:
         self.name = name
         # [bool], shared by the recorders of one loader's iterators: the stall hint comes once per loader
         self._hint_given = hint_given if hint_given is not None else [False]
-        self._iter_ref = weakref.ref(iterator)
         self._threads_per_worker = threads_per_worker
+        self._pool_lists: Optional[tuple[list, list]] = None  # the pool's records and restarts as sent (`workers`)
+        self._schedule: Optional[weakref.ref] = None  # the epoch's tasks in flight (`watch`)
+        self._feed: Optional[weakref.ref] = None  # its node cache's feed (`watch`)
         # perf_counter -> wall clock (time.time()), to put the driver's spans on the workers' clock
         self._wall_offset = time.time() - time.perf_counter()
         self._workers: dict[int, _WorkerAcc] = {}
@@ -140,17 +141,24 @@ class StatsRecorder:
 
     # ------------------------------------------------------------------ hooks (hot path)
 
-    def rebind(self, iterator: Any) -> StatsRecorder:
-        """Record for `iterator` from now on (a cold start's Ray iterator takes the epoch on); returns self."""
-        self._iter_ref = weakref.ref(iterator)
-        return self
+    def workers(self, records: list, restarts: list) -> None:
+        """Where each worker runs (`WorkerRecord`s, None until it reports) and how often each was restarted: the
+        pool's lists, sent whenever the pool may have changed; a snapshot copies them."""
+        self._pool_lists = (records, restarts)
+
+    def watch(self, schedule: Any, feed: Any = None) -> None:
+        """The epoch's tasks in flight (a `Schedule`: `task_info`) and its node cache's feed (a `CacheFeed`, None
+        without a cache), sent once by a Ray iterator: what only they know now (batches in flight and the bytes made
+        of them, the cache's figures). Held weakly: they go with their iterator."""
+        self._schedule = weakref.ref(schedule)
+        self._feed = weakref.ref(feed) if feed is not None else None
 
     def next_call(self) -> _NextCall:
         """Wrap the body of `__next__` in this: its time is the loop's wait."""
         return self._next_call
 
     def batch_made(self, meta: Any, startup_pid: Optional[int] = None) -> None:
-        """A batch's `BatchMeta` is in the driver (`_on_batch_made`); signals carry samples == 0. `startup_pid`: a
+        """A batch's `BatchMeta` is in the driver (`on_batch_made`); signals carry samples == 0. `startup_pid`: a
         cold start's maker made it (its process id, 0 for the trainer's own): a track of its own, not a worker's."""
         if meta.samples == 0:
             return
@@ -272,12 +280,16 @@ class StatsRecorder:
         return self._cpus
 
     def _refresh_pool(self) -> None:
-        """Copy where workers run and their restarts, while the iterator lives."""
-        it = self._iter_ref()
-        pool = getattr(it, "_pool", None)  # None: a cold start's makers, before the workers
-        if pool is not None:
-            self._records = list(pool.records)
-            self._restarts = list(pool.restarts)
+        """Copy where workers run and their restarts, as last sent (`workers`; none from a cold start's makers)."""
+        if self._pool_lists is not None:
+            self._records = list(self._pool_lists[0])
+            self._restarts = list(self._pool_lists[1])
+
+    def _watched(self) -> tuple[Any, Any]:
+        """(the schedule, the feed) sent by `watch`, each None if not sent or gone with its iterator."""
+        sched = self._schedule() if self._schedule is not None else None
+        feed = self._feed() if self._feed is not None else None
+        return sched, feed
 
     # ------------------------------------------------------------------ reading
 
@@ -330,7 +342,7 @@ class StatsRecorder:
                 len(x) >= MAX_SPANS for x in (self._batch_spans, self._startup_spans, self._waits, self._pin_spans)
             ),
         }
-        feed = getattr(self._iter_ref(), "_feed", None)
+        feed = self._watched()[1]
         if feed is not None:  # a streamed dataset: its node caches' fetches from storage (NOTE [ raydl node cache ])
             spans["cache"] = feed.fetch_spans(spans["start_wall_s"])
         return LoaderStats(
@@ -353,15 +365,12 @@ class StatsRecorder:
 
     def _cache_figures(self, busy_s: float) -> Optional[dict]:
         """The node cache's figures for a streamed dataset (NOTE [ raydl node cache ]), else None."""
-        feed = getattr(self._iter_ref(), "_feed", None)
+        feed = self._watched()[1]
         return feed.stats(busy_s) if feed is not None else None
 
     def _live_figures(self) -> tuple[int, int]:
-        """(batches in flight, object-store bytes of those already made), read from the live iterator."""
-        it = self._iter_ref()
-        if it is None:
-            return 0, 0
-        sched = getattr(it, "_sched", None)
+        """(batches in flight, object-store bytes of those already made), from the schedule sent by `watch`."""
+        sched = self._watched()[0]
         if sched is None:
             return 0, 0
         calls = {id(t.call): t.call for t in sched.task_info.values() if t.call is not None}
@@ -420,8 +429,7 @@ class StatsRecorder:
             if self._epochs_finished > self._flushed[2]:
                 m["epochs"].inc(self._epochs_finished - self._flushed[2], tags=loader)
                 self._flushed[2] = self._epochs_finished
-            it = self._iter_ref()
-            sched = getattr(it, "_sched", None) if it is not None else None
+            sched = self._watched()[0]
             m["in_flight"].set(len(sched.task_info) if sched is not None else 0, tags=loader)
             if share is not None:
                 m["share"].observe(share, tags=loader)
@@ -443,8 +451,11 @@ class _Off:
 
         self._null = contextlib.nullcontext()
 
-    def rebind(self, iterator: Any) -> _Off:
-        return self
+    def workers(self, records: list, restarts: list) -> None:
+        pass
+
+    def watch(self, schedule: Any, feed: Any = None) -> None:
+        pass
 
     def next_call(self) -> Any:
         return self._null
@@ -466,10 +477,7 @@ class _Off:
 
 
 def make_recorder(
-    name: Optional[str],
-    iterator: Any,
-    threads_per_worker: int,
-    hint_given: Optional[list] = None,
+    name: Optional[str], threads_per_worker: int, hint_given: Optional[list] = None
 ) -> StatsRecorder | _Off:
-    """The iterator's recorder: a `StatsRecorder` named `name`, or a no-op one for None (ray_stats=False)."""
-    return StatsRecorder(name, iterator, threads_per_worker, hint_given) if name is not None else _Off()
+    """An iterator's recorder: a `StatsRecorder` named `name`, or a no-op one for None (ray_stats=False)."""
+    return StatsRecorder(name, threads_per_worker, hint_given) if name is not None else _Off()
