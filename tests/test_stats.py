@@ -289,13 +289,8 @@ def test_pin_spans_and_waits_reach_the_trace(tmp_path):
     from raydl.driver.stats.recorder import StatsRecorder
     from raydl.worker.actor import BatchMeta
 
-    class FakeIter:  # what the recorder reads of a live iterator: nothing here (no pool, no schedule)
-        pass
-
-    owner = FakeIter()
-    rec = StatsRecorder("unit", owner)
+    rec = StatsRecorder("unit")  # fed by events only: no pool, no schedule sent here
     rec._next_flush = float("inf")  # no Ray metrics in this test
-    rec._refresh_pool = lambda: None
     rec.begin_epoch()
     pin = rec.timed_pin(lambda x: (time.sleep(0.002), x)[1])
     now = time.time()
@@ -313,8 +308,7 @@ def test_pin_spans_and_waits_reach_the_trace(tmp_path):
     names = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M" and e["name"] == "thread_name"}
     pin_tid = next(t for t, n in names.items() if n == "pin / device copy")
     assert sum(1 for e in events if e["ph"] == "X" and e["tid"] == pin_tid) == 4
-    del owner  # the recorder holds the iterator by weakref only
-    assert rec.snapshot().batches_in_flight == 0
+    assert rec.snapshot().batches_in_flight == 0  # no schedule was sent (`watch`): nothing in flight to count
 
 
 def _fake_stats(busy_s: float, cpu_s: float, medians=(0.05, 0.05)) -> "raydl.LoaderStats":
