@@ -360,7 +360,7 @@ class StatsRecorder:
             first_batch_s=self._first_batch[0],
             cache=self._cache_figures(sum(w.busy_s for w in workers)),
             _first_wait_s=self._first_batch[1],
-            _spans=spans,
+            spans=spans,
         )
 
     def _cache_figures(self, busy_s: float) -> Optional[dict]:

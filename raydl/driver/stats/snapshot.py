@@ -87,6 +87,9 @@ class LoaderStats:
             `storage_wait_share` (its share of the workers' busy time), summed over the `nodes`
             whose caches serve this loader, and `per_node` (node id -> that node's `hits`,
             `misses`, `bytes_fetched`, `fetches`, `adopted`, `bytes_held`, `peak_bytes`); else None.
+        spans: the timed spans the timeline draws, by kind (the workers' batches, start-up batches, the
+            driver's waits and pin copies, cache fetches per node; at most 200,000 each, `truncated` says
+            whether any was dropped).
     `str(stats)` is a compact table; `stats.timeline(path)` writes a Chrome trace (and a PNG).
     """
 
@@ -104,7 +107,7 @@ class LoaderStats:
     first_batch_s: float = 0.0
     cache: Optional[dict] = None
     _first_wait_s: float = field(default=0.0, repr=False)
-    _spans: dict = field(default_factory=dict, repr=False, compare=False)
+    spans: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def wait_share(self) -> float:

@@ -36,7 +36,7 @@ _LOOP_TID, _PIN_TID, _CACHE_TID0, _WORKER_TID0, _STARTUP_TID0 = 1, 2, 3, 10, 100
 def _startup_tracks(stats: LoaderStats) -> list[tuple[str, list]]:
     """(label, [(idx, start, dur)]) per start-up maker that made batches this epoch, by worker id then pid."""
     tracks: dict[tuple[int, int], list] = {}
-    for wid, pid, idx, start, dur in stats._spans.get("startup") or []:
+    for wid, pid, idx, start, dur in stats.spans.get("startup") or []:
         tracks.setdefault((wid, pid), []).append((idx, start, dur))
     return [
         (
@@ -51,7 +51,7 @@ def _startup_tracks(stats: LoaderStats) -> list[tuple[str, list]]:
 
 def _cache_tracks(stats: LoaderStats) -> list[tuple[str, list]]:
     """(label, [(start, end, key, nbytes, error)]) per node cache that fetched during the epoch."""
-    by_node = stats._spans.get("cache") or {}
+    by_node = stats.spans.get("cache") or {}
     return [(f"node cache ({node[:8]}): fetches", spans) for node, spans in sorted(by_node.items()) if spans]
 
 
@@ -64,7 +64,7 @@ def _worker_label(stats: LoaderStats, wid: int) -> str:
 
 def trace_events(stats: LoaderStats) -> list[dict]:
     """The epoch's events in Chrome's Trace Event Format."""
-    sp = stats._spans
+    sp = stats.spans
     t0 = sp["start_wall_s"]
     us = lambda t: round((t - t0) * 1e6, 1)  # noqa: E731
     pid = 1
@@ -183,7 +183,7 @@ def write_trace(stats: LoaderStats, path: str) -> str:
             "wall_s": stats.wall_s,
             "wait_s": stats.wait_s,
             "wait_share": stats.wait_share,
-            "truncated": stats._spans["truncated"],
+            "truncated": stats.spans["truncated"],
         },
     }
     directory = os.path.dirname(os.path.abspath(path))
@@ -203,7 +203,7 @@ def write_png(stats: LoaderStats, path: str, width_in: float = 9.0) -> Optional[
         from matplotlib.figure import Figure
     except ImportError:
         return None
-    sp = stats._spans
+    sp = stats.spans
     t0 = sp["start_wall_s"]
     worker_ids = sorted({w.worker_id for w in stats.workers} | {s[0] for s in sp["batches"]})
     rows: list[tuple[str, list, str]] = []
