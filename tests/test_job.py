@@ -6,6 +6,7 @@ process, stepping in lockstep as DDP does; the workers are the suite's Ray actor
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import time
@@ -150,6 +151,40 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
         [[0, 1, 0, 0], [0, 0, 0, 0]],
         [[0, 0, 0, 0], [0, 1, 0, 0]],
     )
+    for loader in loaders:
+        loader.shutdown()
+
+
+def test_a_silent_node_under_a_job_costs_no_rank_a_batch(monkeypatch):
+    """The job's workers reached over Ray's calls (ranks have no lanes) on a node that goes silent mid-epoch (a worker
+    frozen, its node's raylet no longer answering the probe): the ranks do not wait for Ray's verdict; each still gets
+    its batches once, in order, with their content, and the frozen worker makes none of the later ones."""
+    from raydl.cluster import silent_nodes
+    from tests._silence import frozen, workers_on_another_node
+
+    verdicts, asked = workers_on_another_node(monkeypatch)
+    n = 96
+    expected = [_drawn(loader) for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
+    loaders = _timed_ranks(monkeypatch, 2, "job-silent", n, delay_s=0.005, num_workers=2)
+    its = [iter(loader) for loader in loaders]
+    frozen_pids: list = []
+
+    with contextlib.ExitStack() as unfreeze:
+
+        def freeze_one(step: int) -> None:
+            if step == 2:
+                verdicts["another-node"] = "timeout"
+                frozen_pids.append(its[0]._pool.records[1].pid)
+                unfreeze.enter_context(frozen(frozen_pids[-1]))
+
+        unfreeze.callback(silent_nodes._forget_all)
+        out = _lockstep(its, freeze_one)
+    assert frozen_pids and asked
+    for r in range(2):
+        assert _drawn(out[r]) == expected[r], f"rank {r}"
+    later = {row[1] for o in out for row in torch.cat(o[12:]).tolist()}
+    assert frozen_pids[0] not in later
+    assert _job_view("job-silent")["generations"][1] >= 1, "the frozen worker was replaced for the job"
     for loader in loaders:
         loader.shutdown()
 

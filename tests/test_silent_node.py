@@ -9,10 +9,7 @@ tests/test_netns.py takes a real node's link down on the namespace cluster.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
-import signal
 import socket
 import time
 from multiprocessing.connection import Connection
@@ -24,21 +21,9 @@ from raydl._constants import DEFAULT_SILENCE_TIMEOUT_S, LANE_HEARTBEAT_S
 from raydl.cluster import silent_nodes
 from raydl.worker.lane import recv_reply, send_reply, since_received_s
 from tests import _datasets as D
+from tests._silence import frozen, workers_on_another_node
 
 pytestmark = pytest.mark.usefixtures("ray_session")
-
-
-@contextlib.contextmanager
-def frozen(pid: int):
-    """The process stopped (SIGSTOP) inside the block: it holds its connections open and sends nothing."""
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        yield
-    finally:
-        try:
-            os.kill(pid, signal.SIGCONT)  # (killed by its replacement's start already, normally)
-        except ProcessLookupError:
-            pass
 
 
 def _freeze_worker_1_to_the_end(it, out: list, n: int, caplog) -> str:
@@ -56,10 +41,7 @@ def _freeze_worker_1_to_the_end(it, out: list, n: int, caplog) -> str:
 def on_another_node(monkeypatch):
     """Every started worker is reported on one other node ("another-node"): TCP lanes, as across nodes; the silent
     mark that node gets is forgotten afterwards (its probe can never run: no such node)."""
-    from raydl.driver.transport import lane as L
-
-    real = L.worker_node
-    monkeypatch.setattr(L, "worker_node", lambda pool, w: None if real(pool, w) is None else "another-node")
+    workers_on_another_node(monkeypatch, probe=False)
     yield
     silent_nodes._forget_all()
 
@@ -168,26 +150,7 @@ def test_a_node_marked_silent_is_a_candidate_again_once_its_probe_runs():
 def over_ray_calls(monkeypatch):
     """Every started worker is reported on "another-node", reached over Ray's calls; `verdicts[node]` is what the
     probe of a node's raylet port says (`reach_raylet`), `asked` the nodes probed, in order."""
-    from raydl.driver.transport import calls as C
-    from raydl.driver.transport import lane as L
-    from raydl.driver.transport import ray_silence as RS
-
-    real = L.worker_node
-
-    def fake(pool, w):
-        return None if real(pool, w) is None else "another-node"
-
-    monkeypatch.setattr(L, "worker_node", fake)
-    monkeypatch.setattr(C, "worker_node", fake)
-    verdicts = {"another-node": "answers"}
-    asked: list = []
-
-    def reach(node, timeout_s):
-        asked.append(node)
-        return verdicts.get(node, "unknown")
-
-    monkeypatch.setattr(RS, "reach_raylet", reach)
-    yield verdicts, asked
+    yield workers_on_another_node(monkeypatch)
     silent_nodes._forget_all()
 
 
