@@ -144,6 +144,69 @@ def run_python(code: str, timeout_s: int = 360, env_extra: dict | None = None) -
     )
 
 
+def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0):
+    """A generator for a fixture: a Ray head of its own on loopback (`ray start --head --block` in a new process
+    group), yielding the `env_extra` with which a fresh driver (`run_python`) joins it; stopped by its process group
+    (never `ray stop`, which would stop every Ray here). Needs the token `ray_session`'s `ray.init` wrote (a head
+    started while ~/.ray/auth_token exists asks for it).
+
+    NOTE [ tests joined cold starts ]: a cold start is a process with no Ray *in it* at `iter()`; whether raydl then
+    starts a local Ray or joins RAY_ADDRESS in the background is the same path (NOTE [ raydl cold start ]). Fresh
+    drivers that test the cold start join one head per module instead of each starting a Ray (4-10 s quiet, 20-30 s
+    on a loaded 2-core VM, and the same again to stop it); the tests of the local start keep theirs."""
+    import socket
+    import tempfile
+
+    import pytest
+
+    ray_bin = os.path.join(os.path.dirname(sys.executable), "ray")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    temp = tempfile.mkdtemp(prefix="rdl-head-")
+    argv = [
+        ray_bin, "start", "--head", "--block", f"--port={port}", "--node-ip-address=127.0.0.1",
+        f"--num-cpus={num_cpus}", "--include-dashboard=false", f"--temp-dir={temp}",
+        "--object-store-memory=150000000", "--disable-usage-stats",
+    ]  # fmt: skip
+    env = fresh_env({"RAY_AUTH_MODE": "token"})
+    proc = subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+    _BACKGROUND.procs.add(proc)
+    try:
+        said: list[str] = []
+        deadline = time.monotonic() + wait_s
+        ready = _wait_for_line(proc, "block forever", said, deadline)
+        if not ready:
+            pytest.fail(f"ray start --head did not come up in {wait_s:.0f} s: {''.join(said)[-3000:]}")
+        yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"}
+    finally:
+        _BACKGROUND.procs.discard(proc)
+        _end_group(proc)
+        import shutil
+
+        shutil.rmtree(temp, ignore_errors=True)
+
+
+def _wait_for_line(proc: subprocess.Popen, marker: str, said: list, deadline: float) -> bool:
+    """Read `proc`'s output into `said` until a line holds `marker` (True), it ends or `deadline` passes (False)."""
+    import threading
+
+    found = threading.Event()
+
+    def read() -> None:
+        for line in proc.stdout:
+            said.append(line)
+            if marker in line:
+                found.set()
+        found.set()  # ended: the caller looks at `said`
+
+    threading.Thread(target=read, daemon=True).start()  # (keeps draining the pipe afterwards)
+    found.wait(max(0.0, deadline - time.monotonic()))
+    return any(marker in line for line in said)
+
+
 def read_facts(proc: subprocess.CompletedProcess) -> dict:
     """The last `FACTS {json}` line a fresh driver printed; fails with its output if it failed or printed none."""
     lines = [line for line in proc.stdout.splitlines() if line.startswith("FACTS ")]

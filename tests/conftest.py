@@ -69,6 +69,15 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def joined_ray(ray_session):
+    """`run_python`'s env_extra to join a Ray head of this module's own (NOTE [ tests joined cold starts ] in
+    tests/_session.py): the cold starts of fresh drivers without a Ray start each."""
+    from tests._session import joinable_ray
+
+    yield from joinable_ray()
+
+
 @pytest.fixture
 def unpatched():
     """The test starts and ends with torch's own DataLoader iteration, whatever it patched."""

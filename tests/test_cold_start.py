@@ -12,7 +12,8 @@ from tests import _datasets as D
 from tests._session import read_facts, run_python
 
 # A fresh driver: torch's DataLoader first (its forked workers are the reference, and Ray is not
-# up yet), then raydl's on a cold start. The dataset draws from torch, random and NumPy in
+# up in it yet), then raydl's on a cold start, joining the module's Ray head (NOTE [ tests joined
+# cold starts ] in tests/_session.py; the race below starts a local Ray of its own). The dataset draws from torch, random and NumPy in
 # __getitem__ and reports its worker info; worker_init_fn draws too and writes into the worker's
 # copy of the dataset (the driver's own copy must keep offset -1).
 _SCRIPT = r"""
@@ -71,7 +72,8 @@ print("FACTS " + json.dumps({{"same": got[0] == expected[0], "first_diff": first
 """
 
 
-def _cold_epochs(max_in_driver, generator, persistent=False, epochs=2, raydl_kwargs="") -> dict:
+def _cold_epochs(joined_ray, max_in_driver, generator, persistent=False, epochs=2, raydl_kwargs="") -> dict:
+    """The script's facts, its driver joining the module's Ray head (NOTE [ tests joined cold starts ])."""
     code = _SCRIPT.format(
         max_in_driver=max_in_driver,
         generator=generator,
@@ -79,7 +81,7 @@ def _cold_epochs(max_in_driver, generator, persistent=False, epochs=2, raydl_kwa
         epochs=epochs,
         raydl_kwargs=raydl_kwargs,
     )
-    facts = read_facts(run_python(code, timeout_s=300))  # the default
+    facts = read_facts(run_python(code, timeout_s=300, env_extra=joined_ray))
     assert facts["same"], f"raydl's batches differ from torch's at [epoch, batch] {facts['first_diff']}: {facts}"
     assert facts["offset"] == -1, f"worker_init_fn wrote into the driver's dataset: {facts}"
     # The batches made here leave the script's torch and NumPy streams where torch's loader leaves them. Python's
@@ -91,9 +93,9 @@ def _cold_epochs(max_in_driver, generator, persistent=False, epochs=2, raydl_kwa
 
 
 @pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "generator"])
-def test_epoch_equals_torch_with_some_batches_made_in_the_driver(generator):
+def test_epoch_equals_torch_with_some_batches_made_in_the_driver(joined_ray, generator):
     """Batches made in the driver, then by the actors from the handed-over streams: torch's, batch for batch."""
-    facts = _cold_epochs(max_in_driver=3, generator=generator)
+    facts = _cold_epochs(joined_ray, max_in_driver=3, generator=generator)
     assert facts["kinds"] == ["ColdStartIter", "_RayLoaderIter"], facts
     # the workers took over mid-epoch: Ray is up seconds after the first batch (more than 3 batches only when the
     # workers were not running within ray_startup_timeout_s: a very busy machine)
@@ -101,28 +103,28 @@ def test_epoch_equals_torch_with_some_batches_made_in_the_driver(generator):
 
 
 @pytest.mark.parametrize("generator", [False, True], ids=["global-rng", "generator"])
-def test_epoch_equals_torch_with_no_batch_made_in_the_driver(generator):
+def test_epoch_equals_torch_with_no_batch_made_in_the_driver(joined_ray, generator):
     """The workers take over before the first batch (the driver only drew the seeds): torch's batches."""
-    facts = _cold_epochs(max_in_driver=0, generator=generator)
+    facts = _cold_epochs(joined_ray, max_in_driver=0, generator=generator)
     assert facts["made"][0] == 0, facts
 
 
-def test_persistent_workers_continue_the_driver_streams_across_epochs():
+def test_persistent_workers_continue_the_driver_streams_across_epochs(joined_ray):
     """An epoch made wholly in the driver (handed over at its end): the persistent workers' streams go on from there."""
-    facts = _cold_epochs(max_in_driver=16, generator=True, persistent=True, epochs=3)  # 14 batches an epoch
+    facts = _cold_epochs(joined_ray, max_in_driver=16, generator=True, persistent=True, epochs=3)  # 14 batches an epoch
     assert facts["kinds"] == ["ColdStartIter"] * 3, facts
     assert facts["made"][0] == 14 and facts["made"][-1] == 14, facts  # not one batch of epochs 2 and 3 in the driver
 
 
-def test_in_process_makers_still_give_torchs_epoch():
+def test_in_process_makers_still_give_torchs_epoch(joined_ray):
     """ray_cold_start="in_process" (opt-in): the first batches made in the trainer's process, torch's batches."""
-    facts = _cold_epochs(max_in_driver=3, generator=True, raydl_kwargs="ray_cold_start='in_process'")
+    facts = _cold_epochs(joined_ray, max_in_driver=3, generator=True, raydl_kwargs="ray_cold_start='in_process'")
     assert facts["kinds"] == ["ColdStartIter", "_RayLoaderIter"] and facts["made"][0] == 3, facts
 
 
-def test_cold_start_off_makes_every_batch_in_a_worker():
+def test_cold_start_off_makes_every_batch_in_a_worker(joined_ray):
     """ray_cold_start=False: the Ray iterator from the first batch on, with torch's batches."""
-    facts = _cold_epochs(max_in_driver=None, generator=True, epochs=1, raydl_kwargs="ray_cold_start=False")
+    facts = _cold_epochs(joined_ray, max_in_driver=None, generator=True, epochs=1, raydl_kwargs="ray_cold_start=False")
     assert facts["kinds"] == ["_RayLoaderIter"] and facts["made"] == [None], facts
 
 

@@ -1,6 +1,7 @@
 """A cold start with the defaults runs no dataset code in the trainer's process (NOTE [ raydl cold start ]).
 
-Each test is a fresh driver (no Ray yet, the library's defaults): the first batches come from
+Each test is a fresh driver (no Ray in it yet, the library's defaults; it joins the module's Ray head in the
+background: NOTE [ tests joined cold starts ] in tests/_session.py): the first batches come from
 start-up processes forked from it, so a dataset that ends its process is a worker's death, torch's
 `timeout` holds, the stats count the wait, and a shared Arrow table stays shared.
 """
@@ -54,10 +55,10 @@ print("FACTS " + json.dumps({{"same": same, "crashed": os.path.exists(MARKER), "
 
 
 @pytest.mark.parametrize("bad", [0, 10], ids=["first-batch", "mid-epoch"])
-def test_a_dataset_that_ends_its_process_is_a_workers_death(bad):
+def test_a_dataset_that_ends_its_process_is_a_workers_death(joined_ray, bad):
     """os._exit in __getitem__ while Ray starts (in the first batch, and a few batches on): the trainer lives on,
     the process is replaced, and the epoch is torch's, every batch once, in order."""
-    facts = read_facts(run_python(_CRASH_SCRIPT.format(bad=bad), timeout_s=300))
+    facts = read_facts(run_python(_CRASH_SCRIPT.format(bad=bad), timeout_s=300, env_extra=joined_ray))
     assert facts["crashed"], facts  # the dataset did end a process
     assert facts["same"], f"the batches differ from torch's: {facts}"
     assert facts["me"] not in facts["pids"], f"dataset code ran in the trainer's process: {facts}"
@@ -93,9 +94,9 @@ print("FACTS " + json.dumps({"error": error, "after_s": time.monotonic() - t0}))
 """
 
 
-def test_timeout_holds_for_the_first_batch():
+def test_timeout_holds_for_the_first_batch(joined_ray):
     """torch's test_timeout with the defaults: items of 3 s, timeout=1: torch's error at the first next()."""
-    facts = read_facts(run_python(_TIMEOUT_SCRIPT, timeout_s=300))
+    facts = read_facts(run_python(_TIMEOUT_SCRIPT, timeout_s=300, env_extra=joined_ray))
     assert facts["error"] is not None and facts["error"].startswith("DataLoader timed out after 1 seconds"), facts
     assert "start-up process" in facts["error"], facts  # it names who was making the batch
     assert facts["after_s"] < 6, facts  # raised, not the batch returned (2 items of 3 s)
@@ -133,10 +134,10 @@ print("FACTS " + json.dumps({"share": stats.wait_share, "batches": stats.batches
 """
 
 
-def test_stats_count_the_wait_for_start_up_batches():
+def test_stats_count_the_wait_for_start_up_batches(joined_ray):
     """A data-bound 8-batch epoch with the defaults: the loop's wait is counted, one timeline track per process
     that made batches."""
-    facts = read_facts(run_python(_STATS_SCRIPT, timeout_s=300))
+    facts = read_facts(run_python(_STATS_SCRIPT, timeout_s=300, env_extra=joined_ray))
     assert facts["batches"] == 8, facts
     assert facts["share"] >= 0.5, facts
     tracks = facts["busy_tracks"]
@@ -178,10 +179,10 @@ print("FACTS " + json.dumps({"startup": big[0], "workers": big[1], "idle": idle,
 """
 
 
-def test_arrow_table_stays_shared_with_the_defaults():
+def test_arrow_table_stays_shared_with_the_defaults(joined_ray):
     """An ArrowDataset over a 40 MB table: the start-up processes share the trainer's copy (fork), and the workers
     that take over map the object store's: none grows by the table's size."""
-    facts = read_facts(run_python(_ARROW_SCRIPT, timeout_s=300))
+    facts = read_facts(run_python(_ARROW_SCRIPT, timeout_s=300, env_extra=joined_ray))
     idle_uss = max(r["uss"] for r in facts["idle"])
     for phase in ("startup", "workers"):
         for r in facts[phase]:
@@ -215,10 +216,10 @@ print("FACTS " + json.dumps({"error": error}))
 """
 
 
-def test_a_batch_that_kills_every_start_up_process_ends_in_a_clear_error():
+def test_a_batch_that_kills_every_start_up_process_ends_in_a_clear_error(joined_ray):
     """A sample that ends every process it reaches: replaced ray_max_worker_restarts times, then WorkerDiedError
     naming the start-up process, the batch and its indices (the trainer lives to report it)."""
-    facts = read_facts(run_python(_POISON_SCRIPT, timeout_s=300))
+    facts = read_facts(run_python(_POISON_SCRIPT, timeout_s=300, env_extra=joined_ray))
     error = facts["error"]
     assert error is not None and "start-up process" in error and "exit code 3" in error, facts
     assert "while making batch 2 (indices [4, 5])" in error and "after 1 restart(s)" in error, facts
