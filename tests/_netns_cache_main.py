@@ -103,6 +103,8 @@ def cache(facts: dict) -> None:
                     "get_bytes_by_ip": dict(proxy.get_bytes_by_client),
                     "get_bytes": proxy.get_bytes,
                     "cache_fetched_by_ip": {ip_of.get(n, n): st.get("bytes_fetched") for n, st in per_node.items()},
+                    "from_peers_by_ip": {ip_of.get(n, n): st.get("bytes_from_peers") for n, st in per_node.items()},
+                    "peer_fallbacks": sum(st.get("peer_fallbacks", 0) for st in per_node.values()),
                     "worker_ips": sorted(r.node_ip for r in it.worker_records),
                 }
             )
