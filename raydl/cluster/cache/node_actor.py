@@ -74,6 +74,9 @@ IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobo
 STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
 PEER_ASK_S = 10.0  # a unit asked of its owner and not offered within this long is asked again
 PEER_CALL_S = float(os.environ.get("RAYDL_CACHE_PEER_CALL_S", "60"))  # one transfer from a peer, at most
+# A unit comes from a peer in chunks this small: each inside Ray's reply (max_direct_call_object_size, 100 KiB), not
+# through the object store, whose transfers of many small objects at once took 1-2 s each on the test machine
+PEER_CHUNK = 96 * 1024
 _TMP = ".tmp-"
 INF = float("inf")
 
@@ -343,17 +346,22 @@ class NodeCache:
                     self._hole()
             self._cv.notify_all()
 
-    def serve(self, key: str, node: Optional[str], urgent: bool) -> Any:
-        """A peer's ask for a unit this cache owns (NOTE [ raydl cooperative caches ]): its file's bytes (trailer
-        included); None when it is not here yet (`node` is offered it when it arrives, and, `urgent`, it is
-        fetched before the plan's order); a message when this cache cannot have it (unknown, its fetch failed)."""
+    def serve(self, key: str, node: Optional[str], urgent: bool, reply_to: Any = None, offset: int = 0) -> Any:
+        """A peer's ask for a unit this cache owns (NOTE [ raydl cooperative caches ]): (its file's size, trailer
+        included, and its bytes from `offset`, at most PEER_CHUNK); None when it is not here yet (`node`, whose
+        cache is `reply_to`, is offered it when it arrives, and, `urgent`, it is fetched before the plan's order);
+        a message when this cache cannot give it (unknown, its fetch failed, gone since a first chunk)."""
         with self._cv:
             self._touch()
+            if node is not None and reply_to is not None:  # it may ask before this cache's plan names it
+                self._peers.setdefault(node, reply_to)
             if key not in self._specs:
                 return "not registered here"
             if key in self._failed:
                 return self._failed[key]
             if key not in self._ready:
+                if offset:
+                    return "evicted while it was being read"
                 if node is not None:
                     self._wanted.setdefault(key, set()).add(node)
                 if urgent and key not in self._fetching and key not in self._urgent:
@@ -364,7 +372,9 @@ class NodeCache:
             self._pins[key] = self._pins.get(key, 0) + 1
         try:
             with open(os.path.join(self._dir, key), "rb") as f:
-                raw = f.read()
+                size = os.fstat(f.fileno()).st_size
+                f.seek(offset)
+                raw = f.read(PEER_CHUNK)
         except OSError:
             raw = None
         with self._cv:
@@ -377,8 +387,9 @@ class NodeCache:
                     self._used -= self._ready.pop(key)
                     self._hole()
                 return "its file vanished"
-            self._stats["bytes_served"] += len(raw) - UNIT_TRAILER_BYTES
-        return raw
+            if not offset:
+                self._stats["bytes_served"] += size - UNIT_TRAILER_BYTES
+        return size, raw
 
     def offer(self, key: str) -> None:
         """The owner of a unit asked for now has it: ask again (NOTE [ raydl cooperative caches ])."""
@@ -559,17 +570,28 @@ class NodeCache:
         parked in _asked, its bytes still reserved); raises when the owner cannot give them (gone, failed, bytes
         that fail their checksum)."""
         node, peer = source
-        raw = _call(peer.serve, PEER_CALL_S, key=key, node=self._node, urgent=urgent)
-        if raw is None:
+        got = _call(peer.serve, PEER_CALL_S, key=key, node=self._node, urgent=urgent, reply_to=_this_actor())
+        if got is None:
             with self._cv:
                 when = 0.0 if key in self._offered else time.monotonic() + PEER_ASK_S
                 self._offered.discard(key)
                 self._asked[key] = [when, urgent, asks + 1]
                 self._cv.notify_all()
             return None
-        if isinstance(raw, str):  # the owner's own fetch failed, or it does not know the unit
-            raise OSError(f"the cache of node {node} cannot give it: {raw}")
-        if unsealed(raw) is None:
+        if isinstance(got, str):  # the owner's own fetch failed, or it does not know the unit
+            raise OSError(f"the cache of node {node} cannot give it: {got}")
+        size, first = got
+        # the other chunks at once, each small enough to come back inside Ray's reply (not through the object store)
+        rest = _call_all(
+            peer.serve,
+            PEER_CALL_S,
+            [dict(key=key, node=None, urgent=False, offset=o) for o in range(len(first), size, PEER_CHUNK)],
+        )
+        bad = next((r for r in rest if not isinstance(r, tuple)), None)
+        if bad is not None:
+            raise OSError(f"the cache of node {node} cannot give it: {bad}")
+        raw = b"".join([first, *(chunk for _, chunk in rest)])
+        if len(raw) != size or unsealed(raw) is None:
             raise OSError(f"the bytes from the cache of node {node} fail their checksum")
         return raw
 
@@ -683,6 +705,26 @@ def _this_node() -> Optional[str]:
         return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
     except Exception:
         return None
+
+
+def _this_actor() -> Any:
+    """This actor's own handle (what a peer offers units to), None outside an actor."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().current_actor if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _call_all(method: Any, timeout_s: float, calls: list) -> list:
+    """`method.remote(**kwargs)`'s results for each kwargs of `calls`, all sent before any is awaited."""
+    if not calls:
+        return []
+    import ray
+
+    outs = [method.remote(**kwargs) for kwargs in calls]
+    return ray.get(outs, timeout=timeout_s) if isinstance(outs[0], ray.ObjectRef) else outs
 
 
 def _call(method: Any, timeout_s: float, **kwargs: Any) -> Any:
