@@ -33,12 +33,14 @@ would read the data N times at N nodes. The driver's plan gives each unit one ow
 node that uses it, the owned bytes balanced: `CacheFeed`), and only the owner fetches it from
 storage; its plan holds the unit until the last batch of any node that uses it is handed out. A
 node that needs a unit owned elsewhere asks the owner's cache (`serve`): the bytes come back as
-they lie in the owner's file (checksum included, checked before they are written here), or "not
-yet": the owner notes who asked and tells it (`offer`) when the unit arrives, while this cache
-fetches other units (no fetch thread waits on a peer, no bytes are reserved meanwhile). A unit a
-worker here waits for is asked for urgently, and the owner fetches it before its plan's order. An
-owner that is gone, fails, times out, or hands out bytes that fail the checksum: the unit is read
-from storage here (counted: `peer_fallbacks`).
+they lie in the owner's file (checksum included, checked before they are written here), in chunks
+of PEER_CHUNK inside Ray's replies; or "not yet": the owner notes who asked and tells it (`offer`)
+when the unit arrives. Meanwhile the unit's room stays reserved here (so the prefetch does not
+fill it with later units, to evict them again) but no fetch thread waits: this cache fetches
+other units. A unit a worker here waits for is asked for urgently, and the owner fetches it
+before its plan's order; one not offered in PEER_ASK_S is asked again (after 3 asks its room is
+given back until the next). An owner that is gone, fails, or hands out bytes that fail the
+checksum: the unit is read from storage here (counted: `peer_fallbacks`).
 """
 
 from __future__ import annotations
