@@ -7,6 +7,7 @@ talks to run on every node a worker of the iterator runs on.
 
 from __future__ import annotations
 
+import itertools
 import os
 import uuid
 from typing import Any, Callable, Optional
@@ -132,40 +133,63 @@ class CacheFeed:
         self._owners = owners
         return changed
 
+    def _flat(self, known: list) -> tuple:
+        """The plan from the cursor on as arrays, one entry per (batch, unit): unit ids, batch offsets from the
+        cursor, and the index in `known` of the node planned for the batch (-1: every node; -2: a node not known)."""
+        steps, nodes = self._steps[self._at() - self._first :], self._nodes[self._at() - self._first :]
+        lens = np.fromiter(map(len, steps), np.int64, len(steps))
+        units = np.fromiter(itertools.chain.from_iterable(steps), np.int64, int(lens.sum()))
+        index = {n: i for i, n in enumerate(known)}
+        per_step = np.fromiter((-1 if n is None else index.get(n, -2) for n in nodes), np.int64, len(steps))
+        return units, np.repeat(np.arange(len(steps)), lens), np.repeat(per_step, lens), lens
+
     def _assign_owners(self, known: list) -> dict:
         """{unit id: owner node} of the units planned from the cursor on, with two nodes or more (NOTE [ raydl
         cooperative caches ]): in the order of first use, each goes to the node using it that owns the fewest bytes
         so far (the first user on a tie); a unit of a batch planned on every node may go to any of them."""
         if len(known) < 2 or os.environ.get("RAYDL_CACHE_PEERS", "1") == "0":  # "0": each node fetches its own
             return {}
-        at = self._at() - self._first
-        users: dict = {}  # unit -> the nodes that use it, in order of first use
-        for units, node in zip(self._steps[at:], self._nodes[at:]):
-            for u in units:
-                lst = users.setdefault(u, [])
-                for n in known if node is None else (node,):
-                    if n not in lst:
-                        lst.append(n)
+        units, pos, node, _ = self._flat(known)
+        every = node == -1  # each node uses these
+        k = len(known)
+        units = np.concatenate([units[node >= 0], np.repeat(units[every], k)])
+        pos = np.concatenate([pos[node >= 0], np.repeat(pos[every], k)])
+        node = np.concatenate([node[node >= 0], np.tile(np.arange(k), int(every.sum()))])
+        order = np.lexsort((pos, node, units))  # each (unit, node) pair's first use first
+        units, pos, node = units[order], pos[order], node[order]
+        first = np.ones(len(units), bool)
+        first[1:] = (units[1:] != units[:-1]) | (node[1:] != node[:-1])
+        order = np.lexsort((node[first], pos[first]))
+        users: dict = {}  # unit -> the nodes that use it, in order of first use (units in order of first use)
+        for u, n in zip(units[first][order].tolist(), node[first][order].tolist()):
+            users.setdefault(u, []).append(n)
         sizes = self._ds.unit_nbytes
-        owned = dict.fromkeys(known, 0)
+        owned = [0] * k
         owners = {}
         for u, lst in users.items():
-            node = min(lst, key=lambda n: (owned[n], lst.index(n)))
-            owners[u] = node
-            owned[node] += int(sizes[u])
+            n = min(lst, key=lambda i: (owned[i], lst.index(i)))
+            owners[u] = known[n]
+            owned[n] += int(sizes[u])
         return owners
 
-    def _held_by(self, node: str, units: list, planned_on: Optional[str]) -> list:
-        """Of a batch's units, those `node`'s cache holds: all of them for its own batch (or one planned on every
-        node), the units it owns for another node's."""
-        if planned_on is None or planned_on == node:
-            return units
-        return [u for u in units if self._owners.get(u) == node]
-
     def _plan_for(self, node: str) -> list:
-        """The steps from the cursor on that `node`'s cache is told (for another node's batch, the units it owns)."""
-        at = self._at() - self._first
-        return [self._held_by(node, s, n) for s, n in zip(self._steps[at:], self._nodes[at:])]
+        """The steps from the cursor on that `node`'s cache is told: all units of its own batches (and of those
+        planned on every node), the units it owns of the other nodes' batches."""
+        known = list(self._actors)
+        if node not in known:
+            known.append(node)
+        units, pos, planned, lens = self._flat(known)
+        me = known.index(node)
+        keep = (planned == -1) | (planned == me)
+        if self._owners:
+            owner = np.full(int(self._ds.unit_nbytes.shape[0]), -3, np.int64)
+            owned = [u for u, n in self._owners.items() if n == node]
+            owner[owned] = me
+            keep |= owner[units] == me
+        if not len(lens):
+            return []
+        kept = np.bincount(pos[keep], minlength=len(lens))  # units kept of each batch
+        return [chunk.tolist() for chunk in np.split(units[keep], np.cumsum(kept)[:-1])]
 
     def _send_plan(self, node: str, actor: Any) -> None:
         at = self._at()
