@@ -87,6 +87,102 @@ def _parquet_run(name) -> dict:
     return out
 
 
+ONCE_ROWS, ONCE_BATCH, ONCE_SEED = 150, 64, 11  # 32 row groups of 150 rows, ~40 KB each (incompressible payload)
+
+
+def _once_corpus() -> str:
+    import tempfile
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    root = tempfile.mkdtemp(prefix="raydl-mn-once-")
+    rng = np.random.default_rng(3)
+    for f in range(8):
+        ids = np.arange(f * 4 * ONCE_ROWS, (f + 1) * 4 * ONCE_ROWS)
+        table = pa.table({"id": ids, "payload": [rng.bytes(256) for _ in ids]})
+        pq.write_table(table, os.path.join(root, f"part-{f}.parquet"), row_group_size=ONCE_ROWS)
+    return root
+
+
+def _once_expected(root: str, limit: int, epochs: int) -> list:
+    """torch's DataLoader over the same folder with the same generator: each epoch's batches (ids, payload bytes)."""
+    local = raydl.ParquetDataset(root, cache_dir=os.path.join(root, "reference-cache"), cache_limit=limit)
+    g = torch.Generator().manual_seed(ONCE_SEED)
+    ref = torch.utils.data.DataLoader(
+        local, batch_size=ONCE_BATCH, sampler=raydl.ParquetShuffleSampler(local, g), generator=g
+    )
+    out = [[(b["id"].tolist(), list(b["payload"])) for b in ref] for _ in range(epochs)]
+    raydl.release_node_caches()  # the head's cache of the reference
+    return out
+
+
+def _once_epoch(loader, name, expected, remove=None) -> dict:
+    """One epoch: whether it is torch's, and what each node's cache took from storage and from its peers; `remove`
+    (called after 6 batches) takes a node away mid-epoch."""
+    it = iter(loader)
+    got = []
+    for b in it:
+        got.append((b["id"].tolist(), list(b["payload"])))
+        if remove is not None and len(got) == 6:
+            remove()
+    per_node = loader.stats().cache["per_node"]
+    keys = ("bytes_fetched", "bytes_from_peers", "bytes_served", "peer_fallbacks", "adopted")
+    run = {
+        "same_as_torch": got == expected,
+        "per_node": {name(n): {k: st[k] for k in keys} for n, st in per_node.items()},
+        "worker_nodes": sorted(name(r.node_id) for r in it.worker_records),
+    }
+    del it
+    return run
+
+
+def _parquet_once_runs(cluster, name, names) -> dict:
+    """Issue 38 item 3 (NOTE [ raydl cooperative caches ]): the window shuffle (a batch spreads over its window) with
+    a worker on each data node, each node its own cache folder (`{node_id}`), a quarter of the data each: two epochs;
+    then a third data node joins and is removed mid-epoch (it owned a third of the units)."""
+    import shutil
+
+    root = _once_corpus()
+    out: dict = {}
+    try:
+        data = int(raydl.ParquetDataset(root).nbytes)
+        limit = data // 4
+        out["data_bytes"] = data
+        expected = _once_expected(root, limit, 3)
+        ds = raydl.ParquetDataset(root, cache_dir=os.path.join(root, "cache-{node_id}"), cache_limit=limit)
+
+        def loader(workers: int):
+            return raydl.DataLoader(
+                ds,
+                batch_size=ONCE_BATCH,
+                shuffle=True,
+                num_workers=workers,
+                generator=torch.Generator().manual_seed(ONCE_SEED),
+                persistent_workers=False,  # each epoch draws its base seed as torch's reference does
+                timeout=60,
+            )
+
+        two = loader(2)
+        out["epochs"] = [_once_epoch(two, name, expected[e]) for e in range(2)]
+        del two
+        raydl.release_node_caches()
+        extra = cluster.add_node(num_cpus=1, node_ip_address="127.0.0.1")
+        cluster.wait_for_nodes()
+        names[extra.node_id] = "extra"
+        _wait_alive(4)
+        _wait_cpus_free()
+        three = loader(3)
+        out["lost"] = _once_epoch(three, name, expected[0], remove=lambda: cluster.remove_node(extra))
+        del three
+        out["alive_after"] = _wait_alive(3)
+        out["caches_released"] = raydl.release_node_caches()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return out
+
+
 def main() -> None:
     facts: dict = {}
     patient_clusters()  # node start-up bounds sized for a loaded machine
@@ -197,6 +293,9 @@ def main() -> None:
         # 1d. A streamed Parquet dataset (NOTE [ raydl node cache ]) with its workers on both data nodes: each
         # node's cache brings in only the row groups its own worker reads (a batch is one row group here).
         facts["parquet"] = _parquet_run(name)
+        # 1e. The window shuffle across the data nodes: each row group fetched from storage by one node per epoch.
+        facts["parquet_once"] = _parquet_once_runs(cluster, name, names)
+        _wait_cpus_free()
 
         # 2. "data" nodes only, never the trainer's node; then a data node is removed mid-epoch.
         loader = raydl.DataLoader(

@@ -28,15 +28,19 @@ FILES, GROUPS, ROWS, PAYLOAD = 8, 4, 150, 256  # 32 row groups of 150 rows, ~40 
 BATCH, SEED, EPOCHS = 64, 11, 2
 
 
-def _write_corpus(folder: str) -> None:
+def _write_corpus(
+    folder: str, files: int = FILES, groups: int = GROUPS, rows: int = ROWS, payload: int = PAYLOAD
+) -> None:
+    """`files` Parquet files of `groups` row groups of `rows` rows: an id and `payload` incompressible bytes
+    (benchmarks/bench_across_nodes.py writes its corpus with it too)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(3)
-    for f in range(FILES):
-        ids = np.arange(f * GROUPS * ROWS, (f + 1) * GROUPS * ROWS)
-        table = pa.table({"id": ids, "payload": [rng.bytes(PAYLOAD) for _ in ids]})
-        pq.write_table(table, os.path.join(folder, f"part-{f:02d}.parquet"), row_group_size=ROWS)
+    for f in range(files):
+        ids = np.arange(f * groups * rows, (f + 1) * groups * rows)
+        table = pa.table({"id": ids, "payload": [rng.bytes(payload) for _ in ids]})
+        pq.write_table(table, os.path.join(folder, f"part-{f:03d}.parquet"), row_group_size=rows)
 
 
 def _batches(loader) -> list:
@@ -101,6 +105,8 @@ def cache(facts: dict) -> None:
                     "get_bytes_by_ip": dict(proxy.get_bytes_by_client),
                     "get_bytes": proxy.get_bytes,
                     "cache_fetched_by_ip": {ip_of.get(n, n): st.get("bytes_fetched") for n, st in per_node.items()},
+                    "from_peers_by_ip": {ip_of.get(n, n): st.get("bytes_from_peers") for n, st in per_node.items()},
+                    "peer_fallbacks": sum(st.get("peer_fallbacks", 0) for st in per_node.values()),
                     "worker_ips": sorted(r.node_ip for r in it.worker_records),
                 }
             )

@@ -104,3 +104,36 @@ def test_streamed_parquet_each_node_fetches_the_row_groups_its_worker_reads(fact
         # its worker's 16 (one of which may be asked before the node's counters start); all 32 without the split
         assert 12 <= st["fetches"] + st["adopted"] <= 16, (node, st)
         assert 12 <= st["hits"] + st["misses"] <= 16, (node, st)
+
+
+def test_streamed_parquet_window_shuffle_is_read_once_by_the_cluster(facts):
+    """Issue 38 item 3 (NOTE [ raydl cooperative caches ]): the window shuffle with a worker on each data node, each
+    node its own cache folder of a quarter of the data: every batch is torch's, and the cluster fetches each byte
+    from storage about once per epoch (not once per node); each node takes the rest from its peer's cache."""
+    run = facts["parquet_once"]
+    data = run["data_bytes"]
+    for e, epoch in enumerate(run["epochs"]):
+        assert epoch["same_as_torch"], e
+        assert epoch["worker_nodes"] == ["data0", "data1"], epoch
+        per_node = epoch["per_node"]
+        assert sorted(per_node) == ["data0", "data1"], per_node
+        storage = sum(st["bytes_fetched"] for st in per_node.values())
+        assert storage <= 1.15 * data, (e, storage / data, per_node)
+        assert all(st["adopted"] == 0 for st in per_node.values()), per_node  # a folder of its own each
+        assert all(st["bytes_from_peers"] > 0 for st in per_node.values()), per_node
+    assert (
+        run["epochs"][0]["per_node"]
+        and sum(st["bytes_fetched"] for st in run["epochs"][0]["per_node"].values()) >= 0.9 * data
+    )  # an empty cluster's first epoch reads the data (what each row group left in it is re-read)
+
+
+def test_streamed_parquet_owner_node_lost_mid_epoch(facts):
+    """A third data node, owner of about a third of the units, removed mid-epoch: its workers' batches are made again
+    on the survivors, whose caches fetch what it owned from storage (or from each other): the epoch is torch's."""
+    run = facts["parquet_once"]
+    lost = run["lost"]
+    assert lost["same_as_torch"]
+    assert run["alive_after"] == 3
+    survivors = {n: st for n, st in lost["per_node"].items() if n in ("data0", "data1")}
+    assert len(survivors) == 2, lost["per_node"]
+    assert sum(st["bytes_fetched"] for st in survivors.values()) > 0

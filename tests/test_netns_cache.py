@@ -57,6 +57,18 @@ def test_each_worker_node_fetches_from_s3_and_the_head_nothing(cluster, facts):
     assert facts["epochs"][0]["get_bytes"] >= corpus, facts["epochs"][0]
 
 
+def test_the_cluster_fetches_each_byte_from_s3_once_per_epoch(cluster, facts):
+    """Issue 38 item 3 (NOTE [ raydl cooperative caches ]): with the window shuffle both worker nodes read nearly
+    every row group, yet S3 relays the corpus about once per epoch to the whole cluster, not once per node: each
+    unit is fetched by one owner, and the other node takes it from the owner's cache (across the bridge, by Ray)."""
+    corpus = facts["corpus_bytes"]
+    for e, epoch in enumerate(facts["epochs"]):
+        assert epoch["get_bytes"] <= 1.15 * corpus, (e, epoch["get_bytes"] / corpus, epoch)
+        assert set(epoch["from_peers_by_ip"]) == {cluster.ip(1), cluster.ip(2)}, epoch
+        assert all(b > 0 for b in epoch["from_peers_by_ip"].values()), epoch
+        assert epoch["peer_fallbacks"] == 0, epoch
+
+
 def test_s3_server_stopped_and_caches_released(facts):
     """The node caches end with the run (one per worker node, none on the head: the reference's own ended before);
     the proxy and moto's process were stopped (nothing listens on their ports)."""

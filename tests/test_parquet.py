@@ -616,6 +616,137 @@ def test_each_node_is_told_and_fetches_only_the_batches_its_workers_make(folder,
             c.stop()
 
 
+class _Remote:
+    def __init__(self, fn):
+        self.remote = fn
+
+
+class _Handle:
+    """What the feed and the peer caches call as a cache actor: the plain cache's methods, called at once. `gone`: as
+    a dead actor, calls do nothing (their result is never read), and a peer's ask (read) raises."""
+
+    def __init__(self, cache):
+        self.cache = cache
+        self.gone = False
+
+    def __getattr__(self, name):
+        def call(**kwargs):
+            if self.gone:
+                from ray.exceptions import RayActorError
+
+                if name == "serve":
+                    raise RayActorError()
+                return None
+            return getattr(self.cache, name)(**kwargs)
+
+        return _Remote(call)
+
+
+def _cooperative_epoch(ds, tmp_path, monkeypatch, nodes: list, workers: int, lose_after: int = -1) -> tuple:
+    """One epoch of the window shuffle's batches (batch 64) through plain caches, one per node, with `workers` workers
+    dealt in torch's round robin over the nodes; a batch reads its units from its worker's node cache as a worker
+    does, and the driver's cursor moves on as the feed allows. `lose_after`: from that batch on the first node's cache
+    answers no call (its workers' batches go to the next node). Returns ({node: stats}, the bytes each batch read)."""
+    import raydl.cluster.cache.driver_feed as feed_mod
+    from raydl.cluster.cache.driver_feed import CacheFeed
+    from raydl.cluster.cache.node_actor import NodeCache
+
+    caches = {n: NodeCache(str(tmp_path / n), ds.cache_limit, node_id=n) for n in nodes}
+    handles = {n: _Handle(c) for n, c in caches.items()}
+    monkeypatch.setattr(feed_mod, "node_cache", lambda cache_dir, limit, node_id: handles[node_id])
+    monkeypatch.setattr(
+        feed_mod,
+        "_ensure_registered",
+        lambda h, ds_, name: h.cache.register(ds_.token, ds_.filesystem, ds_.raydl_cache_units()),
+    )
+    lost = {"at": None}
+
+    def node_of(p: int) -> str:
+        n = nodes[(p % workers) % len(nodes)]
+        return nodes[1] if lost["at"] is not None and p >= lost["at"] and n == nodes[0] else n
+
+    feed = CacheFeed(ds, 64, where=lambda first, end: [node_of(p) for p in range(first, end)])
+    it = iter(ParquetShuffleSampler(ds, generator=torch.Generator().manual_seed(5)))
+    order = ds.raydl_order_ahead(it)
+    batches = [order[i : i + 64] for i in range(0, len(order), 64)]
+    feed.begin_epoch(it, 0, node_ids=nodes)
+    read = []
+    try:
+        for p, idx in enumerate(batches):
+            if p == lose_after:
+                lost["at"] = p
+                handles[nodes[0]].gone = True
+                caches[nodes[0]].stop()
+                feed.on_send(p, list(idx), node_of(p))  # not the foreseen node: the rest is planned again
+            cache = caches[node_of(p)]
+            todo, got = np.unique(ds.units_of(idx)).tolist(), {}
+            deadline = time.monotonic() + 60
+            while todo:
+                assert time.monotonic() < deadline, f"batch {p}: {todo} did not arrive"
+                out = cache.acquire(ds.token, todo, 5.0)
+                assert not out["errors"], out
+                for u, path in out["ready"].items():
+                    with open(path, "rb") as f:
+                        got[u] = bytes(unsealed(f.read()))
+                cache.release(ds.token, list(out["ready"]))
+                todo = [u for u in todo if u not in got]
+            read.append(got)
+            sent = p + 1
+            while sent < min(len(batches), p + 1 + 2 * workers) and feed.has_room(p + 1, sent):
+                sent += 1
+            feed.advance(p + 1, sent)
+        return {n: c.stats() for n, c in caches.items()}, read
+    finally:
+        feed.close()
+        for c in caches.values():
+            c.stop()
+
+
+def _storage_bytes(ds, unit: int) -> bytes:
+    path, _size, segs, _key = ds.raydl_cache_units()[unit]
+    with ds.filesystem.open_input_file(path) as f:
+        return b"".join(f.read_at(n, off) for off, n in segs)
+
+
+@pytest.mark.parametrize("nodes,workers,chunk", [(2, 2, None), (3, 3, 10_000), (4, 8, None)])
+def test_each_unit_is_fetched_from_storage_by_one_node(folder, tmp_path, monkeypatch, nodes, workers, chunk):
+    """NOTE [ raydl cooperative caches ]: with the window shuffle every node's workers read nearly every unit; each
+    unit is fetched from storage once per epoch by its owner, the others take it from the owner's cache: the cluster
+    reads the data's bytes once (not once per node), the owners' shares balanced, the bytes every batch reads exact,
+    and each cache within its limit (a quarter of the data). `chunk`: units travel between caches in several chunks."""
+    import raydl.cluster.cache.node_actor as node_actor
+
+    if chunk is not None:
+        monkeypatch.setattr(node_actor, "PEER_CHUNK", chunk)  # a unit (~40 KB) in 4 or 5 chunks
+    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter())
+    names = [f"node{i}" for i in range(nodes)]
+    stats, read = _cooperative_epoch(ds, tmp_path, monkeypatch, names, workers)
+    data = ds.nbytes
+    storage = sum(st["bytes_fetched"] for st in stats.values())
+    assert data <= storage <= 1.15 * data, (storage / data, stats)
+    for node, st in stats.items():
+        assert st["bytes_fetched"] <= 1.5 * data / nodes, (node, st)  # about its share
+        assert st["bytes_from_peers"] > 0 and st["bytes_served"] > 0 and st["peer_fallbacks"] == 0, (node, st)
+        assert st["peak_bytes"] <= st["limit_bytes"]
+    assert sum(st["bytes_from_peers"] for st in stats.values()) == sum(st["bytes_served"] for st in stats.values())
+    truth = {u: _storage_bytes(ds, u) for u in range(ds.num_units)}
+    assert all(got == {u: truth[u] for u in got} for got in read)
+
+
+def test_a_lost_owner_s_units_are_fetched_again_from_storage(folder, tmp_path, monkeypatch):
+    """An owner lost mid-epoch (its cache answers no call; its workers' batches go to the other nodes, which re-plans
+    the rest): the units it owned come from storage (counted as fallbacks) or from a new owner, every batch reads the
+    right bytes, and the survivors fetch what they need once more at most."""
+    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter())
+    names = ["node0", "node1", "node2"]
+    stats, read = _cooperative_epoch(ds, tmp_path, monkeypatch, names, 3, lose_after=20)
+    truth = {u: _storage_bytes(ds, u) for u in range(ds.num_units)}
+    assert all(got == {u: truth[u] for u in got} for got in read)
+    survivors = [stats[n] for n in names[1:]]
+    assert sum(st["peer_fallbacks"] for st in survivors) > 0, stats  # asked the lost owner, then read storage
+    assert sum(st["bytes_fetched"] for st in stats.values()) <= 2.0 * ds.nbytes, stats  # one more reading at most
+
+
 def test_release_node_caches_ends_idle_caches_only(ray_session, folder, tmp_path):
     """raydl.release_node_caches() ends the caches no loader streams through, keeps one mid-epoch, keeps the files."""
     import ray

@@ -245,8 +245,9 @@ class ParquetDataset(Dataset):
         filesystem (pyarrow.fs.FileSystem, optional): the filesystem the URL's path is on (e.g.
             ``S3FileSystem(endpoint_override=...)`` for MinIO); the scheme is then dropped from
             the URL. Defaults to ``None`` (from the URL, pyarrow's defaults).
-        cache_dir (str, optional): the node-local folder of the cache. Defaults to
-            ``<tempdir>/raydl-cache``.
+        cache_dir (str, optional): the node-local folder of the cache; ``{node_id}`` in it becomes
+            each node's Ray node id (a folder of each node's own on a file system the nodes share).
+            Defaults to ``<tempdir>/raydl-cache``.
         cache_limit (int or str): the most bytes the cache holds on each node, e.g. ``"20GB"``.
             Defaults to ``"10GB"``.
         shuffle_window (int, optional): row groups whose rows are shuffled together. Defaults to

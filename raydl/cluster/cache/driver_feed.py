@@ -7,6 +7,8 @@ talks to run on every node a worker of the iterator runs on.
 
 from __future__ import annotations
 
+import itertools
+import os
 import uuid
 from typing import Any, Callable, Optional
 
@@ -25,6 +27,11 @@ class CacheFeed:
     will make: `where`), so a node fetches only the units its own workers read; a batch whose worker
     is not known yet goes to every node's plan. A batch sent to another node than foreseen (a worker
     lost, the pool resized) re-plans the rest of the epoch from the cursor.
+
+    With several nodes, each unit planned from the cursor on gets one owner (NOTE [ raydl cooperative
+    caches ]): of the nodes that use it, the one that owns the fewest bytes so far, taken in the order
+    of first use. Only the owner fetches it from storage; its plan also has the unit at the other
+    nodes' batches that use it, so it holds it for them; they ask the owner's cache for it.
     """
 
     _COUNTERS = (
@@ -38,6 +45,21 @@ class CacheFeed:
         "failures",
         "corrupt",
         "wait_s",
+        "bytes_from_peers",
+        "peer_fetches",
+        "peer_fallbacks",
+        "bytes_served",
+    )
+    _PER_NODE = (
+        "hits",
+        "misses",
+        "bytes_fetched",
+        "fetches",
+        "adopted",
+        "bytes_from_peers",
+        "peer_fetches",
+        "peer_fallbacks",
+        "bytes_served",
     )
 
     def __init__(self, dataset: Any, batch_size: int, where: Optional[Callable[[int, int], list]] = None) -> None:
@@ -50,6 +72,7 @@ class CacheFeed:
         self._bases: dict[str, Any] = {}  # node id -> its counters when it joined this epoch (a ref)
         self._steps: list = []  # unit ids of each batch position from `_first` on
         self._nodes: list = []  # the node each position's plan went to, None: every node
+        self._owners: dict = {}  # unit id -> the node whose cache fetches it from storage (several nodes only)
         self._first = 0
         self._last: tuple = (-1, -1)  # (cursor, end of the batches in flight) last reported
         self._open = False  # whether the stream is open (actors stay known for stats after it closes)
@@ -105,16 +128,82 @@ class CacheFeed:
             new = [n if n in known else None for n in self._where(at, end)]
         old = self._nodes[at - self._first :]
         self._nodes[at - self._first :] = new
-        return new != old
+        owners = self._assign_owners(known)
+        changed = new != old or owners != self._owners
+        self._owners = owners
+        return changed
+
+    def _flat(self, known: list) -> tuple:
+        """The plan from the cursor on as arrays, one entry per (batch, unit): unit ids, batch offsets from the
+        cursor, and the index in `known` of the node planned for the batch (-1: every node; -2: a node not known)."""
+        steps, nodes = self._steps[self._at() - self._first :], self._nodes[self._at() - self._first :]
+        lens = np.fromiter(map(len, steps), np.int64, len(steps))
+        units = np.fromiter(itertools.chain.from_iterable(steps), np.int64, int(lens.sum()))
+        index = {n: i for i, n in enumerate(known)}
+        per_step = np.fromiter((-1 if n is None else index.get(n, -2) for n in nodes), np.int64, len(steps))
+        return units, np.repeat(np.arange(len(steps)), lens), np.repeat(per_step, lens), lens
+
+    def _assign_owners(self, known: list) -> dict:
+        """{unit id: owner node} of the units planned from the cursor on, with two nodes or more (NOTE [ raydl
+        cooperative caches ]): in the order of first use, each goes to the node using it that owns the fewest bytes
+        so far (the first user on a tie); a unit of a batch planned on every node may go to any of them."""
+        if len(known) < 2 or os.environ.get("RAYDL_CACHE_PEERS", "1") == "0":  # "0": each node fetches its own
+            return {}
+        units, pos, node, _ = self._flat(known)
+        every = node == -1  # each node uses these
+        k = len(known)
+        units = np.concatenate([units[node >= 0], np.repeat(units[every], k)])
+        pos = np.concatenate([pos[node >= 0], np.repeat(pos[every], k)])
+        node = np.concatenate([node[node >= 0], np.tile(np.arange(k), int(every.sum()))])
+        order = np.lexsort((pos, node, units))  # each (unit, node) pair's first use first
+        units, pos, node = units[order], pos[order], node[order]
+        first = np.ones(len(units), bool)
+        first[1:] = (units[1:] != units[:-1]) | (node[1:] != node[:-1])
+        order = np.lexsort((node[first], pos[first]))
+        users: dict = {}  # unit -> the nodes that use it, in order of first use (units in order of first use)
+        for u, n in zip(units[first][order].tolist(), node[first][order].tolist()):
+            users.setdefault(u, []).append(n)
+        sizes = self._ds.unit_nbytes
+        owned = [0] * k
+        owners = {}
+        for u, lst in users.items():
+            n = min(lst, key=lambda i: (owned[i], lst.index(i)))
+            owners[u] = known[n]
+            owned[n] += int(sizes[u])
+        return owners
 
     def _plan_for(self, node: str) -> list:
-        """The steps from the cursor on that `node`'s cache is told (an empty step for another node's batch)."""
-        at = self._at() - self._first
-        return [s if n is None or n == node else [] for s, n in zip(self._steps[at:], self._nodes[at:])]
+        """The steps from the cursor on that `node`'s cache is told: all units of its own batches (and of those
+        planned on every node), the units it owns of the other nodes' batches."""
+        known = list(self._actors)
+        if node not in known:
+            known.append(node)
+        units, pos, planned, lens = self._flat(known)
+        me = known.index(node)
+        keep = (planned == -1) | (planned == me)
+        if self._owners:
+            owner = np.full(int(self._ds.unit_nbytes.shape[0]), -3, np.int64)
+            owned = [u for u, n in self._owners.items() if n == node]
+            owner[owned] = me
+            keep |= owner[units] == me
+        if not len(lens):
+            return []
+        kept = np.bincount(pos[keep], minlength=len(lens))  # units kept of each batch
+        return [chunk.tolist() for chunk in np.split(units[keep], np.cumsum(kept)[:-1])]
 
     def _send_plan(self, node: str, actor: Any) -> None:
         at = self._at()
-        actor.plan.remote(sid=self._sid, token=self._ds.token, first=at, steps=self._plan_for(node))
+        steps = self._plan_for(node)
+        planned = {u for units in steps for u in units}
+        owners = {u: n for u, n in self._owners.items() if n != node and u in planned}
+        actor.plan.remote(
+            sid=self._sid,
+            token=self._ds.token,
+            first=at,
+            steps=steps,
+            owners=owners,
+            peers={n: a for n, a in self._actors.items() if n != node} if owners else {},
+        )
         actor.advance.remote(sid=self._sid, cursor=at, sent=max(self._last[1], at))
 
     def add_nodes(self, node_ids: Any) -> None:
@@ -149,6 +238,7 @@ class CacheFeed:
                 # Not the foreseen worker's node (a worker lost, the pool resized): plan the rest again.
                 self._split(list(self._actors))
                 self._nodes[position - self._first] = node
+                self._owners = self._assign_owners(list(self._actors))
                 for n, actor in self._actors.items():
                     self._send_plan(n, actor)
             return
@@ -171,8 +261,13 @@ class CacheFeed:
         if not self._open or hi < lo or hi >= len(self._steps):
             return True
         groups: dict = {}
+        owners = self._owners
         for units, node in zip(self._steps[lo : hi + 1], self._nodes[lo : hi + 1]):
             groups.setdefault(node, set()).update(units)
+            if owners and node is not None:  # the owners hold them for this batch's node too
+                for u in units:
+                    if owners.get(u, node) != node:
+                        groups.setdefault(owners[u], set()).add(u)
         every = groups.pop(None, set())
         sizes = self._ds.unit_nbytes + UNIT_TRAILER_BYTES  # as the cache counts them: each file's checksum too
         room = self._ds.cache_limit - int(sizes.max())
@@ -224,7 +319,8 @@ class CacheFeed:
         return out
 
     def stats(self, busy_s: float) -> Optional[dict]:
-        """This epoch's cache figures, summed over the nodes fed (bytes held and peak: now, the largest node's).
+        """This epoch's cache figures, summed over the nodes fed whose caches answer (bytes held and peak: now, the
+        largest node's).
 
         `busy_s`: the workers' time making batches, of which `storage_wait_share` is the part spent
         waiting for units to arrive from storage. None when no cache answers within 10 s.
@@ -233,20 +329,26 @@ class CacheFeed:
 
         if not self._live():
             return None
-        nodes = list(self._actors)
-        try:
-            nows = ray.get([self._actors[n].stats.remote() for n in nodes], timeout=10)
-            bases = ray.get([self._bases[n] for n in nodes], timeout=10)
-        except Exception:
+        asked = [(n, self._actors[n].stats.remote(), self._bases[n]) for n in list(self._actors)]
+        nodes, nows, bases = [], [], []
+        for node, now, base in asked:  # a node lost (its cache gone) is left out
+            try:
+                nows.append(ray.get(now, timeout=10))
+                bases.append(ray.get(base, timeout=10))
+                nodes.append(node)
+            except Exception:
+                if len(nows) > len(bases):
+                    nows.pop()
+        if not nodes:
             return None
         out = dict(max(nows, key=lambda st: st["peak_bytes"]))
         for k in self._COUNTERS:
-            out[k] = sum(now[k] - base[k] for now, base in zip(nows, bases))
+            out[k] = sum(now.get(k, 0) - base.get(k, 0) for now, base in zip(nows, bases))
         out["prefetch_depth"] = sum(now["prefetch_depth"] for now in nows)
         out["nodes"] = len(nodes)
         # Each node's own figures this epoch: what its workers read (hits, misses) and what its cache brought in.
         out["per_node"] = {
-            node: {k: now[k] - base[k] for k in ("hits", "misses", "bytes_fetched", "fetches", "adopted")}
+            node: {k: now.get(k, 0) - base.get(k, 0) for k in self._PER_NODE}
             | {"bytes_held": now["bytes_held"], "peak_bytes": now["peak_bytes"]}
             for node, now, base in zip(nodes, nows, bases)
         }

@@ -26,6 +26,21 @@ Across nodes each cache is told the batches its own workers make (torch's round 
 fetches only what its workers read; a batch whose worker is not known goes to every node's plan,
 and one sent elsewhere than foreseen re-plans the rest of the epoch. A plan whose driver is silent
 for STREAM_IDLE_S is dropped. Detail, figures and known limits: docs/design-notes.md.
+
+NOTE [ raydl cooperative caches ]
+With the window shuffle every node's workers read nearly every unit, so each node fetching its own
+would read the data N times at N nodes. The driver's plan gives each unit one owner per epoch (a
+node that uses it, the owned bytes balanced: `CacheFeed`), and only the owner fetches it from
+storage; its plan holds the unit until the last batch of any node that uses it is handed out. A
+node that needs a unit owned elsewhere asks the owner's cache (`serve`): the bytes come back as
+they lie in the owner's file (checksum included, checked before they are written here), in chunks
+of PEER_CHUNK inside Ray's replies; or "not yet": the owner notes who asked and tells it (`offer`)
+when the unit arrives. Meanwhile the unit's room stays reserved here (so the prefetch does not
+fill it with later units, to evict them again) but no fetch thread waits: this cache fetches
+other units. A unit a worker here waits for is asked for urgently, and the owner fetches it
+before its plan's order; one not offered in PEER_ASK_S is asked again (after 3 asks its room is
+given back until the next). An owner that is gone, fails, or hands out bytes that fail the
+checksum: the unit is read from storage here (counted: `peer_fallbacks`).
 """
 
 from __future__ import annotations
@@ -59,6 +74,11 @@ ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
 READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
 IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
 STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
+PEER_ASK_S = 10.0  # a unit asked of its owner and not offered within this long is asked again
+PEER_CALL_S = float(os.environ.get("RAYDL_CACHE_PEER_CALL_S", "60"))  # one transfer from a peer, at most
+# A unit comes from a peer in chunks this small: each inside Ray's reply (max_direct_call_object_size, 100 KiB), not
+# through the object store, whose transfers of many small objects at once took 1-2 s each on the test machine
+PEER_CHUNK = 96 * 1024
 _TMP = ".tmp-"
 INF = float("inf")
 
@@ -74,6 +94,7 @@ class _Stream:
         self.last = -1  # last position known
         self.scan = 0  # no missing unit before this position (reset when a unit leaves the cache)
         self.touched = time.monotonic()  # the driver's last word
+        self.owners: dict[str, str] = {}  # unit key -> the node whose cache fetches it from storage (not this one)
 
     def add(self, step: int, keys: list) -> None:
         self.steps[step] = keys
@@ -108,8 +129,14 @@ class _Stream:
 class NodeCache:
     """The node's cache actor (NOTE [ raydl node cache ]); made by `node_cache`, never directly."""
 
-    def __init__(self, cache_dir: str, limit_bytes: int, idle_exit_s: Optional[float] = None) -> None:
-        """`idle_exit_s`: as an actor, exit after this long with no stream and no call (None: never)."""
+    def __init__(
+        self, cache_dir: str, limit_bytes: int, idle_exit_s: Optional[float] = None, node_id: Optional[str] = None
+    ) -> None:
+        """`idle_exit_s`: as an actor, exit after this long with no stream and no call (None: never); `node_id`: the
+        name its peers and the driver's plan know it by (default: its Ray node's id)."""
+        self._node = node_id or _this_node()
+        if "{node_id}" in cache_dir:  # a folder of each node's own on a file system the nodes share
+            cache_dir = cache_dir.replace("{node_id}", self._node or "local")
         os.makedirs(cache_dir, exist_ok=True)
         self._idle_exit_s = idle_exit_s
         self._stopped = False
@@ -126,6 +153,14 @@ class NodeCache:
         self._urgent: dict[str, int] = {}  # key -> order of the request
         self._streams: dict[str, _Stream] = {}
         self._closed: dict[str, None] = {}  # streams closed (calls run concurrently: a late `plan` must not reopen one)
+        # NOTE [ raydl cooperative caches ]
+        self._peers: dict[str, Any] = {}  # node id -> its cache actor
+        self._dead_peers: set = set()  # peer caches (`_ident`) that are gone: their units are read from storage
+        # key -> [when to ask again, ask urgently, asks]: a unit its owner will offer, its bytes kept reserved (it
+        # stays in _fetching, with no thread on it)
+        self._asked: dict[str, list] = {}
+        self._offered: set = set()  # keys offered while their ask was under way: asked again at once
+        self._wanted: dict[str, set] = {}  # key -> peers waiting for this cache to have it
         self._used = 0
         self._n = 0
         self._stats = dict(
@@ -139,6 +174,10 @@ class NodeCache:
             failures=0,
             corrupt=0,
             peak_bytes=0,
+            bytes_from_peers=0,
+            peer_fetches=0,
+            peer_fallbacks=0,
+            bytes_served=0,
         )
         self._wait_s = 0.0
         # (start, end, key, nbytes, error or None) of the last fetches from storage, wall clock: the timeline's track
@@ -175,15 +214,28 @@ class NodeCache:
             self._keys[token] = keys
             self._peak()
 
-    def plan(self, sid: str, token: str, first: int, steps: list) -> None:
+    def plan(
+        self,
+        sid: str,
+        token: str,
+        first: int,
+        steps: list,
+        owners: Optional[dict] = None,
+        peers: Optional[dict] = None,
+    ) -> None:
         """Stream `sid`'s batches from position `first` on: `steps[j]` = unit ids of batch first + j (replacing
-        what an earlier plan said of those positions: the driver re-plans when batches go to other nodes)."""
+        what an earlier plan said of those positions: the driver re-plans when batches go to other nodes).
+
+        `owners`: {unit id: node id} of the units planned here that another node's cache fetches from storage,
+        `peers`: {node id: its cache actor} (NOTE [ raydl cooperative caches ]); they replace the earlier ones."""
         with self._cv:
             self._touch()
             keys = self._keys[token]
             if sid in self._closed:
                 return
             s = self._streams.setdefault(sid, _Stream())  # an `extend` may have come first
+            s.owners = {keys[u]: node for u, node in (owners or {}).items() if node != self._node}
+            self._peers.update({node: h for node, h in (peers or {}).items() if node != self._node})
             s.cursor = max(s.cursor, first)
             s.sent = max(s.sent, s.cursor)
             s.drop(first, first + len(steps))
@@ -254,6 +306,8 @@ class NodeCache:
                     if k not in self._ready and k not in self._fetching and k not in self._urgent:
                         self._n += 1
                         self._urgent[k] = self._n
+                    elif k in self._asked and not self._asked[k][1]:  # asked ahead: now a worker waits for it
+                        self._asked[k][:2] = [0.0, True]
                 if ready or errors:
                     for u in ready:
                         k = keys[u]
@@ -293,6 +347,60 @@ class NodeCache:
                     self._stats["corrupt"] += 1
                     self._hole()
             self._cv.notify_all()
+
+    def serve(self, key: str, node: Optional[str], urgent: bool, reply_to: Any = None, offset: int = 0) -> Any:
+        """A peer's ask for a unit this cache owns (NOTE [ raydl cooperative caches ]): (its file's size, trailer
+        included, and its bytes from `offset`, at most PEER_CHUNK); None when it is not here yet (`node`, whose
+        cache is `reply_to`, is offered it when it arrives, and, `urgent`, it is fetched before the plan's order);
+        a message when this cache cannot give it (unknown, its fetch failed, gone since a first chunk)."""
+        with self._cv:
+            self._touch()
+            if node is not None and reply_to is not None:  # it may ask before this cache's plan names it
+                self._peers.setdefault(node, reply_to)
+            if key not in self._specs:
+                return "not registered here"
+            if key in self._failed:
+                return self._failed[key]
+            if key not in self._ready:
+                if offset:
+                    return "evicted while it was being read"
+                if node is not None:
+                    self._wanted.setdefault(key, set()).add(node)
+                if urgent and key not in self._fetching and key not in self._urgent:
+                    self._n += 1
+                    self._urgent[key] = self._n
+                    self._cv.notify_all()
+                return None
+            self._pins[key] = self._pins.get(key, 0) + 1
+        try:
+            with open(os.path.join(self._dir, key), "rb") as f:
+                size = os.fstat(f.fileno()).st_size
+                f.seek(offset)
+                raw = f.read(PEER_CHUNK)
+        except OSError:
+            raw = None
+        with self._cv:
+            if self._pins.get(key, 0) > 1:
+                self._pins[key] -= 1
+            else:
+                self._pins.pop(key, None)
+            if raw is None:  # gone from the folder (another cache sharing it): forget it, fetch it again
+                if key in self._ready and not self._pins.get(key):
+                    self._used -= self._ready.pop(key)
+                    self._hole()
+                return "its file vanished"
+            if not offset:
+                self._stats["bytes_served"] += size - UNIT_TRAILER_BYTES
+        return size, raw
+
+    def offer(self, key: str) -> None:
+        """The owner of a unit asked for now has it: ask again (NOTE [ raydl cooperative caches ])."""
+        with self._cv:
+            if key in self._asked:
+                self._asked[key][0] = 0.0  # due now
+                self._cv.notify_all()
+            elif key in self._fetching:
+                self._offered.add(key)
 
     def stats(self) -> dict:
         """Counters, bytes held now and at peak, the limit, and the prefetch depth (units held ahead of the cursors)."""
@@ -404,7 +512,8 @@ class NodeCache:
     def _loop(self) -> None:
         with self._cv:
             while True:
-                while len(self._fetching) < FETCH_PARALLEL:
+                self._ask_again()
+                while len(self._fetching) - len(self._asked) < FETCH_PARALLEL:
                     cand = self._candidate()
                     if cand is None:
                         break
@@ -412,11 +521,11 @@ class NodeCache:
                     nbytes = self._specs[key][4]
                     if nbytes > self._limit or not self._make_room(nbytes, dist):
                         break
-                    self._urgent.pop(key, None)
+                    urgent = self._urgent.pop(key, None) is not None
                     self._fetching[key] = nbytes
                     self._used += nbytes
                     self._peak()
-                    self._pool.submit(self._fetch, key)
+                    self._pool.submit(self._fetch, key, self._source(key), urgent)
                 self._cv.wait(0.2)
                 if self._stopped:
                     return
@@ -434,14 +543,84 @@ class NodeCache:
                     logger.info("raydl cache %s: idle for %.0f s, exiting", self._dir, idle)
                     os._exit(0)  # a detached actor nobody uses: its process goes
 
-    def _fetch(self, key: str) -> None:
+    def _source(self, key: str) -> Optional[tuple[str, Any]]:
+        """(node id, cache actor) of the peer to ask for `key`, None: storage (NOTE [ raydl cooperative caches ])."""
+        for s in self._streams.values():
+            node = s.owners.get(key)
+            peer = self._peers.get(node) if node is not None else None
+            if peer is not None and _ident(peer) not in self._dead_peers:
+                return node, peer
+        return None
+
+    def _ask_again(self) -> None:
+        """Ask again the owners of the units offered since, or not offered in PEER_ASK_S (an owner gone then
+        answers with an error); one asked in vain 3 times gives up its reserved bytes until it is asked again
+        (two caches each holding room for the other's units cannot wait on each other for long)."""
+        now = time.monotonic()
+        for key, (when, urgent, asks) in list(self._asked.items()):
+            if when > now or len(self._fetching) - len(self._asked) >= FETCH_PARALLEL:
+                continue
+            del self._asked[key]
+            if when > 0 and asks >= 3 and not urgent:
+                self._used -= self._fetching.pop(key)
+                self._hole()
+                continue
+            self._pool.submit(self._fetch, key, self._source(key), urgent, asks)
+
+    def _from_peer(self, key: str, source: tuple, urgent: bool, asks: int) -> Optional[bytes]:
+        """The unit's sealed bytes from its owner's cache; None when it will offer them later (the key is then
+        parked in _asked, its bytes still reserved); raises when the owner cannot give them (gone, failed, bytes
+        that fail their checksum)."""
+        node, peer = source
+        got = _call(peer.serve, PEER_CALL_S, key=key, node=self._node, urgent=urgent, reply_to=_this_actor())
+        if got is None:
+            with self._cv:
+                when = 0.0 if key in self._offered else time.monotonic() + PEER_ASK_S
+                self._offered.discard(key)
+                self._asked[key] = [when, urgent, asks + 1]
+                self._cv.notify_all()
+            return None
+        if isinstance(got, str):  # the owner's own fetch failed, or it does not know the unit
+            raise OSError(f"the cache of node {node} cannot give it: {got}")
+        size, first = got
+        # the other chunks at once, each small enough to come back inside Ray's reply (not through the object store)
+        rest = _call_all(
+            peer.serve,
+            PEER_CALL_S,
+            [dict(key=key, node=None, urgent=False, offset=o) for o in range(len(first), size, PEER_CHUNK)],
+        )
+        bad = next((r for r in rest if not isinstance(r, tuple)), None)
+        if bad is not None:
+            raise OSError(f"the cache of node {node} cannot give it: {bad}")
+        raw = b"".join([first, *(chunk for _, chunk in rest)])
+        if len(raw) != size or unsealed(raw) is None:
+            raise OSError(f"the bytes from the cache of node {node} fail their checksum")
+        return raw
+
+    def _fetch(self, key: str, source: Optional[tuple] = None, urgent: bool = False, asks: int = 0) -> None:
         token, path, size, segs, nbytes = self._specs[key]
         fs = self._fs[token]
-        final = os.path.join(self._dir, key)
         error = None
         started_wall_s, fetched = time.time(), False
+        raw = None
+        if source is not None and not self._intact(key, nbytes):
+            try:
+                raw = self._from_peer(key, source, urgent, asks)
+                if raw is None:  # offered later (its room stays reserved, no thread waits)
+                    return
+            except Exception as e:
+                logger.info("raydl cache %s: %s from storage: %s", self._dir, key, e)
+                with self._cv:
+                    self._stats["peer_fallbacks"] += 1
+                    if _is_gone(e):
+                        self._dead_peers.add(_ident(source[1]))
         try:
-            if not self._intact(key, nbytes):  # another loader sharing the folder may have written it
+            if raw is not None:
+                _write_whole(self._dir, key, [raw])
+                with self._cv:
+                    self._stats["bytes_from_peers"] += nbytes - UNIT_TRAILER_BYTES
+                    self._stats["peer_fetches"] += 1
+            elif not self._intact(key, nbytes):  # another loader sharing the folder may have written it
 
                 def on_retry(e: BaseException) -> None:
                     with self._cv:
@@ -455,18 +634,7 @@ class NodeCache:
                 got, want = sum(len(p) for p in parts), nbytes - UNIT_TRAILER_BYTES
                 if got != want:
                     raise OSError(f"{path} is truncated: read {got} of {want} bytes of its column chunks")
-                tmp = os.path.join(self._dir, f"{_TMP}{key}-{uuid.uuid4().hex[:8]}")
-                try:
-                    with open(tmp, "wb") as out:
-                        for p in parts:
-                            out.write(p)
-                        out.write(seal(parts))
-                    os.replace(tmp, final)
-                except OSError as e:
-                    _unlink(tmp)
-                    if e.errno == errno.ENOSPC:
-                        raise OSError(e.errno, f"the cache folder {self._dir} is full (no space left on device)") from e
-                    raise
+                _write_whole(self._dir, key, [*parts, seal(parts)])
                 fetched = True
                 with self._cv:
                     self._stats["bytes_fetched"] += nbytes - UNIT_TRAILER_BYTES
@@ -480,6 +648,8 @@ class NodeCache:
             if fetched or error is not None:
                 self._fetch_spans.append((started_wall_s, time.time(), key, nbytes - UNIT_TRAILER_BYTES, error))
             self._fetching.pop(key, None)
+            self._offered.discard(key)
+            waiting = self._wanted.pop(key, ())
             if error is None:
                 self._ready[key] = nbytes
             else:
@@ -488,6 +658,12 @@ class NodeCache:
                 self._stats["failures"] += 1
                 self._hole()
             self._cv.notify_all()
+            peers = [self._peers[n] for n in waiting if n in self._peers]
+        for peer in peers:  # they ask again now (and hear of a failure then)
+            try:
+                peer.offer.remote(key=key)
+            except Exception:  # a peer gone: it asks nobody any more
+                pass
 
     def _intact(self, key: str, nbytes: int) -> bool:
         """A whole file of the unit's size, trailer included (its bytes are checked by each reader: `unsealed`)."""
@@ -506,6 +682,74 @@ class NodeCache:
                         os.unlink(p)
                 except OSError:
                     pass
+
+
+def _write_whole(folder: str, key: str, parts: list) -> None:
+    """Write a unit's file from `parts` (its bytes, then its trailer) under a temporary name, then rename it."""
+    tmp = os.path.join(folder, f"{_TMP}{key}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as out:
+            for p in parts:
+                out.write(p)
+        os.replace(tmp, os.path.join(folder, key))
+    except OSError as e:
+        _unlink(tmp)
+        if e.errno == errno.ENOSPC:
+            raise OSError(e.errno, f"the cache folder {folder} is full (no space left on device)") from e
+        raise
+
+
+def _this_node() -> Optional[str]:
+    """This process's Ray node id, None outside Ray."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _this_actor() -> Any:
+    """This actor's own handle (what a peer offers units to), None outside an actor."""
+    try:
+        import ray
+
+        return ray.get_runtime_context().current_actor if ray.is_initialized() else None
+    except Exception:
+        return None
+
+
+def _call_all(method: Any, timeout_s: float, calls: list) -> list:
+    """`method.remote(**kwargs)`'s results for each kwargs of `calls`, all sent before any is awaited."""
+    if not calls:
+        return []
+    import ray
+
+    outs = [method.remote(**kwargs) for kwargs in calls]
+    return ray.get(outs, timeout=timeout_s) if isinstance(outs[0], ray.ObjectRef) else outs
+
+
+def _call(method: Any, timeout_s: float, **kwargs: Any) -> Any:
+    """`method.remote(**kwargs)`'s result: a peer cache actor's call, or a plain object's (tests)."""
+    out = method.remote(**kwargs)
+    import ray
+
+    return ray.get(out, timeout=timeout_s) if isinstance(out, ray.ObjectRef) else out
+
+
+def _ident(handle: Any) -> Any:
+    """What names a peer cache: its Ray actor id (handles passed in calls are new objects each time)."""
+    return getattr(handle, "_actor_id", None) or id(handle)
+
+
+def _is_gone(e: BaseException) -> bool:
+    """Whether a peer's call failed because its actor is gone (or does not answer)."""
+    try:
+        from ray.exceptions import GetTimeoutError, RayActorError
+
+        return isinstance(e, (RayActorError, GetTimeoutError))
+    except ImportError:
+        return False
 
 
 def seal(parts: list) -> bytes:

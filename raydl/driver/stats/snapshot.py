@@ -85,8 +85,11 @@ class LoaderStats:
             `evictions`, `prefetch_depth` (units held ahead of the cursor, now), `bytes_held`,
             `peak_bytes` and `limit_bytes`, `wait_s` (workers' time waiting on storage) and
             `storage_wait_share` (its share of the workers' busy time), summed over the `nodes`
-            whose caches serve this loader, and `per_node` (node id -> that node's `hits`,
-            `misses`, `bytes_fetched`, `fetches`, `adopted`, `bytes_held`, `peak_bytes`); else None.
+            whose caches serve this loader, `bytes_from_peers` (units other nodes' caches handed over:
+            NOTE [ raydl cooperative caches ]), `bytes_served` (to them), `peer_fallbacks` (units read
+            from storage when their owner could not give them), and `per_node` (node id -> that node's
+            `hits`, `misses`, `bytes_fetched`, `fetches`, `adopted`, `bytes_from_peers`, `peer_fetches`,
+            `bytes_served`, `peer_fallbacks`, `bytes_held`, `peak_bytes`); else None.
         spans: the timed spans the timeline draws, by kind (the workers' batches, start-up batches, the
             driver's waits and pin copies, cache fetches per node; at most 200,000 each, `truncated` says
             whether any was dropped).
@@ -152,7 +155,13 @@ class LoaderStats:
         if c:
             lines.append(
                 f"node cache: {c['hits']} hits, {c['misses']} misses ({c['hit_rate']:.0%}), "
-                f"{_fmt_bytes(c['bytes_fetched'])} fetched, {c['retries']} retries, prefetch depth "
+                f"{_fmt_bytes(c['bytes_fetched'])} fetched"
+                + (
+                    f", {_fmt_bytes(c['bytes_from_peers'])} from other nodes' caches"
+                    if c.get("bytes_from_peers")
+                    else ""
+                )
+                + f", {c['retries']} retries, prefetch depth "
                 f"{c['prefetch_depth']} units, {_fmt_bytes(c['bytes_held'])} held (peak {_fmt_bytes(c['peak_bytes'])}, "
                 f"limit {_fmt_bytes(c['limit_bytes'])}), workers waited on storage {c['storage_wait_share']:.1%} of their time"
             )

@@ -1,0 +1,191 @@
+"""Bytes a streamed ParquetDataset fetches from S3 per epoch, per node and for the cluster, at 1-4 data nodes.
+
+Issue 38 item 3. Each data node is a node of the namespace cluster (cluster/netns_testbed.py, `private=True`): its
+own network namespace and address, its own tmpfs at the cache's folder. S3 is moto's server behind a proxy that counts
+the GET bytes it relays to each client address (tests/_s3.py), in the head's namespace, where the driver runs (no
+worker there). The data: `--files` Parquet files of `--groups` row groups of `--rows` rows with a `--payload`-byte
+incompressible column; `cache_limit` a quarter of the data on each node; `shuffle=True` (the window shuffle), batch
+64, one worker per data node, `--epochs` epochs. Each cluster size runs twice, each time in cache folders of its own:
+  * each node alone (`RAYDL_CACHE_PEERS=0`, as before issue 38 item 3): every node fetches its own units;
+  * cooperative caches (the default, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node, the
+    others take it from the owner's cache.
+Prints, per cluster size, mode and epoch: S3 bytes / data for the cluster and for each node, bytes taken from peers,
+fallbacks to storage, whether the batches are torch's (its DataLoader over the same files, same generator), and
+samples/s (a 2-core machine: the rate is the CPUs', not storage's). Needs root (network namespaces).
+
+    .venv/bin/python -m benchmarks.bench_across_nodes [--nodes 1,2,3,4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+from benchmarks.common.clusters import run_in_netns_head
+from benchmarks.common.results import md_table, printed_report
+
+BATCH, SEED = 64, 11
+
+
+def _driver(args) -> dict:
+    """In the head's namespace: S3 and its proxy there, both modes' epochs; the figures."""
+    import shutil
+    import tempfile
+
+    import ray
+    import torch
+
+    import raydl
+    from tests._netns_cache_main import _batches, _write_corpus
+    from tests._netns_main import _cluster, _wait_alive
+    from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
+
+    ray.init()
+    cluster = _cluster()
+    head = cluster.ip(0)
+    out: dict = {"alive": _wait_alive(len(cluster.nodes)), "modes": {}}
+    ip_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
+    corpus = tempfile.mkdtemp(prefix="raydl-bench-across-")
+    moto = proxy = None
+    try:
+        _write_corpus(corpus, args.files, args.groups, args.rows, args.payload)
+        moto = MotoServer(host=head)
+        fs = moto.filesystem()
+        fs.create_dir("corpus")
+        upload_folder(corpus, fs, "corpus/data")
+        proxy = FaultProxy(moto.port, host=head, upstream_host=head)
+        data = int(raydl.ParquetDataset(corpus).nbytes)
+        limit = data // 4
+        out["data_bytes"] = data
+        local = raydl.ParquetDataset(corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
+        g = torch.Generator().manual_seed(SEED)
+        reference = torch.utils.data.DataLoader(
+            local, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(local, g), generator=g
+        )
+        expected = [_batches(reference) for _ in range(args.epochs)]
+        raydl.release_node_caches()
+        for mode, peers in (("alone", "0"), ("cooperative", "1")):
+            os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
+            ds = raydl.ParquetDataset(
+                "s3://corpus/data/",
+                filesystem=s3fs(proxy.port, attempts=3, host=head),
+                cache_dir=os.path.join(cluster.private_dir, mode),
+                cache_limit=limit,
+            )
+            loader = raydl.DataLoader(
+                ds,
+                batch_size=BATCH,
+                shuffle=True,
+                num_workers=len(cluster.nodes) - 1,
+                generator=torch.Generator().manual_seed(SEED),
+                persistent_workers=False,
+                timeout=120,
+                ray_startup_timeout_s=300,
+            )
+            epochs = []
+            for e in range(args.epochs):
+                proxy.reset_counts()
+                it = iter(loader)
+                t0 = time.perf_counter()
+                got = _batches(it)
+                dt = time.perf_counter() - t0
+                per_node = loader.stats().cache["per_node"]
+                epochs.append(
+                    {
+                        "same_as_torch": got == expected[e],
+                        "samples_s": round(len(local) / dt),
+                        "s3_bytes": proxy.get_bytes,
+                        "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
+                        "nodes": {
+                            ip_of.get(n, n): {
+                                k: st.get(k, 0)
+                                for k in ("bytes_fetched", "bytes_from_peers", "bytes_served", "peer_fallbacks")
+                            }
+                            for n, st in per_node.items()
+                        },
+                        "worker_ips": sorted(r.node_ip for r in it.worker_records),
+                    }
+                )
+                del it
+            loader.shutdown()
+            del loader
+            raydl.release_node_caches()
+            out["modes"][mode] = epochs
+    finally:
+        if proxy is not None:
+            proxy.stop()
+        if moto is not None:
+            moto.stop()
+        shutil.rmtree(corpus, ignore_errors=True)
+        raydl.release_idle_workers()
+        ray.shutdown()
+    return out
+
+
+def _run_cluster(n: int, args) -> dict:
+    from cluster import netns_testbed
+
+    cluster = netns_testbed.NetnsCluster(workers=n, tag=f"b{os.getpid()}n{n}", private=True)
+    with cluster:
+        res = run_in_netns_head(
+            cluster,
+            "bench_across_nodes",
+            "--driver",
+            *("--files", str(args.files), "--groups", str(args.groups), "--rows", str(args.rows)),
+            *("--payload", str(args.payload), "--epochs", str(args.epochs)),
+            timeout_s=1200,
+            RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
+        )
+        res["worker_node_ips"] = [cluster.ip(i) for i in range(1, n + 1)]
+    return res
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--nodes", default="1,2,3,4", help="data node counts, comma-separated")
+    ap.add_argument("--files", type=int, default=16)
+    ap.add_argument("--groups", type=int, default=4)
+    ap.add_argument("--rows", type=int, default=150)
+    ap.add_argument("--payload", type=int, default=1024)
+    ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.driver:
+        print("RESULT " + json.dumps(_driver(args)), flush=True)
+        return
+    rows = []
+    for n in [int(x) for x in args.nodes.split(",")]:
+        res = _run_cluster(n, args)
+        print(f"{n} data node(s): " + json.dumps(res), flush=True)
+        data = res["data_bytes"]
+        for mode, epochs in res["modes"].items():
+            for e, ep in enumerate(epochs):
+                per_node = [ep["s3_bytes_by_ip"].get(ip, 0) / data for ip in res["worker_node_ips"]]
+                peers = sum(st["bytes_from_peers"] for st in ep["nodes"].values()) / data
+                fallbacks = sum(st["peer_fallbacks"] for st in ep["nodes"].values())
+                rows.append(
+                    [
+                        n,
+                        mode,
+                        e,
+                        f"{ep['s3_bytes'] / data:.2f}x",
+                        " / ".join(f"{x:.2f}" for x in per_node),
+                        f"{peers:.2f}x",
+                        fallbacks,
+                        "yes" if ep["same_as_torch"] else "NO",
+                        ep["samples_s"],
+                    ]
+                )
+    print(
+        f"\ndata {data} B of row groups; cache_limit a quarter of it on each node; batch {BATCH}, one worker a node\n"
+    )
+    header = ["data nodes", "caches", "epoch", "S3 bytes, cluster / data", "per node / data", "from peers / data"]
+    print(md_table([*header, "fallbacks", "torch's batches", "samples/s"], rows))
+
+
+if __name__ == "__main__":
+    with printed_report("bench_across_nodes", enabled="--driver" not in sys.argv):
+        main()
