@@ -21,7 +21,7 @@ import sys
 import pytest
 
 import raydl
-from tests._session import background, run_command
+from tests._session import background, run_command_once_more_if_ray_did_not_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EXAMPLES = os.path.join(REPO, "examples")
@@ -92,7 +92,7 @@ for _name, (_test, _needs, _args, _extra) in _OWN_RAY.items():
 
 def _run_own_ray(name: str) -> str:
     """An example that starts its own Ray: its output (run in the background if the suite started it there)."""
-    return _checked(run_command(f"example:{name}"))
+    return _checked(run_command_once_more_if_ray_did_not_start(f"example:{name}"))
 
 
 def test_lightning_example_ddp_two_ranks_share_one_ray():
