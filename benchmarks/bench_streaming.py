@@ -126,7 +126,7 @@ def plot(results: list, path: str) -> None:
 def checksum_cost(mib: int = 64, reps: int = 5) -> float:
     """GB/s of one core checking a unit's CRC-32 (`unsealed`, NOTE [ raydl node cache ], checksums): the best of
     `reps` passes over `mib` MiB, what each worker pays per byte it reads from the cache."""
-    from raydl.cluster.cache.node_actor import seal, unsealed
+    from raydl.cluster.cache.unit_file import seal, unsealed
 
     body = os.urandom(mib << 20)
     raw = body + seal([body])

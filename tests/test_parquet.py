@@ -11,7 +11,7 @@ import torch
 
 import raydl
 from raydl.cluster.cache.handles import node_cache
-from raydl.cluster.cache.node_actor import UNIT_TRAILER_BYTES, seal, unsealed
+from raydl.cluster.cache.unit_file import UNIT_TRAILER_BYTES, seal, unsealed
 from raydl.data.parquet import ParquetDistributedSampler, ParquetShuffleSampler
 from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 

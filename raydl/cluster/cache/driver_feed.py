@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from .handles import _ensure_registered, _name, node_cache
-from .node_actor import UNIT_TRAILER_BYTES
+from .unit_file import UNIT_TRAILER_BYTES
 
 __all__ = ["CacheFeed"]
 

@@ -46,14 +46,10 @@ checksum: the unit is read from storage here (counted: `peer_fallbacks`).
 from __future__ import annotations
 
 import bisect
-import errno
 import logging
 import os
-import struct
 import threading
 import time
-import uuid
-import zlib
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Optional
@@ -61,14 +57,12 @@ from typing import Any, Optional
 __all__ = ["NodeCache"]
 
 from ...data.storage import with_retries
+from .peer_calls import call, call_all, ident, is_gone, this_actor, this_node
+from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, seal, sound, unlink, unsealed, write_whole
 
 logger = logging.getLogger(__name__)
 
 FETCH_PARALLEL = 8  # concurrent storage requests per node cache
-UNIT_TRAILER = (
-    b"rdl\x01"  # a unit file's last 8 bytes: this marker, then the CRC-32 of the bytes before (little-endian)
-)
-UNIT_TRAILER_BYTES = 8
 FETCH_SPANS_KEPT = 4096  # the last fetches kept for the loader's timeline
 ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
 READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
@@ -79,7 +73,6 @@ PEER_CALL_S = float(os.environ.get("RAYDL_CACHE_PEER_CALL_S", "60"))  # one tran
 # A unit comes from a peer in chunks this small: each inside Ray's reply (max_direct_call_object_size, 100 KiB), not
 # through the object store, whose transfers of many small objects at once took 1-2 s each on the test machine
 PEER_CHUNK = 96 * 1024
-_TMP = ".tmp-"
 INF = float("inf")
 
 
@@ -134,7 +127,7 @@ class NodeCache:
     ) -> None:
         """`idle_exit_s`: as an actor, exit after this long with no stream and no call (None: never); `node_id`: the
         name its peers and the driver's plan know it by (default: its Ray node's id)."""
-        self._node = node_id or _this_node()
+        self._node = node_id or this_node()
         if "{node_id}" in cache_dir:  # a folder of each node's own on a file system the nodes share
             cache_dir = cache_dir.replace("{node_id}", self._node or "local")
         os.makedirs(cache_dir, exist_ok=True)
@@ -210,7 +203,7 @@ class NodeCache:
                         self._used += nbytes
                         self._stats["adopted"] += 1
                     else:  # left by an earlier cache beyond this one's limit: the folder stays within it
-                        _unlink(os.path.join(self._dir, key))
+                        unlink(os.path.join(self._dir, key))
             self._keys[token] = keys
             self._peak()
 
@@ -341,8 +334,8 @@ class NodeCache:
                     self._hole()
             for u in corrupt:  # a unit read by two workers is reported twice: the file on disk decides
                 k = keys[u]
-                if k in self._ready and not _sound(os.path.join(self._dir, k)):
-                    _unlink(os.path.join(self._dir, k))  # never handed out again, and fetched when next asked for
+                if k in self._ready and not sound(os.path.join(self._dir, k)):
+                    unlink(os.path.join(self._dir, k))  # never handed out again, and fetched when next asked for
                     self._used -= self._ready.pop(k)
                     self._stats["corrupt"] += 1
                     self._hole()
@@ -548,7 +541,7 @@ class NodeCache:
         for s in self._streams.values():
             node = s.owners.get(key)
             peer = self._peers.get(node) if node is not None else None
-            if peer is not None and _ident(peer) not in self._dead_peers:
+            if peer is not None and ident(peer) not in self._dead_peers:
                 return node, peer
         return None
 
@@ -572,7 +565,7 @@ class NodeCache:
         parked in _asked, its bytes still reserved); raises when the owner cannot give them (gone, failed, bytes
         that fail their checksum)."""
         node, peer = source
-        got = _call(peer.serve, PEER_CALL_S, key=key, node=self._node, urgent=urgent, reply_to=_this_actor())
+        got = call(peer.serve, PEER_CALL_S, key=key, node=self._node, urgent=urgent, reply_to=this_actor())
         if got is None:
             with self._cv:
                 when = 0.0 if key in self._offered else time.monotonic() + PEER_ASK_S
@@ -584,7 +577,7 @@ class NodeCache:
             raise OSError(f"the cache of node {node} cannot give it: {got}")
         size, first = got
         # the other chunks at once, each small enough to come back inside Ray's reply (not through the object store)
-        rest = _call_all(
+        rest = call_all(
             peer.serve,
             PEER_CALL_S,
             [dict(key=key, node=None, urgent=False, offset=o) for o in range(len(first), size, PEER_CHUNK)],
@@ -612,11 +605,11 @@ class NodeCache:
                 logger.info("raydl cache %s: %s from storage: %s", self._dir, key, e)
                 with self._cv:
                     self._stats["peer_fallbacks"] += 1
-                    if _is_gone(e):
-                        self._dead_peers.add(_ident(source[1]))
+                    if is_gone(e):
+                        self._dead_peers.add(ident(source[1]))
         try:
             if raw is not None:
-                _write_whole(self._dir, key, [raw])
+                write_whole(self._dir, key, [raw])
                 with self._cv:
                     self._stats["bytes_from_peers"] += nbytes - UNIT_TRAILER_BYTES
                     self._stats["peer_fetches"] += 1
@@ -634,7 +627,7 @@ class NodeCache:
                 got, want = sum(len(p) for p in parts), nbytes - UNIT_TRAILER_BYTES
                 if got != want:
                     raise OSError(f"{path} is truncated: read {got} of {want} bytes of its column chunks")
-                _write_whole(self._dir, key, [*parts, seal(parts)])
+                write_whole(self._dir, key, [*parts, seal(parts)])
                 fetched = True
                 with self._cv:
                     self._stats["bytes_fetched"] += nbytes - UNIT_TRAILER_BYTES
@@ -675,114 +668,13 @@ class NodeCache:
     def _clean_tmp(self) -> None:
         now = time.time()
         for name in os.listdir(self._dir):
-            if name.startswith(_TMP):
+            if name.startswith(TMP_PREFIX):
                 p = os.path.join(self._dir, name)
                 try:
                     if now - os.path.getmtime(p) > 3600:
                         os.unlink(p)
                 except OSError:
                     pass
-
-
-def _write_whole(folder: str, key: str, parts: list) -> None:
-    """Write a unit's file from `parts` (its bytes, then its trailer) under a temporary name, then rename it."""
-    tmp = os.path.join(folder, f"{_TMP}{key}-{uuid.uuid4().hex[:8]}")
-    try:
-        with open(tmp, "wb") as out:
-            for p in parts:
-                out.write(p)
-        os.replace(tmp, os.path.join(folder, key))
-    except OSError as e:
-        _unlink(tmp)
-        if e.errno == errno.ENOSPC:
-            raise OSError(e.errno, f"the cache folder {folder} is full (no space left on device)") from e
-        raise
-
-
-def _this_node() -> Optional[str]:
-    """This process's Ray node id, None outside Ray."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().get_node_id() if ray.is_initialized() else None
-    except Exception:
-        return None
-
-
-def _this_actor() -> Any:
-    """This actor's own handle (what a peer offers units to), None outside an actor."""
-    try:
-        import ray
-
-        return ray.get_runtime_context().current_actor if ray.is_initialized() else None
-    except Exception:
-        return None
-
-
-def _call_all(method: Any, timeout_s: float, calls: list) -> list:
-    """`method.remote(**kwargs)`'s results for each kwargs of `calls`, all sent before any is awaited."""
-    if not calls:
-        return []
-    import ray
-
-    outs = [method.remote(**kwargs) for kwargs in calls]
-    return ray.get(outs, timeout=timeout_s) if isinstance(outs[0], ray.ObjectRef) else outs
-
-
-def _call(method: Any, timeout_s: float, **kwargs: Any) -> Any:
-    """`method.remote(**kwargs)`'s result: a peer cache actor's call, or a plain object's (tests)."""
-    out = method.remote(**kwargs)
-    import ray
-
-    return ray.get(out, timeout=timeout_s) if isinstance(out, ray.ObjectRef) else out
-
-
-def _ident(handle: Any) -> Any:
-    """What names a peer cache: its Ray actor id (handles passed in calls are new objects each time)."""
-    return getattr(handle, "_actor_id", None) or id(handle)
-
-
-def _is_gone(e: BaseException) -> bool:
-    """Whether a peer's call failed because its actor is gone (or does not answer)."""
-    try:
-        from ray.exceptions import GetTimeoutError, RayActorError
-
-        return isinstance(e, (RayActorError, GetTimeoutError))
-    except ImportError:
-        return False
-
-
-def seal(parts: list) -> bytes:
-    """The trailer a unit's file ends with: UNIT_TRAILER and the CRC-32 of `parts`, the unit's bytes in order."""
-    crc = 0
-    for p in parts:
-        crc = zlib.crc32(p, crc)
-    return UNIT_TRAILER + struct.pack("<I", crc)
-
-
-def unsealed(raw: bytes) -> Optional[memoryview]:
-    """A unit file's bytes without their trailer when the CRC matches; None for a file that fails it."""
-    if len(raw) < UNIT_TRAILER_BYTES or raw[-UNIT_TRAILER_BYTES:-4] != UNIT_TRAILER:
-        return None
-    body = memoryview(raw)[:-UNIT_TRAILER_BYTES]
-    (crc,) = struct.unpack("<I", raw[-4:])
-    return body if zlib.crc32(body) == crc else None
-
-
-def _sound(path: str) -> bool:
-    """Whether the unit file at `path` passes its checksum (False if it is gone)."""
-    try:
-        with open(path, "rb") as f:
-            return unsealed(f.read()) is not None
-    except OSError:
-        return False
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass
 
 
 # ---------------------------------------------------------------------- handles

@@ -15,7 +15,8 @@ from typing import Any
 
 from ...data.storage import with_retries
 from .handles import _ensure_registered, _name, _registered, node_cache
-from .node_actor import ACQUIRE_SLICE_S, READ_TIMEOUT_S, unsealed
+from .node_actor import ACQUIRE_SLICE_S, READ_TIMEOUT_S
+from .unit_file import unsealed
 
 __all__ = ["read_units"]
 

@@ -1,0 +1,69 @@
+"""A cached unit's file (NOTE [ raydl node cache ] in node_actor.py): written whole or not at all (a temporary name,
+then a rename), and ending in a trailer, a marker and the CRC-32 of the bytes before it, checked before any byte of
+it is used (by the cache actor, a peer receiving it, and the workers reading it)."""
+
+from __future__ import annotations
+
+import errno
+import os
+import struct
+import uuid
+import zlib
+from typing import Optional
+
+__all__ = ["UNIT_TRAILER_BYTES", "TMP_PREFIX", "seal", "unsealed", "sound", "write_whole", "unlink"]
+
+UNIT_TRAILER = (
+    b"rdl\x01"  # a unit file's last 8 bytes: this marker, then the CRC-32 of the bytes before (little-endian)
+)
+UNIT_TRAILER_BYTES = 8
+TMP_PREFIX = ".tmp-"  # a unit file being written (removed when a crashed writer left it)
+
+
+def write_whole(folder: str, key: str, parts: list) -> None:
+    """Write a unit's file from `parts` (its bytes, then its trailer) under a temporary name, then rename it."""
+    tmp = os.path.join(folder, f"{TMP_PREFIX}{key}-{uuid.uuid4().hex[:8]}")
+    try:
+        with open(tmp, "wb") as out:
+            for p in parts:
+                out.write(p)
+        os.replace(tmp, os.path.join(folder, key))
+    except OSError as e:
+        unlink(tmp)
+        if e.errno == errno.ENOSPC:
+            raise OSError(e.errno, f"the cache folder {folder} is full (no space left on device)") from e
+        raise
+
+
+def seal(parts: list) -> bytes:
+    """The trailer a unit's file ends with: UNIT_TRAILER and the CRC-32 of `parts`, the unit's bytes in order."""
+    crc = 0
+    for p in parts:
+        crc = zlib.crc32(p, crc)
+    return UNIT_TRAILER + struct.pack("<I", crc)
+
+
+def unsealed(raw: bytes) -> Optional[memoryview]:
+    """A unit file's bytes without their trailer when the CRC matches; None for a file that fails it."""
+    if len(raw) < UNIT_TRAILER_BYTES or raw[-UNIT_TRAILER_BYTES:-4] != UNIT_TRAILER:
+        return None
+    body = memoryview(raw)[:-UNIT_TRAILER_BYTES]
+    (crc,) = struct.unpack("<I", raw[-4:])
+    return body if zlib.crc32(body) == crc else None
+
+
+def sound(path: str) -> bool:
+    """Whether the unit file at `path` passes its checksum (False if it is gone)."""
+    try:
+        with open(path, "rb") as f:
+            return unsealed(f.read()) is not None
+    except OSError:
+        return False
+
+
+def unlink(path: str) -> None:
+    """Remove `path` if it is there."""
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
