@@ -40,7 +40,6 @@ class RaySilence:
         self._outstanding: dict[int, tuple[Any, int]] = {}  # worker id -> (its actor, Ray calls the driver awaits)
         self._heard: dict[int, float] = {}  # worker id -> when the driver last heard from it
         self._answered: dict[str, float] = {}  # node id -> when its raylet last answered a probe
-        self.probes = 0  # connections made (tests, stats)
 
     def sent(self, worker_id: int) -> None:
         """A Ray call went to the worker: an idle worker's clock starts now."""
@@ -70,7 +69,6 @@ class RaySilence:
         node = self._node_of(worker_id)
         if node is None or now - self._answered.get(node, -float("inf")) < self._timeout_s:
             return None
-        self.probes += 1
         verdict = self._reach(node, RAYLET_PROBE_S)
         if verdict not in ("timeout", "refused"):  # it answers (a slow batch), or Ray cannot say: keep waiting
             self._answered[node] = time.monotonic()
