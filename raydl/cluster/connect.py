@@ -251,9 +251,55 @@ def _start_local_ray() -> str:
             # run at the trainer's. On the Ray raydl starts for this process only, keep them there
             # too (NOTE [ raydl worker niceness ]); RAY_worker_niceness, if set, still wins.
             system_config["worker_niceness"] = 0
-        _init_unless_connected(ray, address="local", include_dashboard=False, _system_config=system_config)
+        for attempt in range(1, LOCAL_START_ATTEMPTS + 1):
+            try:
+                _init_unless_connected(ray, address="local", include_dashboard=False, _system_config=system_config)
+                break
+            except Exception as e:
+                if attempt == LOCAL_START_ATTEMPTS or not _raylet_start_timed_out(e):
+                    raise
+                _stop_half_started_node(e)
+                logger.warning(
+                    "raydl: Ray's local start timed out waiting for its raylet (Ray waits a fixed 30 s; this host "
+                    "is busy); its processes are stopped and Ray is started once more (attempt %d of %d)",
+                    attempt + 1,
+                    LOCAL_START_ATTEMPTS,
+                )
         logger.debug("raydl: local Ray up in %.2f s", time.monotonic() - t0)
     return ray.get_runtime_context().gcs_address
+
+
+# NOTE [ raydl local start retry ]
+# Ray's own start waits a fixed 30 s for the new raylet to register with the GCS (ray/_private/node.py, not
+# configurable in Ray 2.60) and raises a bare Exception past it. On an overloaded host (2 cores beside two CPU
+# spinners, a laptop compiling) that wait was exceeded once in a hundred starts: the user's first loader failed with
+# no fault of theirs. raydl retries that one failure, and only it: the half-started node's processes (GCS, raylet,
+# reaper), which Ray leaves running when its Node constructor raises, are found through the traceback's frame and
+# killed first, so two Rays never share the host. Any other start error propagates unchanged.
+LOCAL_START_ATTEMPTS = 2
+_RAYLET_TIMEOUT_TEXT = "The current node timed out during startup"
+
+
+def _raylet_start_timed_out(error: BaseException) -> bool:
+    return _RAYLET_TIMEOUT_TEXT in str(error)
+
+
+def _stop_half_started_node(error: BaseException) -> None:
+    """Kill the processes of the Ray node whose constructor raised `error` (Ray keeps no handle to it)."""
+    try:
+        from ray._private.node import Node
+    except ImportError:  # pragma: no cover - a Ray without that module
+        return
+    tb = error.__traceback__
+    while tb is not None:
+        node = tb.tb_frame.f_locals.get("self")
+        if isinstance(node, Node):
+            try:
+                node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+            except Exception as kill_error:  # the next start is still worth a try
+                logger.warning("raydl: could not stop the half-started Ray node: %s", kill_error)
+            return
+        tb = tb.tb_next
 
 
 def worker_actor_options(ray_remote_args: Optional[Mapping[str, Any]]) -> dict:
