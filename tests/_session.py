@@ -183,7 +183,10 @@ def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0):
         yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"}
     finally:
         _BACKGROUND.procs.discard(proc)
-        _end_group(proc)
+        # SIGKILL at once: `ray start --block` took longer than _end_group's 10 s grace to act on SIGTERM (each
+        # module's teardown was 10.1 s), and a throwaway head has nothing to save; its group holds every process it
+        # started (GCS, raylet, agents, workers), so none is left.
+        _end_group(proc, graceful=False)
         import shutil
 
         shutil.rmtree(temp, ignore_errors=True)
@@ -231,11 +234,12 @@ def _run_command(argv: list[str], env: dict, timeout_s: int) -> subprocess.Compl
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
-def _end_group(proc: subprocess.Popen) -> None:
-    """SIGTERM to the process group (what the command started too), SIGKILL if it lingers."""
+def _end_group(proc: subprocess.Popen, graceful: bool = True) -> None:
+    """SIGTERM to the process group (what the command started too), SIGKILL if it lingers (at once: not graceful)."""
     import signal
 
-    for sig, wait_s in ((signal.SIGTERM, 10), (signal.SIGKILL, 10)):
+    steps = ((signal.SIGTERM, 10), (signal.SIGKILL, 10)) if graceful else ((signal.SIGKILL, 10),)
+    for sig, wait_s in steps:
         try:
             os.killpg(proc.pid, sig)
         except ProcessLookupError:
