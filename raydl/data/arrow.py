@@ -40,7 +40,7 @@ import numpy as np
 import pyarrow as pa
 from torch.utils.data import Dataset
 
-from .columnar import collate_columns, transformed_batch, transformed_row, transformed_rows
+from .columnar import ColumnViews, by_chunk, transformed_batch, transformed_row, transformed_rows
 
 __all__ = ["ArrowDataset", "check_columns_and_transform"]
 
@@ -128,8 +128,8 @@ class ArrowDataset(Dataset):
         self._mapped: Optional[tuple] = None  # the memory-mapped files this reads, if any
         self._ref: Any = None  # the object-store copy, once a raydl loader made one
         self._ref_owner: Any = None
-        self._batches: Optional[list] = None  # the table's record batches, for multi-chunk takes
-        self._starts: Optional[np.ndarray] = None  # row offset of each of them
+        self._taker: Optional[_Taker] = None  # the table's takes, by record batch
+        self._views: Optional[tuple] = None  # (ColumnViews, _Taker of its other columns), once a batch asked
         self._table = _project(_read(source, columns, self), columns)
 
     # ------------------------------------------------------------------ reading
@@ -186,7 +186,11 @@ class ArrowDataset(Dataset):
             return None
         if self._batch_transform is not None:
             return transformed_batch(self._batch_transform, self._take_table(idx), "ArrowDataset")
-        return collate_columns(self._take_table(idx), lists_as_arrays=True)
+        if self._views is None:  # once per table (NOTE [ raydl column views ] in data/columnar.py)
+            views = ColumnViews(self._table, lists_as_arrays=True)
+            self._views = (views, _Taker(views.rest_table) if views.rest_table is not None else None)
+        views, rest = self._views
+        return views.collate(idx, rest.take if rest is not None else _no_rest)
 
     def _in_range(self, indices: Sequence[Any]) -> Optional[np.ndarray]:
         """`indices` as int64 row numbers (negative ones wrapped); None for index types NumPy cannot take.
@@ -202,27 +206,10 @@ class ArrowDataset(Dataset):
         return np.where(idx < 0, idx + n, idx)
 
     def _take_table(self, idx: np.ndarray) -> pa.Table:
-        """The rows at `idx` (in range), in that order: one take per record batch the indices fall in.
-
-        `Table.take` on a column of several chunks concatenates them first for variable-width
-        types (strings; pyarrow 26): a copy of the whole column per batch. A file read as many
-        record batches (IPC, Parquet row groups) is such a table, so the indices are split by
-        record batch instead, each batch takes only its rows, and the batch's rows are put in order.
-        """
-        if len(idx) == 0 or all(c.num_chunks <= 1 for c in self._table.columns):
-            return self._table.take(pa.array(idx, type=pa.int64()))
-        if self._batches is None:
-            self._batches = self._table.to_batches()
-            self._starts = np.cumsum([0] + [b.num_rows for b in self._batches[:-1]])
-        which = np.searchsorted(self._starts, idx, side="right") - 1
-        pieces, places = [], []
-        for b in np.unique(which):
-            where = np.flatnonzero(which == b)
-            pieces.append(self._batches[b].take(pa.array(idx[where] - self._starts[b], type=pa.int64())))
-            places.append(where)
-        order = np.empty(len(idx), dtype=np.int64)
-        order[np.concatenate(places)] = np.arange(len(idx))  # output row k is row order[k] of the pieces
-        return pa.Table.from_batches(pieces, schema=self._table.schema).combine_chunks().take(pa.array(order))
+        """The rows at `idx` (in range), in that order (`_Taker`)."""
+        if self._taker is None:
+            self._taker = _Taker(self._table)
+        return self._taker.take(idx)
 
     def _check_index(self, index: Any) -> int:
         try:
@@ -274,9 +261,42 @@ class ArrowDataset(Dataset):
             self._ref = ray.put(self._table)
             self._ref_owner = owner
             self._table = ray.get(self._ref)  # zero-copy view of the object store: the heap copy goes
-            self._batches = self._starts = None
+            self._taker = self._views = None
             pa.default_memory_pool().release_unused()
         return self._ref
+
+
+class _Taker:
+    """A table's rows at some indices (in range), in that order: one take per record batch they fall in.
+
+    `Table.take` on a column of several chunks concatenates them first for variable-width
+    types (strings; pyarrow 26): a copy of the whole column per batch. A file read as many
+    record batches (IPC, Parquet row groups) is such a table, so the indices are split by
+    record batch instead, each batch takes only its rows, and the batch's rows are put in order.
+    """
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.batches: Optional[list] = None  # the table's record batches, for multi-chunk takes
+        self.starts: Optional[np.ndarray] = None  # row offset of each of them
+
+    def take(self, idx: np.ndarray) -> pa.Table:
+        if len(idx) == 0 or all(c.num_chunks <= 1 for c in self.table.columns):
+            return self.table.take(pa.array(idx, type=pa.int64()))
+        if self.batches is None:
+            self.batches = self.table.to_batches()
+            self.starts = np.cumsum([0] + [b.num_rows for b in self.batches[:-1]], dtype=np.int64)
+        pieces, places = [], []
+        for b, where, local in by_chunk(self.starts, idx):
+            pieces.append(self.batches[b].take(pa.array(local, type=pa.int64())))
+            places.append(where)
+        order = np.empty(len(idx), dtype=np.int64)
+        order[np.concatenate(places)] = np.arange(len(idx))  # output row k is row order[k] of the pieces
+        return pa.Table.from_batches(pieces, schema=self.table.schema).combine_chunks().take(pa.array(order))
+
+
+def _no_rest(idx: np.ndarray) -> pa.Table:
+    raise AssertionError("every column was gathered from views: nothing to take")
 
 
 # ---------------------------------------------------------------------- rebuilding (module level: picklable)
@@ -287,7 +307,7 @@ def _bare(columns: Optional[list], fns: tuple) -> ArrowDataset:
     ds = ArrowDataset.__new__(ArrowDataset)
     ds._columns = columns
     ds._transform, ds._batch_transform = fns
-    ds._hf = ds._mapped = ds._ref = ds._ref_owner = ds._batches = ds._starts = None
+    ds._hf = ds._mapped = ds._ref = ds._ref_owner = ds._taker = ds._views = None
     return ds
 
 

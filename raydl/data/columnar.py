@@ -30,7 +30,15 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import torch
 
-__all__ = ["collate_columns", "numpy_batch", "transformed_batch", "transformed_row", "transformed_rows"]
+__all__ = [
+    "ColumnViews",
+    "by_chunk",
+    "collate_columns",
+    "numpy_batch",
+    "transformed_batch",
+    "transformed_row",
+    "transformed_rows",
+]
 
 
 def collate_columns(table: pa.Table, lists_as_arrays: bool) -> Optional[dict]:
@@ -47,6 +55,133 @@ def collate_columns(table: pa.Table, lists_as_arrays: bool) -> Optional[dict]:
             return None
         out[name] = value
     return out
+
+
+# ---------------------------------------------------------------------- gathered from views
+
+# NOTE [ raydl column views ]
+# The take above copies each batch twice: Arrow's `take` (a new table), then each column converted to
+# torch's dtype. For a table that stays (an `ArrowDataset`'s, a decoded row group), `ColumnViews` looks
+# at it once and keeps, for each column the rows would collate as numbers, zero-copy NumPy views of its
+# chunks' buffers (a chunk's offset applied by Arrow's `to_numpy`; a fixed-size list of numbers viewed as
+# [rows, k] over its values; booleans as their bit-packed bytes). A batch is then one NumPy gather per
+# column and chunk, straight into the output dtype: no Arrow take, no whole column copied, the table
+# still shared. Chosen once per table, never per batch: a column of a kind `_collate_column` handles
+# (integers but uint64, floats, booleans; fixed-size lists of non-boolean numbers where
+# `lists_as_arrays`) with no null anywhere in it, so every batch of it is nulls-free and `_collate_column`
+# would give the same tensor. Every other column (strings, binary, nulls, variable lists, ...) is taken
+# by Arrow and collated by `_collate_column` as before, and a None from it is the batch's None.
+# Chunks: the indices are grouped by the chunk they fall in (`by_chunk`), each chunk gathers its own.
+
+
+class _Views:
+    """One column's chunks as NumPy views, and how to gather rows from them (NOTE [ raydl column views ])."""
+
+    __slots__ = ("arrays", "starts", "dtype", "shape", "bits")
+
+    def __init__(self, arrays: list, starts: np.ndarray, dtype: np.dtype, shape: tuple, bits: bool) -> None:
+        self.arrays, self.starts, self.dtype, self.shape, self.bits = arrays, starts, dtype, shape, bits
+
+    def _take(self, chunk: int, local: np.ndarray) -> np.ndarray:
+        if self.bits:  # booleans: Arrow packs 8 to a byte, least significant bit first
+            data, offset = self.arrays[chunk]
+            i = local + offset
+            return ((data[i >> 3] >> (i & 7).astype(np.uint8)) & 1).astype(np.bool_)
+        return self.arrays[chunk].take(local, axis=0).astype(self.dtype, copy=False)
+
+    def gather(self, idx: np.ndarray, groups: Optional[list]) -> torch.Tensor:
+        if groups is None:
+            return torch.from_numpy(self._take(0, idx))
+        out = np.empty((len(idx), *self.shape), dtype=self.dtype)
+        for chunk, where, local in groups:
+            out[where] = self._take(chunk, local)
+        return torch.from_numpy(out)
+
+
+def _chunk_starts(column: pa.ChunkedArray) -> np.ndarray:
+    return np.cumsum([0] + [len(c) for c in column.chunks[:-1]], dtype=np.int64)
+
+
+def by_chunk(starts: np.ndarray, idx: np.ndarray) -> list:
+    """`idx` (in range) grouped by the chunk each falls in, chunks starting at row `starts`: a list of
+    (chunk, positions in idx, row numbers within the chunk), in chunk order."""
+    which = np.searchsorted(starts, idx, side="right") - 1
+    out = []
+    for chunk in np.unique(which):
+        where = np.flatnonzero(which == chunk)
+        out.append((int(chunk), where, idx[where] - starts[chunk]))
+    return out
+
+
+def _column_views(column: pa.ChunkedArray, lists_as_arrays: bool) -> Optional[_Views]:
+    t = column.type
+    if column.null_count or column.num_chunks == 0:
+        return None
+    starts = _chunk_starts(column)
+    chunks = column.chunks
+    try:
+        if pa.types.is_boolean(t):
+            arrays = [(_bytes(c.buffers()[1]), c.offset) for c in chunks]
+            return _Views(arrays, starts, np.dtype(np.bool_), (), bits=True)
+        if pa.types.is_integer(t) and not pa.types.is_uint64(t):
+            return _Views([c.to_numpy(zero_copy_only=True) for c in chunks], starts, np.dtype(np.int64), (), False)
+        if pa.types.is_floating(t):
+            return _Views([c.to_numpy(zero_copy_only=True) for c in chunks], starts, np.dtype(np.float64), (), False)
+        if lists_as_arrays and pa.types.is_fixed_size_list(t):
+            v = t.value_type
+            if not (pa.types.is_integer(v) or pa.types.is_floating(v)):
+                return None
+            k = t.list_size
+            arrays = []
+            for c in chunks:
+                flat = c.flatten()  # the chunk's own rows' values (its offset applied), no copy
+                if flat.null_count:
+                    return None
+                arrays.append(flat.to_numpy(zero_copy_only=True).reshape(len(c), k))
+            return _Views(arrays, starts, np.dtype(v.to_pandas_dtype()), (k,), False)
+    except pa.ArrowInvalid:  # a buffer NumPy cannot view: Arrow's path decides
+        return None
+    return None
+
+
+def _bytes(buffer: Optional[pa.Buffer]) -> np.ndarray:
+    return np.frombuffer(buffer, dtype=np.uint8) if buffer is not None else np.zeros(0, dtype=np.uint8)
+
+
+class ColumnViews:
+    """A table seen once for gathering batches from it (NOTE [ raydl column views ]): `collate(idx)` is
+    `collate_columns(table.take(idx), lists_as_arrays)`, without taking the columns it can view."""
+
+    def __init__(self, table: pa.Table, lists_as_arrays: bool) -> None:
+        names = table.column_names
+        self.names = names
+        self.lists_as_arrays = lists_as_arrays
+        self.usable = bool(names) and len(set(names)) == len(names)
+        views = [_column_views(c, lists_as_arrays) if self.usable else None for c in table.columns]
+        self.views = {pos: v for pos, v in enumerate(views) if v is not None}
+        self.rest = [pos for pos, v in enumerate(views) if v is None]
+        self.rest_table = table.select(self.rest) if self.rest and self.usable else None
+
+    def collate(self, idx: np.ndarray, take_rest: Callable[[np.ndarray], pa.Table]) -> Optional[dict]:
+        """The batch of rows `idx` (int64, in range); `take_rest(idx)` takes those rows of `rest_table`."""
+        if not self.usable or len(idx) == 0:
+            return None
+        out: list = [None] * len(self.names)
+        if self.rest_table is not None:
+            rest = collate_columns(take_rest(idx), self.lists_as_arrays)
+            if rest is None:
+                return None
+            for pos, value in zip(self.rest, rest.values()):
+                out[pos] = value
+        groups: dict = {}
+        for pos, v in self.views.items():
+            key = None
+            if len(v.arrays) > 1:
+                key = v.starts.tobytes()
+                if key not in groups:
+                    groups[key] = by_chunk(v.starts, idx)
+            out[pos] = v.gather(idx, groups.get(key))
+        return dict(zip(self.names, out))
 
 
 def _fresh(array: np.ndarray, dtype: np.dtype) -> torch.Tensor:
