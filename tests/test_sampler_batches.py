@@ -1,0 +1,57 @@
+"""`BatchIter` over torch's random samplers takes a batch's indices at once (`RngSamplerIter.take`): the batches,
+the global RNG afterwards and the checkpoint state are what torch's `BatchSampler` and one `next` per index give."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
+
+from raydl.driver.state.samplers import BatchIter, RngSamplerIter
+
+
+def _samplers(seeded: bool):
+    g = (lambda: torch.Generator().manual_seed(5)) if seeded else (lambda: None)
+    weights = torch.rand(50, generator=torch.Generator().manual_seed(2)).tolist()
+    return {
+        "random": lambda: RandomSampler(range(103), generator=g()),
+        "random_replacement": lambda: RandomSampler(range(103), replacement=True, num_samples=77, generator=g()),
+        "subset": lambda: SubsetRandomSampler(list(range(3, 90, 2)), generator=g()),
+        "weighted": lambda: WeightedRandomSampler(weights, 61, generator=g()),
+    }
+
+
+@pytest.mark.parametrize("seeded", [True, False])
+@pytest.mark.parametrize("kind", ["random", "random_replacement", "subset", "weighted"])
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_batches_and_global_rng_are_torchs(kind, seeded, drop_last):
+    make = _samplers(seeded)[kind]
+    torch.manual_seed(11)
+    want = list(BatchSampler(make(), 8, drop_last))
+    after_torch = torch.rand(3)
+    torch.manual_seed(11)
+    got = list(BatchIter(BatchSampler(make(), 8, drop_last)))
+    assert got == want
+    assert torch.equal(torch.rand(3), after_torch)
+
+
+@pytest.mark.parametrize("kind", ["random", "subset", "weighted"])
+def test_state_after_some_batches_resumes_the_same_epoch(kind):
+    make = _samplers(True)[kind]
+    first = BatchIter(BatchSampler(make(), 8, False))
+    taken = [next(first), next(first), next(first)]
+    sd = first.state_dict()
+    assert sd["samples_yielded"] == sum(map(len, taken))
+    assert sd["sampler_iter_state"][RngSamplerIter.YIELDED] == sd["samples_yielded"]
+    rest = list(first)
+    again = BatchIter(BatchSampler(make(), 8, False))
+    again.load_state_dict(sd)
+    assert list(again) == rest
+
+
+def test_take_counts_what_it_gives():
+    it = RngSamplerIter(RandomSampler(range(10), generator=torch.Generator().manual_seed(1)))
+    one_by_one = RngSamplerIter(RandomSampler(range(10), generator=torch.Generator().manual_seed(1)))
+    assert it.take(4) == [next(one_by_one) for _ in range(4)]
+    assert it.take(100) == list(one_by_one)  # the epoch's end: fewer than asked
+    assert it.take(5) == [] and it.yielded == 10
