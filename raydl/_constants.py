@@ -134,6 +134,9 @@ DEFAULT_SILENCE_TIMEOUT_S = 4.0
 # A worker reached over Ray's calls: after `ray_silence_timeout_s` with nothing from it, one TCP connection to its
 # node's raylet port, given this long to be answered (TCP resends a lost SYN after 1 s: one loss is forgiven).
 RAYLET_PROBE_S = 1.5
+# ... and, for a Ray Client driver whose probe a task on another node makes, how long past that the task may take to be
+# placed and started (a new worker process for it where none is idle: about a second on a quiet node).
+CLUSTER_PROBE_SLACK_S = 3.0
 # ... and the longest a worker tries to connect to it (a worker's calls wait meanwhile; a node that cannot reach the
 # driver's, behind a firewall, keeps Ray's calls and is not asked again by this process).
 LANE_TCP_CONNECT_S = 3.0

@@ -21,6 +21,7 @@ from raydl._constants import DEFAULT_SILENCE_TIMEOUT_S, LANE_HEARTBEAT_S
 from raydl.cluster import silent_nodes
 from raydl.worker.lane import recv_reply, send_reply, since_received_s
 from tests import _datasets as D
+from tests._session import background_call, read_facts, run_command
 from tests._silence import frozen, workers_on_another_node
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -114,7 +115,7 @@ def test_heartbeats_are_read_over_and_counted_as_received():
         quiet = since_received_s(conn)
         assert quiet is not None and quiet >= LANE_HEARTBEAT_S
         client.sendall(b"\0\0\0\0")
-        time.sleep(0.05)
+        time.sleep(0.01)
         assert since_received_s(conn) < LANE_HEARTBEAT_S
     finally:
         conn.close()
@@ -210,8 +211,131 @@ def test_the_raylet_probe_tells_an_answer_a_refusal_and_silence_apart():
         assert time.monotonic() - started < 5
     finally:
         listener.close()
+    address = _closed_port()
+    assert silent_nodes.connect_verdict(address, 1.0) == "refused"
+
+
+def test_a_probe_from_the_cluster_tells_the_same_three_verdicts():
+    """`verdict_from_cluster`, a Ray Client driver's probe: the same connection opened by a zero-CPU task on another
+    node (here the one node) gives the same answer, refusal and silence."""
+    listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+    try:
+        assert silent_nodes.verdict_from_cluster(listener.getsockname(), 1.0) == "answers"  # fills the queue
+        assert silent_nodes.verdict_from_cluster(listener.getsockname(), 0.5) == "timeout"
+    finally:
+        listener.close()
+    address = _closed_port()
+    assert silent_nodes.verdict_from_cluster(address, 1.0) == "refused"
+    assert silent_nodes.verdict_from_cluster(address, 1.0, avoid=ray_node_id()) == "unknown"  # no other node
+
+
+def _closed_port() -> tuple:
+    """A loopback address nothing listens on (bound, then closed)."""
     closed = socket.socket()
     closed.bind(("127.0.0.1", 0))
     address = closed.getsockname()
     closed.close()
-    assert silent_nodes.connect_verdict(address, 1.0) == "refused"
+    return address
+
+
+def ray_node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+# --- A Ray Client driver: no lanes, and a raylet port it need not reach itself --------------------------------------
+
+_CLIENT_SCRIPT = r"""
+import json, logging, os, signal, socket, time
+import torch
+import raydl
+from raydl.cluster import silent_nodes
+from raydl.driver.transport import calls as C, lane as L
+import ray
+
+class Slow(torch.utils.data.Dataset):  # defined here: Ray Client's workers import nothing of this checkout
+    def __init__(self, n):
+        self.n = n
+    def __len__(self):
+        return self.n
+    def __getitem__(self, i):
+        time.sleep(0.01)
+        return torch.tensor([i])
+
+# Every worker is reported on "another-node", whose raylet "port" is a listener with a full accept queue: a
+# connection to it gets no answer, as a silent node's raylet. The task that probes it runs in the cluster.
+real = L.worker_node
+fake = lambda pool, w: None if real(pool, w) is None else "another-node"
+L.worker_node = C.worker_node = fake
+listener = socket.create_server(("127.0.0.1", 0), backlog=0)
+filler = socket.create_connection(listener.getsockname(), timeout=2)
+silent_nodes.raylet_address = lambda node: listener.getsockname() if node == "another-node" else None
+said = []
+class Keep(logging.Handler):
+    def emit(self, record):
+        said.append(record.getMessage())
+logging.getLogger("raydl").addHandler(Keep())
+
+# A first loader's epoch is made by the cold start's processes while Ray Client connects (NOTE [ raydl cold start ]);
+# the loader under test then starts on Ray workers, as a trainer's second loader does.
+list(raydl.DataLoader(Slow(4), batch_size=2, num_workers=2, timeout=120))
+it = iter(raydl.DataLoader(Slow(48), batch_size=2, shuffle=True, num_workers=2, timeout=120))
+out = [next(it).flatten().tolist() for _ in range(6)]
+pid = it.worker_records[1].pid
+os.kill(pid, signal.SIGSTOP)
+t0 = time.monotonic()
+try:
+    out += [b.flatten().tolist() for b in it]
+finally:
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except ProcessLookupError:  # killed when its replacement started
+        pass
+samples = sorted(i for b in out for i in b)
+print("FACTS " + json.dumps({
+    "client": ray.util.client.ray.is_connected(),
+    "lanes": it._calls._lanes is not None,
+    "complete_once": samples == list(range(48)) and len(out) == 24,
+    "restarts": sum(it._pool.restarts),
+    "rest_of_epoch_s": round(time.monotonic() - t0, 1),
+    "said": [m for m in said if "went silent" in m],
+}), flush=True)
+"""
+
+
+def _client_run():
+    import socket as _socket
+
+    from tests._session import joinable_ray, run_python
+
+    with _socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    head = joinable_ray(client_port=port)
+    env = next(head)
+    try:
+        return run_python(_CLIENT_SCRIPT, timeout_s=240, env_extra=dict(env, RAY_ADDRESS=f"ray://127.0.0.1:{port}"))
+    finally:
+        head.close()
+
+
+background_call(
+    "tests/test_silent_node.py::test_a_ray_client_driver_finds_a_silent_node_from_inside_the_cluster",
+    "silent_node_ray_client",
+    _client_run,
+    420,
+)
+
+
+@pytest.mark.timeout(480)
+def test_a_ray_client_driver_finds_a_silent_node_from_inside_the_cluster():
+    """A driver on Ray Client (ray://, no lanes; the raylet's port need not be reachable from it), the defaults
+    (shuffle=True, no generator, the default silence timeout): worker 1 frozen mid-epoch on a node whose raylet no
+    longer answers. A task in the cluster probes the node, it is marked silent, both its workers are replaced, and
+    every sample comes once."""
+    facts = read_facts(run_command("silent_node_ray_client"))
+    assert facts["client"] and not facts["lanes"]
+    assert facts["complete_once"], facts
+    assert facts["restarts"] == 2, facts
+    assert any("its raylet did not answer" in line for line in facts["said"]), facts

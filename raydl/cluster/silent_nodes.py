@@ -21,17 +21,28 @@ A node whose raylet is gone (every process killed: connections reset, but Ray li
 health checks give up) is marked the same way when one of its workers dies and a TCP connection to its raylet's
 port is refused (`raylet_refuses`, asked once per death): else the replacement went to the dead node and died.
 A false alarm (a worker holding the GIL in native code past the timeout, a link stalled longer) costs one worker
-replaced: the timeout is the knob between that and the stall of a real silence. Ray Client drivers take no
-verdict of their own: the raylet's port need not be reachable from the client.
+replaced: the timeout is the knob between that and the stall of a real silence. A Ray Client driver (no lanes)
+need not reach a raylet's port itself: its probe is one connection opened by a zero-CPU task on another node, the
+head's first (`reach_raylet_from_cluster`); no answer from that task in time is no verdict, asked again later.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+from typing import Any, Optional
 
-__all__ = ["mark_silent", "is_silent", "silent_nodes", "raylet_refuses", "reach_raylet"]
+from .._constants import CLUSTER_PROBE_SLACK_S
+
+__all__ = [
+    "mark_silent",
+    "is_silent",
+    "silent_nodes",
+    "raylet_refuses",
+    "reach_raylet",
+    "reach_raylet_from_cluster",
+    "verdict_from_cluster",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +58,19 @@ def _probe_fn() -> Any:
         return True
 
     return raydl_node_probe
+
+
+_HEAD_RESOURCE = "node:__internal_head__"  # the resource only the head node has (Ray 2.x)
+
+
+def _verdict_fn() -> Any:
+    import ray
+
+    @ray.remote(num_cpus=0, max_retries=0)
+    def raydl_raylet_probe(address: tuple, timeout_s: float) -> str:
+        return connect_verdict(address, timeout_s)
+
+    return raydl_raylet_probe
 
 
 def mark_silent(node_id: str, why: str = "nothing on a lane for ray_silence_timeout_s") -> None:
@@ -80,14 +104,47 @@ def reach_raylet(node_id: str, timeout_s: float) -> str:
     came back: the node or its link is silent) or "unknown" (Ray does not list the node as alive, or another error).
     The kernel answers a connection for a listening process however busy the process is, so a busy raylet still
     answers; a SIGSTOPped worker process on a live node does too."""
+    address = raylet_address(node_id)
+    return "unknown" if address is None else connect_verdict(address, timeout_s)
+
+
+def raylet_address(node_id: str) -> Optional[tuple]:
+    """(host, port) of `node_id`'s raylet as Ray lists it; None if Ray does not list the node as alive."""
     import ray
 
     try:
         row = next(n for n in ray.nodes() if n.get("NodeID") == node_id and n.get("Alive"))
-        address = (row["NodeManagerAddress"], int(row["NodeManagerPort"]))
+        return (row["NodeManagerAddress"], int(row["NodeManagerPort"]))
     except (StopIteration, KeyError, TypeError, ValueError, Exception):  # noqa: BLE001 - unknown: no verdict
+        return None
+
+
+def reach_raylet_from_cluster(node_id: str, timeout_s: float) -> str:
+    """`reach_raylet`'s verdict for a Ray Client driver: the connection is opened by a zero-CPU task on another node
+    of the cluster (the head's first, where Ray Client's server runs), since the client itself may sit outside the
+    cluster's network. "unknown" when no other node is alive or the task gives no answer in time."""
+    address = raylet_address(node_id)
+    return "unknown" if address is None else verdict_from_cluster(address, timeout_s, avoid=node_id)
+
+
+def verdict_from_cluster(address: tuple, timeout_s: float, avoid: Optional[str] = None) -> str:
+    """`connect_verdict(address, timeout_s)` run by a task on an alive node other than `avoid` (the head's first)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    try:
+        others = [n for n in ray.nodes() if n.get("Alive") and n.get("NodeID") != avoid]
+        if not others:
+            return "unknown"
+        asker = next((n for n in others if _HEAD_RESOURCE in n.get("Resources", {})), others[0])
+        strategy = NodeAffinitySchedulingStrategy(node_id=asker["NodeID"], soft=False)
+        ref = _verdict_fn().options(scheduling_strategy=strategy).remote(tuple(address), timeout_s)
+    except Exception:  # noqa: BLE001 - Ray could not send it: no verdict
         return "unknown"
-    return connect_verdict(address, timeout_s)
+    try:
+        return ray.get(ref, timeout=timeout_s + CLUSTER_PROBE_SLACK_S)
+    except Exception:  # noqa: BLE001 - a slow or lost task: no verdict (asked again one timeout later)
+        return "unknown"
 
 
 def connect_verdict(address: tuple, timeout_s: float) -> str:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 from ..._constants import MIXED_WAIT_FIRST_S, MIXED_WAIT_MAX_S, RAY_INLINE_BYTES_DEFAULT, RAY_INLINE_SHARE
 from ..._measures import batch_nbytes
+from ...cluster.silent_nodes import reach_raylet_from_cluster
 from .lane import Lanes, LaneSilent, worker_node
 from .ray_silence import RaySilence
 
@@ -136,8 +137,9 @@ class CallSender:
         self._driver_node_id = driver_node_id
         self._lanes: Optional[Lanes] = Lanes(pool, driver_node_id, max_batches, silence_timeout_s) if lanes else None
         watch = None
-        if silence_timeout_s is not None and not _via_ray_client():  # NOTE [ raydl silent node ]
-            watch = RaySilence(pool, self._other_node, silence_timeout_s)
+        if silence_timeout_s is not None:  # NOTE [ raydl silent node ]: a Ray Client driver asks from the cluster
+            reach = reach_raylet_from_cluster if _via_ray_client() else None
+            watch = RaySilence(pool, self._other_node, silence_timeout_s, reach=reach)
         if self._lanes is None:
             self._ray = RayCalls(pool, self.on_other_node, watch=watch)
         else:
