@@ -7,8 +7,9 @@ NOTE [ raydl columnar batches ]
 for 16 float columns, an int label and a 64-float embedding at batch 1024, issue 38). Where the
 loader's `collate_fn` is torch's `default_collate` and the dataset has no per-row `transform`, a
 raydl worker asks the dataset for the whole batch instead (`raydl_collate(indices)`): one `take`,
-then each column converted as a whole through NumPy, giving exactly what `default_collate` of the
-rows gives, key for key (the columns, in order), dtype for dtype and value for value:
+then each column converted as a whole through NumPy (`ArrowDataset`'s numeric columns are gathered
+from zero-copy views of its table instead: NOTE [ raydl column views ]), giving exactly what
+`default_collate` of the rows gives, key for key (the columns, in order), dtype for dtype and value for value:
   * integers -> int64 tensors, floats -> float64 tensors, booleans -> bool tensors (the rows hold
     Python ints, floats and bools, which torch collates so);
   * strings and binary -> the list of the batch's values (torch's collate leaves them as a list);
