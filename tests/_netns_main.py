@@ -90,6 +90,7 @@ def _lanes_on_the_wire(cluster) -> dict:
 
 
 def plain(facts: dict) -> None:
+    facts["_t"] = time.monotonic()
     cluster = state_cluster()
     ips = [cluster.ip(n) for n in cluster.nodes]
 
@@ -105,9 +106,11 @@ def plain(facts: dict) -> None:
     facts["placement_same_as_torch"] = [b.tolist() for b in it] == expected
     facts["placement_ips"] = sorted(r.node_ip for r in it.worker_records)
     del it, loader
+    _phase(facts, "placement")
 
     # (b) TCP lanes between namespaces carry the batches, in the clear on this cluster (the control of the TLS test)
     facts["wire"] = _lanes_on_the_wire(cluster)
+    _phase(facts, "wire")
 
     # (c) a worker node killed mid-epoch (every process in its namespace): every batch once, in order
     n = 60
@@ -135,9 +138,18 @@ def plain(facts: dict) -> None:
     facts["kill_victim_ip"] = ips[victim]
     facts["kill_survivor_ips"] = sorted({r.node_ip for r in it.worker_records})
     del it, loader
+    _phase(facts, "kill")
 
     # (d) the surviving worker node goes silent (its link down: no RST, no FIN) mid-epoch, then comes back
     _silent_node(cluster, facts, ips)
+    _phase(facts, "silent")
+
+
+def _phase(facts: dict, name: str) -> None:
+    """How long each part of the scenario took (seconds; shown with the facts)."""
+    now = time.monotonic()
+    facts.setdefault("phase_s", {})[name] = round(now - facts.setdefault("_t", now), 1)
+    facts["_t"] = now
 
 
 class _Said(logging.Handler):
@@ -159,6 +171,7 @@ def _silent_node(cluster, facts: dict, ips: list) -> None:
     deadline = time.monotonic() + 120  # the killed node gone from Ray's view first
     while sum(node["Alive"] for node in ray.nodes()) > 2 and time.monotonic() < deadline:
         time.sleep(0.5)
+    _phase(facts, "killed_node_declared_dead")
     said = _Said()
     logging.getLogger("raydl").addHandler(said)
     n = 240
@@ -186,6 +199,7 @@ def _silent_node(cluster, facts: dict, ips: list) -> None:
         cluster.link_up(victim)
     facts["silent_stall_s"] = round(max(gaps), 1)
     facts["silent_marked"] = silent_nodes.silent_nodes()
+    _phase(facts, "silent_until_replaced")
     out += [b.flatten().tolist() for b in it]  # the rest of the epoch, the link back: late replies come now
     samples = [i for batch in out for i in batch]
     facts["silent_complete_once"] = sorted(samples) == list(range(n)) and len(out) == n // 2
@@ -195,10 +209,11 @@ def _silent_node(cluster, facts: dict, ips: list) -> None:
     facts["silent_said"] = [line for line in said.lines if "silent" in line]
     del it, loader
     alive_ids = {node["NodeID"] for node in ray.nodes() if node["Alive"]}
-    deadline = time.monotonic() + 60
-    while silent_nodes.silent_nodes() and time.monotonic() < deadline:
+    deadline = time.monotonic() + 60  # the silent node's mark lifted (the killed node's stays: it never returns)
+    while victim_node in silent_nodes.silent_nodes() and time.monotonic() < deadline:
         time.sleep(0.2)
     left = silent_nodes.silent_nodes()
+    _phase(facts, "silent_mark_lifted")
     # lifted once Ray reaches the node again; a node Ray declared dead meanwhile stays marked (it never returns)
     facts["silent_mark_right"] = all(node not in alive_ids for node in left) and bool(facts["silent_marked"])
     facts["silent_node_alive_after"] = any(
