@@ -156,11 +156,28 @@ def _make_replacements_unplaceable(it) -> None:
     it._pool.nodes = [None] * len(it._pool.nodes)
 
 
+def _kill_and_wait(it, worker_id: int) -> None:
+    """Kill the worker's actor and wait (bounded) until its process is gone. ray.kill is asynchronous: on a loaded
+    machine the rest of a short epoch came over the lane before the kill landed, and nothing died (seen once)."""
+    import psutil
+    import ray
+
+    pid = it.worker_records[worker_id].pid
+    ray.kill(it._pool.actors[worker_id], no_restart=True)
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return
+        except psutil.NoSuchProcess:
+            return
+        assert time.monotonic() < deadline, f"worker {worker_id}'s process {pid} outlived ray.kill by 60 s"
+        time.sleep(0.05)
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_unplaceable_replacement_leaves_the_survivors_to_finish():
     """A dead worker whose replacement fits nowhere: a warning names it and its node; the others finish the epoch, in order."""
-    import ray
-
     _warm_up(3)
     loader = raydl.DataLoader(
         D.SlowDataset(40, {i: 0.01 for i in range(40)}),
@@ -173,7 +190,7 @@ def test_unplaceable_replacement_leaves_the_survivors_to_finish():
     out = [next(it).flatten().tolist()]
     victim = it.worker_records[1]
     _make_replacements_unplaceable(it)
-    ray.kill(it._pool.actors[1], no_restart=True)
+    _kill_and_wait(it, 1)
     with pytest.warns(
         RuntimeWarning,
         match=rf"raydl worker 1 \(pid {victim.pid}, node 127.0.0.1 .*could not be replaced.*going on with 2 worker",
@@ -186,8 +203,6 @@ def test_unplaceable_replacement_leaves_the_survivors_to_finish():
 @pytest.mark.usefixtures("ray_session")
 def test_no_worker_left_is_an_error():
     """The last worker dies and cannot be replaced anywhere: WorkerDiedError saying no worker is left."""
-    import ray
-
     _warm_up(1)
     loader = raydl.DataLoader(
         D.SlowDataset(20, {i: 0.01 for i in range(20)}),
@@ -199,7 +214,7 @@ def test_no_worker_left_is_an_error():
     it = iter(loader)
     next(it)
     _make_replacements_unplaceable(it)
-    ray.kill(it._pool.actors[0], no_restart=True)
+    _kill_and_wait(it, 0)
     with pytest.raises(raydl.WorkerDiedError, match="no worker is left"):
         list(it)
 
