@@ -714,10 +714,10 @@ def test_each_unit_is_fetched_from_storage_by_one_node(folder, tmp_path, monkeyp
     unit is fetched from storage once per epoch by its owner, the others take it from the owner's cache: the cluster
     reads the data's bytes once (not once per node), the owners' shares balanced, the bytes every batch reads exact,
     and each cache within its limit (a quarter of the data). `chunk`: units travel between caches in several chunks."""
-    import raydl.cluster.cache.node_actor as node_actor
+    import raydl.cluster.cache.peer_units as peer_units
 
     if chunk is not None:
-        monkeypatch.setattr(node_actor, "PEER_CHUNK", chunk)  # a unit (~40 KB) in 4 or 5 chunks
+        monkeypatch.setattr(peer_units, "PEER_CHUNK", chunk)  # a unit (~40 KB) in 4 or 5 chunks
     ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter())
     names = [f"node{i}" for i in range(nodes)]
     stats, read = _cooperative_epoch(ds, tmp_path, monkeypatch, names, workers)

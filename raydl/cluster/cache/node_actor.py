@@ -26,21 +26,7 @@ Across nodes each cache is told the batches its own workers make (torch's round 
 fetches only what its workers read; a batch whose worker is not known goes to every node's plan,
 and one sent elsewhere than foreseen re-plans the rest of the epoch. A plan whose driver is silent
 for STREAM_IDLE_S is dropped. Detail, figures and known limits: docs/design-notes.md.
-
-NOTE [ raydl cooperative caches ]
-With the window shuffle every node's workers read nearly every unit, so each node fetching its own
-would read the data N times at N nodes. The driver's plan gives each unit one owner per epoch (a
-node that uses it, the owned bytes balanced: `CacheFeed`), and only the owner fetches it from
-storage; its plan holds the unit until the last batch of any node that uses it is handed out. A
-node that needs a unit owned elsewhere asks the owner's cache (`serve`): the bytes come back as
-they lie in the owner's file (checksum included, checked before they are written here), in chunks
-of PEER_CHUNK inside Ray's replies; or "not yet": the owner notes who asked and tells it (`offer`)
-when the unit arrives. Meanwhile the unit's room stays reserved here (so the prefetch does not
-fill it with later units, to evict them again) but no fetch thread waits: this cache fetches
-other units. A unit a worker here waits for is asked for urgently, and the owner fetches it
-before its plan's order; one not offered in PEER_ASK_S is asked again (after 3 asks its room is
-given back until the next). An owner that is gone, fails, or hands out bytes that fail the
-checksum: the unit is read from storage here (counted: `peer_fallbacks`).
+Across nodes the caches cooperate: NOTE [ raydl cooperative caches ] in peer_units.py.
 """
 
 from __future__ import annotations
@@ -57,8 +43,9 @@ from typing import Any, Optional
 __all__ = ["NodeCache"]
 
 from ...data.storage import with_retries
-from .peer_calls import call, call_all, ident, is_gone, this_actor, this_node
-from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, seal, sound, unlink, unsealed, write_whole
+from .peer_calls import ident, is_gone, this_node
+from .peer_units import PeerUnits
+from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, seal, sound, unlink, write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -68,11 +55,6 @@ ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
 READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
 IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
 STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
-PEER_ASK_S = 10.0  # a unit asked of its owner and not offered within this long is asked again
-PEER_CALL_S = float(os.environ.get("RAYDL_CACHE_PEER_CALL_S", "60"))  # one transfer from a peer, at most
-# A unit comes from a peer in chunks this small: each inside Ray's reply (max_direct_call_object_size, 100 KiB), not
-# through the object store, whose transfers of many small objects at once took 1-2 s each on the test machine
-PEER_CHUNK = 96 * 1024
 INF = float("inf")
 
 
@@ -119,7 +101,7 @@ class _Stream:
         return float(lst[i] - self.cursor), lst[i] < self.sent
 
 
-class NodeCache:
+class NodeCache(PeerUnits):
     """The node's cache actor (NOTE [ raydl node cache ]); made by `node_cache`, never directly."""
 
     def __init__(
@@ -341,60 +323,6 @@ class NodeCache:
                     self._hole()
             self._cv.notify_all()
 
-    def serve(self, key: str, node: Optional[str], urgent: bool, reply_to: Any = None, offset: int = 0) -> Any:
-        """A peer's ask for a unit this cache owns (NOTE [ raydl cooperative caches ]): (its file's size, trailer
-        included, and its bytes from `offset`, at most PEER_CHUNK); None when it is not here yet (`node`, whose
-        cache is `reply_to`, is offered it when it arrives, and, `urgent`, it is fetched before the plan's order);
-        a message when this cache cannot give it (unknown, its fetch failed, gone since a first chunk)."""
-        with self._cv:
-            self._touch()
-            if node is not None and reply_to is not None:  # it may ask before this cache's plan names it
-                self._peers.setdefault(node, reply_to)
-            if key not in self._specs:
-                return "not registered here"
-            if key in self._failed:
-                return self._failed[key]
-            if key not in self._ready:
-                if offset:
-                    return "evicted while it was being read"
-                if node is not None:
-                    self._wanted.setdefault(key, set()).add(node)
-                if urgent and key not in self._fetching and key not in self._urgent:
-                    self._n += 1
-                    self._urgent[key] = self._n
-                    self._cv.notify_all()
-                return None
-            self._pins[key] = self._pins.get(key, 0) + 1
-        try:
-            with open(os.path.join(self._dir, key), "rb") as f:
-                size = os.fstat(f.fileno()).st_size
-                f.seek(offset)
-                raw = f.read(PEER_CHUNK)
-        except OSError:
-            raw = None
-        with self._cv:
-            if self._pins.get(key, 0) > 1:
-                self._pins[key] -= 1
-            else:
-                self._pins.pop(key, None)
-            if raw is None:  # gone from the folder (another cache sharing it): forget it, fetch it again
-                if key in self._ready and not self._pins.get(key):
-                    self._used -= self._ready.pop(key)
-                    self._hole()
-                return "its file vanished"
-            if not offset:
-                self._stats["bytes_served"] += size - UNIT_TRAILER_BYTES
-        return size, raw
-
-    def offer(self, key: str) -> None:
-        """The owner of a unit asked for now has it: ask again (NOTE [ raydl cooperative caches ])."""
-        with self._cv:
-            if key in self._asked:
-                self._asked[key][0] = 0.0  # due now
-                self._cv.notify_all()
-            elif key in self._fetching:
-                self._offered.add(key)
-
     def stats(self) -> dict:
         """Counters, bytes held now and at peak, the limit, and the prefetch depth (units held ahead of the cursors)."""
         with self._cv:
@@ -536,17 +464,8 @@ class NodeCache:
                     logger.info("raydl cache %s: idle for %.0f s, exiting", self._dir, idle)
                     os._exit(0)  # a detached actor nobody uses: its process goes
 
-    def _source(self, key: str) -> Optional[tuple[str, Any]]:
-        """(node id, cache actor) of the peer to ask for `key`, None: storage (NOTE [ raydl cooperative caches ])."""
-        for s in self._streams.values():
-            node = s.owners.get(key)
-            peer = self._peers.get(node) if node is not None else None
-            if peer is not None and ident(peer) not in self._dead_peers:
-                return node, peer
-        return None
-
     def _ask_again(self) -> None:
-        """Ask again the owners of the units offered since, or not offered in PEER_ASK_S (an owner gone then
+        """Ask again the owners of the units offered since, or not offered in peer_units.PEER_ASK_S (an owner gone then
         answers with an error); one asked in vain 3 times gives up its reserved bytes until it is asked again
         (two caches each holding room for the other's units cannot wait on each other for long)."""
         now = time.monotonic()
@@ -559,36 +478,6 @@ class NodeCache:
                 self._hole()
                 continue
             self._pool.submit(self._fetch, key, self._source(key), urgent, asks)
-
-    def _from_peer(self, key: str, source: tuple, urgent: bool, asks: int) -> Optional[bytes]:
-        """The unit's sealed bytes from its owner's cache; None when it will offer them later (the key is then
-        parked in _asked, its bytes still reserved); raises when the owner cannot give them (gone, failed, bytes
-        that fail their checksum)."""
-        node, peer = source
-        got = call(peer.serve, PEER_CALL_S, key=key, node=self._node, urgent=urgent, reply_to=this_actor())
-        if got is None:
-            with self._cv:
-                when = 0.0 if key in self._offered else time.monotonic() + PEER_ASK_S
-                self._offered.discard(key)
-                self._asked[key] = [when, urgent, asks + 1]
-                self._cv.notify_all()
-            return None
-        if isinstance(got, str):  # the owner's own fetch failed, or it does not know the unit
-            raise OSError(f"the cache of node {node} cannot give it: {got}")
-        size, first = got
-        # the other chunks at once, each small enough to come back inside Ray's reply (not through the object store)
-        rest = call_all(
-            peer.serve,
-            PEER_CALL_S,
-            [dict(key=key, node=None, urgent=False, offset=o) for o in range(len(first), size, PEER_CHUNK)],
-        )
-        bad = next((r for r in rest if not isinstance(r, tuple)), None)
-        if bad is not None:
-            raise OSError(f"the cache of node {node} cannot give it: {bad}")
-        raw = b"".join([first, *(chunk for _, chunk in rest)])
-        if len(raw) != size or unsealed(raw) is None:
-            raise OSError(f"the bytes from the cache of node {node} fail their checksum")
-        return raw
 
     def _fetch(self, key: str, source: Optional[tuple] = None, urgent: bool = False, asks: int = 0) -> None:
         token, path, size, segs, nbytes = self._specs[key]

@@ -1,4 +1,4 @@
-"""Calls between node caches (NOTE [ raydl cooperative caches ] in node_actor.py): who this cache is, a peer's
+"""Calls between node caches (NOTE [ raydl cooperative caches ] in peer_units.py): who this cache is, a peer's
 call awaited within a bound, and whether a failed call means the peer is gone. Plain objects stand in for actors in
 tests: a call's result that is no ObjectRef is taken as it is."""
 
