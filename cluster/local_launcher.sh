@@ -296,6 +296,39 @@ ray_start() {
     fi
 }
 
+# start_nodes N: the head, then N worker nodes in parallel; returns 1 (nothing stopped) if any `ray start` failed.
+start_nodes() {
+    local n="$1"
+    echo "starting head node: {\"trainer\": 1}, $HEAD_CPUS CPU, GCS on $ADDRESS"
+    if ! ray_start head --head \
+            --port="$HEAD_PORT" \
+            --ray-client-server-port="$CLIENT_PORT" \
+            --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" \
+            --dashboard-agent-listen-port="$AGENT_PORT_BASE" \
+            --num-cpus="$HEAD_CPUS" --num-gpus=0 \
+            --resources='{"trainer": 1}'; then
+        return 1
+    fi
+    # Worker nodes start in parallel, each with a temp dir of its own (no shared socket names).
+    local i failed="" pids=()
+    for ((i = 1; i <= n; i++)); do
+        echo "starting worker node $i/$n: {\"data\": $DATA_SLOTS}, $DATA_CPUS CPU"
+        ray_start "w$i" \
+            --address="$ADDRESS" \
+            --dashboard-agent-listen-port=$((AGENT_PORT_BASE + i)) \
+            --num-cpus="$DATA_CPUS" --num-gpus=0 \
+            --resources="{\"data\": $DATA_SLOTS}" &
+        pids+=($!)
+    done
+    for i in "${!pids[@]}"; do
+        wait "${pids[$i]}" || failed+=" $((i + 1))"
+    done
+    if [[ -n "$failed" ]]; then
+        echo "local_launcher.sh: worker node(s)$failed did not start" >&2
+        return 1
+    fi
+}
+
 cmd_start() {
     local n="${1:-}"
     [[ "$n" =~ ^[0-9]+$ ]] && ((n <= MAX_WORKER_NODES)) \
@@ -320,35 +353,22 @@ cmd_start() {
     rm -f "$STATE_DIR"/*.log "$STATE_DIR/address"
     rm -rf "${RAY_TEMP_DIR:?}"/head "${RAY_TEMP_DIR:?}"/w[0-9]*   # logs of the previous run
 
-    echo "starting head node: {\"trainer\": 1}, $HEAD_CPUS CPU, GCS on $ADDRESS"
-    if ! ray_start head --head \
-            --port="$HEAD_PORT" \
-            --ray-client-server-port="$CLIENT_PORT" \
-            --dashboard-host=127.0.0.1 --dashboard-port="$DASHBOARD_PORT" \
-            --dashboard-agent-listen-port="$AGENT_PORT_BASE" \
-            --num-cpus="$HEAD_CPUS" --num-gpus=0 \
-            --resources='{"trainer": 1}'; then
+    local attempt
+    for attempt in 1 2; do
+        start_nodes "$n" && break
         cmd_stop >/dev/null || true
-        die "head node did not start"
-    fi
-    # Worker nodes start in parallel, each with a temp dir of its own (no shared socket names).
-    local i failed="" pids=()
-    for ((i = 1; i <= n; i++)); do
-        echo "starting worker node $i/$n: {\"data\": $DATA_SLOTS}, $DATA_CPUS CPU"
-        ray_start "w$i" \
-            --address="$ADDRESS" \
-            --dashboard-agent-listen-port=$((AGENT_PORT_BASE + i)) \
-            --num-cpus="$DATA_CPUS" --num-gpus=0 \
-            --resources="{\"data\": $DATA_SLOTS}" &
-        pids+=($!)
+        # NOTE [ launcher start retry ]: Ray's `ray start` waits a fixed 30 s for its new raylet to register and
+        # then gives up with "The current node timed out during startup", leaving what it started running. On a
+        # busy host that is load, not a fault: stop everything this cluster started and start once more, keeping
+        # the first attempt's logs. Any other failure ends the start.
+        if ((attempt == 1)) && grep -qs "timed out during startup" "$STATE_DIR"/*.log; then
+            local log
+            for log in "$STATE_DIR"/*.log; do mv "$log" "${log%.log}.attempt1.log"; done
+            echo "Ray's raylet wait ran out (a busy host): stopped this cluster's processes, retrying (attempt 2 of 2)"
+            continue
+        fi
+        die "the cluster did not start (logs in $STATE_DIR)"
     done
-    for i in "${!pids[@]}"; do
-        wait "${pids[$i]}" || failed+=" $((i + 1))"
-    done
-    if [[ -n "$failed" ]]; then
-        cmd_stop >/dev/null || true
-        die "worker node(s)$failed did not start"
-    fi
     if ! procs listeners >"$STATE_DIR/listeners.txt"; then
         cat "$STATE_DIR/listeners.txt" >&2
         cmd_stop >/dev/null || true

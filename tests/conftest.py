@@ -105,3 +105,37 @@ def pytest_collection_finish(session):
         from tests._session import start_background
 
         start_background([item.nodeid for item in session.items])
+
+
+# RAYDL_TEST_PROFILE=1: how many worker processes each module made the suite's Ray start (one per actor or task
+# worker: each imports torch, the suite's largest CPU cost on a 2-core machine), printed at the end of the run.
+_WORKER_STARTS: dict[str, int] = {}
+
+
+def _worker_processes_started() -> int:
+    import glob
+
+    import ray
+
+    if not ray.is_initialized():
+        return 0
+    session_dir = ray._private.worker._global_node.get_session_dir_path()
+    return len(glob.glob(os.path.join(session_dir, "logs", "python-core-worker-*.log")))
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _count_worker_starts(request):
+    if os.environ.get("RAYDL_TEST_PROFILE") != "1":
+        yield
+        return
+    before = _worker_processes_started()
+    yield
+    _WORKER_STARTS[request.module.__name__] = _worker_processes_started() - before
+
+
+def pytest_terminal_summary(terminalreporter):
+    if _WORKER_STARTS:
+        terminalreporter.write_sep("=", "worker processes started in the suite's Ray, per module")
+        for name, n in sorted(_WORKER_STARTS.items(), key=lambda kv: -kv[1]):
+            terminalreporter.write_line(f"{n:5d}  {name}")
+        terminalreporter.write_line(f"{sum(_WORKER_STARTS.values()):5d}  in all")

@@ -266,6 +266,30 @@ _DRIVER = textwrap.dedent(
 )
 
 
+# Loaded by every Python the launcher's `start` runs; acts only in the first `ray start --head`: Ray's fixed raylet wait
+# (on time.monotonic) runs out by a clock that jumps 40 s per reading while the GCS does not list the raylet yet.
+_FIRST_HEAD_TIMES_OUT = """
+import os, sys
+if sys.argv[1:3] == ["start", "--head"] and not os.path.exists(MARK):
+    open(MARK, "w").close()
+    import time, types
+    import ray._private.node as node_mod
+
+    class JumpingClock(types.ModuleType):
+        readings = 0
+        def __getattr__(self, name):
+            return getattr(time, name)
+        def monotonic(self):
+            JumpingClock.readings += 1
+            return time.monotonic() + 40.0 * JumpingClock.readings
+
+    node_mod.time = JumpingClock("time")
+    def get_node(*args, **kwargs):
+        raise RuntimeError("not registered yet")
+    node_mod.ray._private.services.get_node = get_node
+"""
+
+
 def _local_launcher_run() -> None:
     """The whole check of test_local_launcher_starts_three_loopback_nodes_and_stops_them (fresh processes only: it runs
     in the background while the in-process tests run, NOTE [ tests background commands ] in tests/_session.py)."""
@@ -288,14 +312,28 @@ def _local_launcher_run() -> None:
         RAYDL_CLUSTER_STOP_GRACE_S="5",
     )
 
-    def script(*args, check=True):
+    def script(*args, check=True, extra_env=None):
         return subprocess.run(
-            ["bash", str(LOCAL_SCRIPT), *args], env=env, capture_output=True, text=True, timeout=360, check=check
+            ["bash", str(LOCAL_SCRIPT), *args],
+            env=dict(env, **(extra_env or {})),
+            capture_output=True,
+            text=True,
+            timeout=480,
+            check=check,
         )
 
+    # The head's first `ray start` times out as on a busy host (NOTE [ launcher start retry ]): a sitecustomize that
+    # only the `start` call sees makes Ray's raylet wait run out once; the launcher stops what it left and retries.
+    site = os.path.join(tmp_path, "site")
+    os.mkdir(site)
+    with open(os.path.join(site, "sitecustomize.py"), "w") as f:
+        f.write(_FIRST_HEAD_TIMES_OUT.replace("MARK", repr(os.path.join(tmp_path, "first_head_started"))))
     try:
-        started = script("start", "2", check=False)
+        started = script("start", "2", check=False, extra_env={"PYTHONPATH": site})
         assert started.returncode == 0, started.stdout + started.stderr
+        assert "retrying (attempt 2 of 2)" in started.stdout, started.stdout
+        with open(os.path.join(cluster_dir, "state", "head.attempt1.log")) as f:
+            assert "timed out during startup" in f.read()
         assert "export RAY_AUTH_MODE=token" in started.stdout
         address = script("address").stdout.strip()
         assert address == f"127.0.0.1:{port}"
