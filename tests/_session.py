@@ -152,8 +152,9 @@ def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0, client_port: int | No
 
     NOTE [ tests joined cold starts ]: a cold start is a process with no Ray *in it* at `iter()`; whether raydl then
     starts a local Ray or joins RAY_ADDRESS in the background is the same path (NOTE [ raydl cold start ]). Fresh
-    drivers that test the cold start join one head per module instead of each starting a Ray (4-10 s quiet, 20-30 s
-    on a loaded 2-core VM, and the same again to stop it); the tests of the local start keep theirs."""
+    drivers that test the cold start join the suite's own Ray (conftest's `joined_ray`) instead of each starting a
+    Ray (4-10 s quiet, 20-30 s on a loaded 2-core VM, and the same again to stop it); a head of a module's own (this
+    function) cost as much again for each module. The tests of the local start keep theirs."""
     import socket
     import tempfile
 

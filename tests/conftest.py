@@ -71,11 +71,12 @@ def ray_session():
 
 @pytest.fixture(scope="module")
 def joined_ray(ray_session):
-    """`run_python`'s env_extra to join a Ray head of this module's own (NOTE [ tests joined cold starts ] in
-    tests/_session.py): the cold starts of fresh drivers without a Ray start each."""
-    from tests._session import joinable_ray
+    """`run_python`'s env_extra to join the suite's own Ray (NOTE [ tests joined cold starts ] in tests/_session.py):
+    the cold starts of fresh drivers without a Ray start each."""
+    import raydl
 
-    yield from joinable_ray()
+    raydl.release_idle_workers()  # this process's warm workers are not the fresh driver's to count or reuse
+    return {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
 
 
 @pytest.fixture

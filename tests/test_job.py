@@ -38,7 +38,7 @@ def _rank_loader(monkeypatch, rank: int, world: int, job: str | None, **kw) -> r
     monkeypatch.setenv("RANK", str(rank))
     monkeypatch.setenv("WORLD_SIZE", str(world))
     sampler = DistributedSampler(Made(), num_replicas=world, rank=rank, shuffle=True, seed=1)
-    kw = {"num_workers": 2, "timeout": 60, **kw}
+    kw = {"num_workers": 1, "timeout": 60, **kw}  # each worker is a process importing torch: as few as shows it
     if kw["num_workers"] == 0:
         kw.pop("timeout")
     return raydl.DataLoader(Made(), batch_size=4, sampler=sampler, ray_job=job, **kw)
@@ -83,7 +83,7 @@ def test_two_ranks_share_one_pool_and_every_sample_comes_once(monkeypatch):
     out = _lockstep(its)
     rows = [torch.cat(o).tolist() for o in out]
     pids = [{row[1] for row in r} for r in rows]
-    assert len(pids[0] | pids[1]) == 4, "one pool of 2 x 2 workers for the job"
+    assert len(pids[0] | pids[1]) == 2, "one pool of 2 x 1 workers for the job"
     assert pids[0] == pids[1], "each rank's batches come from every worker of the job"
     assert sorted(row[0] for r in rows for row in r) == list(range(N))
     draws = [row[2] for r in rows for row in r]
@@ -129,7 +129,7 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
     order, with their content; the job replaces it once, whichever rank sees the death first."""
     n = 96
     expected = [_drawn(loader) for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
-    loaders = _timed_ranks(monkeypatch, 2, "job-kill", n, delay_s=0.005, num_workers=2)
+    loaders = _timed_ranks(monkeypatch, 2, "job-kill", n, delay_s=0.005)
     its = [iter(loader) for loader in loaders]
     killed = []
 
@@ -145,12 +145,8 @@ def test_a_killed_worker_costs_no_rank_a_batch(monkeypatch):
         assert _drawn(out[r]) == expected[r], f"rank {r}"
     pids = {row[1] for o in out for row in torch.cat(o[8:]).tolist()}
     assert killed[0] not in pids
-    assert _job_view("job-kill")["generations"] == [0, 1, 0, 0], "replaced once for the job"
-    assert [it._pool.restarts for it in its] in (
-        [[0, 1, 0, 0]] * 2,
-        [[0, 1, 0, 0], [0, 0, 0, 0]],
-        [[0, 0, 0, 0], [0, 1, 0, 0]],
-    )
+    assert _job_view("job-kill")["generations"] == [0, 1], "replaced once for the job"
+    assert [it._pool.restarts for it in its] in ([[0, 1]] * 2, [[0, 1], [0, 0]], [[0, 0], [0, 1]])
     for loader in loaders:
         loader.shutdown()
 
@@ -165,7 +161,7 @@ def test_a_silent_node_under_a_job_costs_no_rank_a_batch(monkeypatch):
     verdicts, asked = workers_on_another_node(monkeypatch)
     n = 96
     expected = [_drawn(loader) for loader in _timed_ranks(monkeypatch, 2, None, n, num_workers=0)]
-    loaders = _timed_ranks(monkeypatch, 2, "job-silent", n, delay_s=0.005, num_workers=2)
+    loaders = _timed_ranks(monkeypatch, 2, "job-silent", n, delay_s=0.005)
     its = [iter(loader) for loader in loaders]
     frozen_pids: list = []
 
@@ -243,7 +239,7 @@ def test_a_rank_joining_later_uses_the_jobs_pool_as_it_is(monkeypatch):
     first = next(it0)
     rank1 = _rank_loader(monkeypatch, 1, 2, "job-size", num_workers=3)
     it1 = iter(rank1)
-    assert len(it1._sched.active) == len(it0._sched.active) == 4
+    assert len(it1._sched.active) == len(it0._sched.active) == 2
     assert [r.pid for r in it1._pool.records] == [r.pid for r in it0._pool.records]
     out = _lockstep([it0, it1])
     out[0].insert(0, first)
