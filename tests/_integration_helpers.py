@@ -103,7 +103,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
         ProvenanceDataset(n),
         batch_size=4,
         sampler=DistributedSampler(ProvenanceDataset(n), num_replicas=world_size, rank=rank, shuffle=True, seed=0),
-        num_workers=2,
+        num_workers=1,
         timeout=60,
         ray_remote_args={"num_cpus": 0},
     )
@@ -114,7 +114,7 @@ def ray_train_loop(config: dict[str, Any]) -> None:
 
     # Default sampler: with world_size > 1, prepare_data_loader rebuilds a plain torch DataLoader;
     # under raydl.patched() that one loads with Ray workers too (with the ray_ options given here).
-    default = raydl.DataLoader(ProvenanceDataset(n), batch_size=4, shuffle=True, num_workers=2, timeout=60)
+    default = raydl.DataLoader(ProvenanceDataset(n), batch_size=4, shuffle=True, num_workers=1, timeout=60)
     with raydl.patched(ray_remote_args={"num_cpus": 0}):
         prepared = ray.train.torch.prepare_data_loader(default)
         inner = getattr(prepared, "_dataloader", prepared)
@@ -125,21 +125,44 @@ def ray_train_loop(config: dict[str, Any]) -> None:
         json.dump(out, f)
 
 
-def run_ray_train_driver(mode: str, out: Any, gcs_address: str, timeout_s: int = 300) -> None:
-    """tests/_ray_train_main.py in its own driver process joined to `gcs_address` (it says why); fails with its output."""
+_RAY_TRAIN_OUTPUTS: dict = {}
+
+# Ray Train's own pace, for a test's tiny fits on a 2-core machine (Ray Train passes these from the driver to its
+# controller and workers): its controller polls the workers every 0.2 s, not 2 s (a fit ends at the next poll), and
+# neither the preemption watcher (an actor process of its own, polling every 5 s) nor the state actor's
+# reconciliation runs. raydl's behaviour under Ray Train does not depend on any of them.
+RAY_TRAIN_QUICK_ENV = {
+    "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.2",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_ENABLE_STATE_ACTOR_RECONCILIATION": "0",
+}
+
+
+def ray_train_outputs(gcs_address: str, tmp_root: Any, timeout_s: int = 420) -> dict:
+    """The folders tests/_ray_train_main.py's runs ("prepare", "resume") wrote, both made by one driver joined to
+    `gcs_address` (it says why a driver of its own), the first time a test asks: a second driver would import Ray
+    Train, torch and raydl again (about 6 s of CPU) to connect to the same Ray. Fails with the driver's output."""
     import subprocess
     import sys
 
+    if gcs_address in _RAY_TRAIN_OUTPUTS:
+        return _RAY_TRAIN_OUTPUTS[gcs_address]
+    outs = {mode: os.path.join(str(tmp_root), mode) for mode in ("prepare", "resume")}
+    for folder in outs.values():
+        os.makedirs(folder, exist_ok=True)
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env = dict(os.environ)  # RAY_AUTH_MODE (set by ray.init for its cluster) and the loopback flag are inherited
     env.update(RAY_ADDRESS=gcs_address, PYTHONPATH=os.pathsep.join(filter(None, [repo, env.get("PYTHONPATH")])))
+    env.update(RAY_TRAIN_QUICK_ENV)
     env.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     proc = subprocess.run(
-        [sys.executable, os.path.join(repo, "tests", "_ray_train_main.py"), mode, str(out)],
+        [sys.executable, os.path.join(repo, "tests", "_ray_train_main.py")] + [f"{m}={d}" for m, d in outs.items()],
         cwd=repo,
         env=env,
         capture_output=True,
         text=True,
         timeout=timeout_s,
     )
-    assert proc.returncode == 0 and "RESULT " in proc.stdout, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert proc.returncode == 0 and proc.stdout.count("RESULT ") == 2, proc.stdout[-3000:] + proc.stderr[-5000:]
+    _RAY_TRAIN_OUTPUTS[gcs_address] = outs
+    return outs

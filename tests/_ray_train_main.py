@@ -6,7 +6,7 @@ shows "A worker is dead. subscription_failure_callback will be invoked" for the 
 ALIVE notification again), so every later loader waited out its start-up timeout. Ray Train is a
 driver of its own in real jobs too.
 
-Usage: python tests/_ray_train_main.py {prepare,resume} OUT_DIR
+Usage: python tests/_ray_train_main.py MODE=OUT_DIR [MODE=OUT_DIR]   (MODE: prepare or resume; each run in turn)
 """
 
 from __future__ import annotations
@@ -18,18 +18,26 @@ import sys
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 
-def main(mode: str, out: str) -> None:
+def main(runs: list) -> None:
     import ray
+
+    import raydl
+
+    ray.init(address=os.environ["RAY_ADDRESS"])
+    raydl.release_idle_workers()  # idle workers holding reserved CPUs would keep the trainers from being placed
+    for mode, out in runs:
+        run(mode, out)
+    ray.shutdown()
+
+
+def run(mode: str, out: str) -> None:
     import torch
     from ray.train import RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
-    import raydl
     from tests import _integration_helpers as H
     from tests import _resume_datasets as RD
 
-    ray.init(address=os.environ["RAY_ADDRESS"])
-    raydl.release_idle_workers()  # idle workers holding reserved CPUs would keep the trainers from being placed
     if mode == "prepare":
         trainer = TorchTrainer(
             H.ray_train_loop,
@@ -50,9 +58,8 @@ def main(mode: str, out: str) -> None:
         with result.checkpoint.as_directory() as d:
             state = torch.load(f"{d}/state.pt", weights_only=True)
         torch.save(state, os.path.join(out, "reported_state.pt"))
-    print("RESULT " + json.dumps({"mode": mode}))
-    ray.shutdown()
+    print("RESULT " + json.dumps({"mode": mode}), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main([arg.split("=", 1) for arg in sys.argv[1:]])

@@ -21,6 +21,7 @@ import sys
 import pytest
 
 import raydl
+from tests._integration_helpers import RAY_TRAIN_QUICK_ENV
 from tests._session import background, run_command_once_more_if_ray_did_not_start
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,8 +131,8 @@ def test_ray_train_example_two_training_workers(ray_session):
     """ray_train_example.py: a TorchTrainer with 2 training workers, each fed by its own raydl workers."""
     pytest.importorskip("ray.train.torch")
     out = _run(
-        [os.path.join(EXAMPLES, "ray_train_example.py"), "--samples", "128", "--epochs", "1"],
-        _session_ray_env(ray_session),
+        [os.path.join(EXAMPLES, "ray_train_example.py"), "--samples", "128", "--epochs", "1", "--num-workers", "1"],
+        {**_session_ray_env(ray_session), **RAY_TRAIN_QUICK_ENV},
     )
     line = re.search(r"^ray_train_example: done, rank 0's last metrics: (.*)$", out, re.M)
     assert line, out[-4000:]

@@ -174,12 +174,12 @@ def test_accelerate_prepare_under_patch_keeps_ray_workers(ray_session):
     H.assert_made_by_ray_workers(meta, os.getpid())
 
 
-def test_ray_train_torch_trainer_prepare_data_loader_keeps_ray_workers(ray_session, tmp_path):
+def test_ray_train_torch_trainer_prepare_data_loader_keeps_ray_workers(ray_session, tmp_path_factory):
     """TorchTrainer, 2 workers: a raydl loader with its own DistributedSampler survives prepare_data_loader; a rebuilt one loads from Ray under patch."""
     pytest.importorskip("ray.train.torch")
     samples = 16  # tests/_ray_train_main.py's "prepare" run: TorchTrainer in its own driver, on this Ray
-    H.run_ray_train_driver("prepare", tmp_path, ray_session.get_runtime_context().gcs_address)
-    records = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+    out = H.ray_train_outputs(ray_session.get_runtime_context().gcs_address, tmp_path_factory.getbasetemp() / "train")
+    records = [json.loads(open(os.path.join(out["prepare"], f"rank{r}.json")).read()) for r in (0, 1)]
 
     for key, expected_class, same in (
         ("own_sampler", "raydl.loader.DataLoader", True),

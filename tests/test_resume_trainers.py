@@ -5,6 +5,7 @@ from __future__ import annotations
 import glob
 import io
 import json
+import pathlib
 
 import pytest
 import torch
@@ -103,17 +104,18 @@ def test_plain_loop_torch_save_resumes_exactly():
     _assert_same(expected, before + after)
 
 
-def test_ray_train_checkpoint_holds_the_loader_state(ray_session, tmp_path):
+def test_ray_train_checkpoint_holds_the_loader_state(ray_session, tmp_path_factory):
     """Ray Train: the loader's state goes into the checkpoint the loop reports; loaded from that checkpoint, a
     fresh loader hands out exactly the rest of the epoch (the loop also loads it when restarted: ray_train_resume_loop)."""
     pytest.importorskip("ray.train.torch")
-    from tests._integration_helpers import run_ray_train_driver
+    from tests._integration_helpers import ray_train_outputs
 
     # TorchTrainer.fit() in its own driver on this Ray (tests/_ray_train_main.py says why); it copies
     # the reported checkpoint's state to reported_state.pt.
-    run_ray_train_driver("resume", tmp_path, ray_session.get_runtime_context().gcs_address)
-    first = json.loads((tmp_path / "seen_first.json").read_text())
-    state = torch.load(tmp_path / "reported_state.pt", weights_only=True)
+    gcs = ray_session.get_runtime_context().gcs_address
+    out = pathlib.Path(ray_train_outputs(gcs, tmp_path_factory.getbasetemp() / "train")["resume"])
+    first = json.loads((out / "seen_first.json").read_text())
+    state = torch.load(out / "reported_state.pt", weights_only=True)
     assert state["step"] == 2
     with RD.ray_train_loader() as loader:  # the uninterrupted epoch, same seeds, made here
         full = [[idx.tolist(), x.tolist()] for x, _, idx in loader]
