@@ -164,7 +164,15 @@ def test_ddp_torchrun_example_ranks_see_disjoint_shards():
 def test_train_image_classifier_times_both_loaders_with_identical_training(ray_session):
     """train_image_classifier.py: prints each epoch's time for torch's and raydl's loader; same seeds give the same losses."""
     out = _run(
-        [os.path.join(EXAMPLES, "train_image_classifier.py"), "--samples", "384", "--epochs", "2"],
+        [
+            os.path.join(EXAMPLES, "train_image_classifier.py"),
+            "--samples",
+            "256",
+            "--epochs",
+            "2",
+            "--augment-repeats",
+            "2",
+        ],
         _session_ray_env(ray_session),
     )
     runs = {}
