@@ -12,7 +12,7 @@ from tests import _datasets as D
 from tests._session import read_facts, run_python
 
 # A fresh driver: torch's DataLoader first (its forked workers are the reference, and Ray is not
-# up in it yet), then raydl's on a cold start, joining the module's Ray head (NOTE [ tests joined
+# up in it yet), then raydl's on a cold start, joining the suite's Ray (NOTE [ tests joined
 # cold starts ] in tests/_session.py; the race below starts a local Ray of its own). The dataset draws from torch, random and NumPy in
 # __getitem__ and reports its worker info; worker_init_fn draws too and writes into the worker's
 # copy of the dataset (the driver's own copy must keep offset -1).
@@ -73,7 +73,7 @@ print("FACTS " + json.dumps({{"same": got[0] == expected[0], "first_diff": first
 
 
 def _cold_epochs(joined_ray, max_in_driver, generator, persistent=False, epochs=2, raydl_kwargs="") -> dict:
-    """The script's facts, its driver joining the module's Ray head (NOTE [ tests joined cold starts ])."""
+    """The script's facts, its driver joining the suite's Ray (NOTE [ tests joined cold starts ])."""
     code = _SCRIPT.format(
         max_in_driver=max_in_driver,
         generator=generator,

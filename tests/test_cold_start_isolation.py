@@ -1,6 +1,6 @@
 """A cold start with the defaults runs no dataset code in the trainer's process (NOTE [ raydl cold start ]).
 
-Each test is a fresh driver (no Ray in it yet, the library's defaults; it joins the module's Ray head in the
+Each test is a fresh driver (no Ray in it yet, the library's defaults; it joins the suite's Ray in the
 background: NOTE [ tests joined cold starts ] in tests/_session.py): the first batches come from
 start-up processes forked from it, so a dataset that ends its process is a worker's death, torch's
 `timeout` holds, the stats count the wait, and a shared Arrow table stays shared.
