@@ -76,7 +76,13 @@ def joined_ray(ray_session):
     import raydl
 
     raydl.release_idle_workers()  # this process's warm workers are not the fresh driver's to count or reuse
-    return {"RAY_ADDRESS": ray_session.get_runtime_context().gcs_address, "RAY_AUTH_MODE": "token"}
+    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0: without it the driver's ray.init rewrites 127.0.0.1 to the machine's
+    # routable IP, where this loopback-only Ray does not listen (the driver then waits out its timeout).
+    return {
+        "RAY_ADDRESS": ray_session.get_runtime_context().gcs_address,
+        "RAY_AUTH_MODE": "token",
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    }
 
 
 @pytest.fixture
