@@ -172,9 +172,7 @@ def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0, client_port: int | No
     ]  # fmt: skip
     if client_port is not None:  # Ray Client's server on that port (ray://127.0.0.1:client_port)
         argv.append(f"--ray-client-server-port={client_port}")
-    # RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 in the head's processes too: without it `ray start` rewrites 127.0.0.1 to
-    # the machine's routable IP and its servers listen on every interface.
-    env = fresh_env({"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})
+    env = fresh_env({"RAY_AUTH_MODE": "token"})
     deadline = time.monotonic() + wait_s
     for attempt in (1, 2):  # once more when Ray's own fixed 30 s raylet wait ran out (RAY_START_TIMED_OUT, below)
         proc = subprocess.Popen(
