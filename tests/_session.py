@@ -419,8 +419,8 @@ def run_command(key: str) -> subprocess.CompletedProcess:
 
 # Ray's own node start gives up after a fixed 30 s (ray/_private/node.py: "The current node timed out during
 # startup"), which a 2-core VM running two CPU spinners beside the suite can exceed (seen at stops 42 and 43, the
-# Lightning example's own ray.init). That is Ray's start, not raydl's behaviour: a command that failed with it alone
-# is run once more, in the test.
+# Lightning example's own ray.init; at stop 45 tests/_multinode_main.py's cluster_utils nodes). That is Ray's start,
+# not raydl's behaviour: a command that failed with it alone is run once more, in the test.
 RAY_START_TIMED_OUT = "The current node timed out during startup"
 
 
@@ -443,4 +443,4 @@ def run_main(module: str, timeout_s: int = 540) -> dict:
     its background run if its test module declared it: NOTE [ tests background commands ])."""
     if module not in _BACKGROUND.declared:
         background_main("-", module, timeout_s)
-    return read_facts(run_command(module))
+    return read_facts(run_command_once_more_if_ray_did_not_start(module))
