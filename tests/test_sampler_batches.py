@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
 from raydl.driver.state.samplers import BatchIter, RngSamplerIter
@@ -55,3 +57,43 @@ def test_take_counts_what_it_gives():
     assert it.take(4) == [next(one_by_one) for _ in range(4)]
     assert it.take(100) == list(one_by_one)  # the epoch's end: fewer than asked
     assert it.take(5) == [] and it.yielded == 10
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    kind=st.sampled_from(["random", "random_replacement", "subset", "weighted", "random_num_samples"]),
+    n=st.integers(1, 120),
+    num_samples=st.integers(1, 300),
+    steps=st.lists(st.integers(0, 70), min_size=1, max_size=40),
+    resume_at=st.integers(0, 39),
+)
+def test_takes_and_nexts_mixed_give_torchs_samples_and_resume(kind, n, num_samples, steps, resume_at):
+    """NOTE [ raydl sampler take ]: `take` reads the list torch's generator delegates to; mixed with `next` (0 in
+    `steps`), across the generator's chunks (replacement: 32 samples each; num_samples > n: a new permutation), and
+    resumed from a state taken between two steps, the samples are the sampler's own, in its order."""
+    g = lambda: torch.Generator().manual_seed(n * 1000 + num_samples)  # noqa: E731
+    make = {
+        "random": lambda: RandomSampler(range(n), generator=g()),
+        "random_replacement": lambda: RandomSampler(range(n), replacement=True, num_samples=num_samples, generator=g()),
+        "random_num_samples": lambda: RandomSampler(range(n), num_samples=num_samples, generator=g()),
+        "subset": lambda: SubsetRandomSampler(list(range(n)), generator=g()),
+        "weighted": lambda: WeightedRandomSampler([1.0 + i % 3 for i in range(n)], num_samples, generator=g()),
+    }[kind]
+    want = list(make())
+    it, got, state = RngSamplerIter(make()), [], None
+    for k, step in enumerate(steps):
+        if k == resume_at:
+            state = (it.state_dict(), len(got))
+        if step == 0:
+            value = next(it, None)
+            got += [] if value is None else [value]
+        else:
+            taken = it.take(step)
+            assert len(taken) == min(step, len(want) - len(got))
+            got += taken
+    got += it.take(len(want) + 1)
+    assert got == want and it.yielded == len(want)
+    if state is not None:
+        resumed = RngSamplerIter(make())
+        resumed.load_state_dict(state[0])
+        assert resumed.take(len(want) + 1) == want[state[1] :]

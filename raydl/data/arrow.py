@@ -200,10 +200,13 @@ class ArrowDataset(Dataset):
             idx = np.asarray(indices, dtype=np.int64).reshape(-1)
         except (TypeError, ValueError):
             return None
-        if idx.size and (idx.min() < -n or idx.max() >= n):
+        if not idx.size:
+            return idx
+        low = idx.min()
+        if low < -n or idx.max() >= n:
             bad = next(int(i) for i in idx if not -n <= i < n)
             self._check_index(bad)
-        return np.where(idx < 0, idx + n, idx)
+        return idx if low >= 0 else np.where(idx < 0, idx + n, idx)  # a sampler's indices are rarely negative
 
     def _take_table(self, idx: np.ndarray) -> pa.Table:
         """The rows at `idx` (in range), in that order (`_Taker`)."""

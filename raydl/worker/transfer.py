@@ -53,8 +53,8 @@ class _TensorView:
 def _encode_tensor(t: torch.Tensor) -> Any:
     if (
         type(t) is not torch.Tensor
-        or t.device.type != "cpu"
-        or t.layout != torch.strided
+        or not t.is_cpu  # (half the cost of t.device.type: once per tensor of every batch)
+        or t.layout is not torch.strided
         or t.is_quantized
         or t.requires_grad
         or t.dtype not in _NUMPY_DTYPES
