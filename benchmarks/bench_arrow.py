@@ -7,7 +7,8 @@ The table (issue 38): 16 float32 columns, an int64 label and a 64-float32 embedd
 fixed-size list (328 bytes a row). Every loader shuffles and yields batches of `--batch` rows as
 torch's default_collate gives them (dict of tensors); the loop does nothing with them (data-bound),
 and the rate is the last epoch's (the first pays start-up):
-  * ceiling: one process, the columns preloaded as tensors, `index_select` of each shuffled batch;
+  * ceiling: one process, the columns preloaded as tensors, `index_select` of each shuffled batch (torch's
+    intra-op threads: every core); ceiling-one-thread: the same on one thread (not in the default list);
   * raydl columnar: `raydl.DataLoader(raydl.ArrowDataset(table))`, the defaults (NOTE [ raydl
     columnar batches ]);
   * raydl native dtypes: the same with `batch_transform=keep_columns` (the identity on the batch's columns: a
@@ -77,6 +78,17 @@ def ceiling(table: pa.Table, batch: int, epochs: int) -> tuple[float, int]:
     return _rate(batches, epochs)
 
 
+def one_thread(run):
+    """`run()` with torch's intra-op threads set to 1: the ceiling as one core makes it (by default index_select
+    uses every core, here both)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return run()
+    finally:
+        torch.set_num_threads(threads)
+
+
 def loader_rate(make, epochs: int) -> tuple[float, int]:
     loader = make()
     try:
@@ -115,6 +127,7 @@ def main() -> None:
 
     runs = {
         "ceiling": lambda: ceiling(table, args.batch, args.epochs),
+        "ceiling-one-thread": lambda: one_thread(lambda: ceiling(table, args.batch, args.epochs)),
         "raydl-columnar": lambda: loader_rate(lambda: raydl.DataLoader(ds, **common), args.epochs),
         "raydl-native": lambda: loader_rate(
             lambda: raydl.DataLoader(raydl.ArrowDataset(table, batch_transform=keep_columns), **common), args.epochs
