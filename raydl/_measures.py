@@ -24,7 +24,7 @@ _tensor_view: Any = None  # worker/transfer.py's _TensorView, imported on first 
 def batch_nbytes(data: Any) -> int:
     """Bytes of the array data in an encoded batch (tensors, NumPy arrays, bytes, str), for stats. Once a batch
     per worker and per call on the driver: no import and no generator per element (a dict of 18 columns went
-    40 -> 6 us)."""
+    36-70 -> 1.7-2.8 us)."""
     global _tensor_view
     if _tensor_view is None:
         from .worker.transfer import _TensorView
