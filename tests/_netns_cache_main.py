@@ -1,4 +1,4 @@
-"""Run by tests/test_netns_cache.py (tests/_netns.py's `run_driver(..., module=...)`) in the head's namespace of a
+"""Run by tests/test_netns.py (tests/_netns.py's `run_driver(..., module=...)`) in the head's namespace of a
 namespace cluster started with `private=True` (cluster/netns_testbed.py: each worker node its own tmpfs at
 `private_dir`): a driver that joins it and prints one `FACTS {json}` line.
 

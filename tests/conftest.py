@@ -39,9 +39,24 @@ def pytest_addoption(parser):
     )
 
 
+def _compile_sources() -> None:
+    """Write the bytecode of raydl/ and tests/ once, in this process.
+
+    NOTE [ tests bytecode ]: every Ray worker and fresh driver the suite starts (hundreds) imports raydl and the
+    tests' datasets from source. Where PYTHONDONTWRITEBYTECODE is set (CI machines set it) no process caches what
+    it compiled, and each compiles those modules again: about 55 ms of CPU a worker, 0.3 s a fresh driver, on this
+    2-core machine. Reading .pyc files is not affected by that variable, so one compile here serves them all."""
+    import compileall
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for sub in ("raydl", "tests"):
+        compileall.compile_dir(os.path.join(root, sub), quiet=2)
+
+
 def pytest_configure(config):
     from raydl.loader import DataLoader
 
+    _compile_sources()
     DataLoader.__init__.__kwdefaults__["ray_cold_start"] = False  # this process only (see above)
     if config.getoption("--no-ray-lane"):
         DataLoader.__init__.__kwdefaults__["ray_lane"] = False
