@@ -172,7 +172,7 @@ def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0, client_port: int | No
     ]  # fmt: skip
     if client_port is not None:  # Ray Client's server on that port (ray://127.0.0.1:client_port)
         argv.append(f"--ray-client-server-port={client_port}")
-    env = fresh_env({"RAY_AUTH_MODE": "token"})
+    env = fresh_env({"RAY_AUTH_MODE": "token", "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0"})  # loopback only
     deadline = time.monotonic() + wait_s
     for attempt in (1, 2):  # once more when Ray's own fixed 30 s raylet wait ran out (RAY_START_TIMED_OUT, below)
         proc = subprocess.Popen(
@@ -188,6 +188,9 @@ def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0, client_port: int | No
     try:
         if not ready:
             pytest.fail(f"ray start --head did not come up in {wait_s:.0f} s: {''.join(said)[-3000:]}")
+        exposed = listeners_off_loopback(proc.pid)
+        if exposed:
+            pytest.fail(f"the test head listens beyond loopback: {exposed}")
         yield {"RAY_ADDRESS": f"127.0.0.1:{port}", "RAY_AUTH_MODE": "token"}
     finally:
         _BACKGROUND.procs.discard(proc)
@@ -198,6 +201,28 @@ def joinable_ray(num_cpus: int = 2, wait_s: float = 240.0, client_port: int | No
         import shutil
 
         shutil.rmtree(temp, ignore_errors=True)
+
+
+def listeners_off_loopback(pgid: int) -> list[str]:
+    """The TCP listening sockets of process group `pgid`'s processes bound to anything but loopback (`ss -ltnp`)."""
+    import re
+
+    pids = set()
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[2]) == pgid:
+                pids.add(entry)
+        except (OSError, IndexError, ValueError):  # gone meanwhile
+            pass
+    out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
+    loopback = ("127.", "[::1]", "[::ffff:127.")
+    return [
+        line.split()[3]
+        for line in out.splitlines()
+        if len(line.split()) > 3
+        and not line.split()[3].startswith(loopback)
+        and set(re.findall(r"pid=(\d+)", line)) & pids
+    ]
 
 
 def _wait_for_line(proc: subprocess.Popen, marker: str, said: list, deadline: float) -> bool:
