@@ -3,7 +3,8 @@
 The store: moto's S3 server on loopback behind a proxy that adds `--latency-ms` (20) to every
 request (tests/_s3.py). The data: `--files` Parquet files of `--groups` row groups of `--rows`
 rows with a `--payload`-byte incompressible column, four times larger than raydl's cache_limit.
-Each reader runs `--epochs` (2) epochs of batches of 64 with a shuffle, 2 workers:
+Each reader runs `--epochs` (2) epochs of batches of `--batch-size` (64) with a shuffle, 2 workers; `--columns numeric`
+writes an id, a label and 16 float32 features instead of the payload (issue 38's streamed target is on numeric columns):
   * raydl: `ParquetDataset(cache_limit=data/4)` + `raydl.DataLoader(shuffle=True, num_workers=2)`;
   * Ray Data: `read_parquet` + `iter_torch_batches(local_shuffle_buffer_size=<raydl's window in rows>)`;
   * naive: torch's DataLoader(num_workers=2, shuffle=True) over a map-style dataset whose
@@ -32,14 +33,20 @@ from benchmarks.common.results import figure_path, printed_report
 from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 
 
-def write_corpus(folder: str, files: int, groups: int, rows: int, payload: int) -> None:
+def write_corpus(folder: str, files: int, groups: int, rows: int, payload: int, columns: str = "payload") -> None:
+    """`columns`: "payload" (an id, a label, `payload` incompressible bytes a row) or "numeric" (an id, a label and 16
+    float32 features, the numeric table issue 38's streamed target is stated on)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     rng = np.random.default_rng(0)
     for f in range(files):
         ids = np.arange(f * groups * rows, (f + 1) * groups * rows)
-        table = pa.table({"id": ids, "label": ids % 10, "payload": [rng.bytes(payload) for _ in ids]})
+        if columns == "numeric":
+            features = {f"f{c}": rng.standard_normal(len(ids), dtype=np.float32) for c in range(16)}
+            table = pa.table({"id": ids, "label": ids % 10, **features})
+        else:
+            table = pa.table({"id": ids, "label": ids % 10, "payload": [rng.bytes(payload) for _ in ids]})
         pq.write_table(table, os.path.join(folder, f"part-{f:03d}.parquet"), row_group_size=rows)
 
 
@@ -64,11 +71,7 @@ class NaiveS3Dataset(torch.utils.data.Dataset):
 
 def _ray_data_collate(batch: dict) -> dict:
     """Ray Data's batch (NumPy columns) as torch's default_collate gives raydl's: tensors, bytes as a list."""
-    return {
-        "id": torch.as_tensor(batch["id"]),
-        "label": torch.as_tensor(batch["label"]),
-        "payload": list(batch["payload"]),
-    }
+    return {k: list(v) if v.dtype == object else torch.as_tensor(v) for k, v in batch.items()}
 
 
 def epochs_of(make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = float("inf")) -> dict:
@@ -93,7 +96,7 @@ def epochs_of(make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = flo
     return out
 
 
-def plot(results: list, path: str) -> None:
+def plot(results: list, path: str, batch_size: int = 64) -> None:
     """Samples/s per epoch (log scale) and bytes fetched per epoch / data, one bar per reader and epoch."""
     import matplotlib
 
@@ -109,7 +112,7 @@ def plot(results: list, path: str) -> None:
             byt.append(y)
     a.bar(range(len(labels)), sps, color="tab:blue")
     a.set_yscale("log")
-    a.set_title("samples/s (2 workers, batch 64, shuffle)")
+    a.set_title(f"samples/s (2 workers, batch {batch_size}, shuffle)")
     b.bar(range(len(labels)), byt, color="tab:orange")
     b.set_yscale("log")
     b.axhline(1.15, color="gray", linestyle="--", linewidth=1)
@@ -145,6 +148,8 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=8)
     p.add_argument("--rows", type=int, default=128)
     p.add_argument("--payload", type=int, default=1024)
+    p.add_argument("--columns", choices=("payload", "numeric"), default="payload", help="the table (write_corpus)")
+    p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--naive-s", type=float, default=30.0)
@@ -167,7 +172,7 @@ def main() -> None:
     tmp = tempfile.mkdtemp(prefix="bench-streaming-")
     corpus = os.path.join(tmp, "corpus")
     os.makedirs(corpus)
-    write_corpus(corpus, args.files, args.groups, args.rows, args.payload)
+    write_corpus(corpus, args.files, args.groups, args.rows, args.payload, args.columns)
     n_rows = args.files * args.groups * args.rows
     moto = MotoServer()
     proxy = None
@@ -198,7 +203,7 @@ def main() -> None:
             window_rows = ds.shuffle_window * args.rows
             loader = raydl.DataLoader(
                 ds,
-                batch_size=64,
+                batch_size=args.batch_size,
                 shuffle=True,
                 num_workers=2,
                 persistent_workers=True,
@@ -229,7 +234,10 @@ def main() -> None:
             dsr = ray.data.read_parquet("s3://corpus/data/", filesystem=s3fs(proxy.port, attempts=3))
             r = epochs_of(
                 lambda: dsr.iter_torch_batches(
-                    batch_size=64, local_shuffle_buffer_size=buf, prefetch_batches=4, collate_fn=_ray_data_collate
+                    batch_size=args.batch_size,
+                    local_shuffle_buffer_size=buf,
+                    prefetch_batches=4,
+                    collate_fn=_ray_data_collate,
                 ),
                 args.epochs,
                 proxy,
@@ -241,7 +249,11 @@ def main() -> None:
         if "naive" not in skip:
             naive = NaiveS3Dataset(proxy.port, files, args.groups, args.rows)
             dl = torch.utils.data.DataLoader(
-                naive, batch_size=64, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(0)
+                naive,
+                batch_size=args.batch_size,
+                shuffle=True,
+                num_workers=2,
+                generator=torch.Generator().manual_seed(0),
             )
             r = epochs_of(lambda: dl, 1, proxy, deadline_s=args.naive_s)
             r["bytes_per_epoch"] = [proxy.get_bytes * n_rows / max(1, r["rows_read"][0])]  # extrapolated
@@ -271,7 +283,15 @@ def main() -> None:
         if ray.is_initialized():
             ray.shutdown()
 
-    info = dict(rows=n_rows, data_bytes=data_bytes, cache_limit=limit, latency_ms=args.latency_ms, cpus=os.cpu_count())
+    info = dict(
+        rows=n_rows,
+        data_bytes=data_bytes,
+        cache_limit=limit,
+        latency_ms=args.latency_ms,
+        cpus=os.cpu_count(),
+        columns=args.columns,
+        batch_size=args.batch_size,
+    )
     print(json.dumps({"config": info}))
     for r in results:
         r["bytes_over_data"] = [b / data_bytes for b in r["bytes_per_epoch"]]
@@ -287,7 +307,7 @@ def main() -> None:
         cut = " (cut)" if r.get("cut") else ""
         print(f"| {r['reader']}{cut} | {sps} | {byt} | {fb} | {peak} |")
     if args.png:
-        plot(results, args.png)
+        plot(results, args.png, args.batch_size)
     if "raydl" in base and "ray_data" in base:
         a, b = base["raydl"]["samples_per_s"], base["ray_data"]["samples_per_s"]
         print(f"\nraydl / Ray Data samples/s per epoch: {' / '.join(f'{x / y:.2f}' for x, y in zip(a, b))}")

@@ -266,27 +266,15 @@ _DRIVER = textwrap.dedent(
 )
 
 
-# Loaded by every Python the launcher's `start` runs; acts only in the first `ray start --head`: Ray's fixed raylet wait
-# (on time.monotonic) runs out by a clock that jumps 40 s per reading while the GCS does not list the raylet yet.
+# Loaded by every Python the launcher's `start` runs; acts only in the first `ray start --head`, whose raylet wait runs
+# out as on a busy host (tests/_ray_start_timeout.py).
 _FIRST_HEAD_TIMES_OUT = """
 import os, sys
 if sys.argv[1:3] == ["start", "--head"] and not os.path.exists(MARK):
     open(MARK, "w").close()
-    import time, types
-    import ray._private.node as node_mod
-
-    class JumpingClock(types.ModuleType):
-        readings = 0
-        def __getattr__(self, name):
-            return getattr(time, name)
-        def monotonic(self):
-            JumpingClock.readings += 1
-            return time.monotonic() + 40.0 * JumpingClock.readings
-
-    node_mod.time = JumpingClock("time")
-    def get_node(*args, **kwargs):
-        raise RuntimeError("not registered yet")
-    node_mod.ray._private.services.get_node = get_node
+    sys.path.insert(0, REPO)
+    from tests._ray_start_timeout import time_out_node_starts
+    time_out_node_starts()
 """
 
 
@@ -327,7 +315,11 @@ def _local_launcher_run() -> None:
     site = os.path.join(tmp_path, "site")
     os.mkdir(site)
     with open(os.path.join(site, "sitecustomize.py"), "w") as f:
-        f.write(_FIRST_HEAD_TIMES_OUT.replace("MARK", repr(os.path.join(tmp_path, "first_head_started"))))
+        f.write(
+            _FIRST_HEAD_TIMES_OUT.replace("MARK", repr(os.path.join(tmp_path, "first_head_started"))).replace(
+                "REPO", repr(str(CLUSTER_DIR.parent))
+            )
+        )
     try:
         started = script("start", "2", check=False, extra_env={"PYTHONPATH": site})
         assert started.returncode == 0, started.stdout + started.stderr

@@ -140,39 +140,24 @@ def test_worker_process_imports_none_of_the_driver_modules():
 
 
 _RETRY_SCRIPT = r"""
-import json, logging, time, types
+import json, logging
 import psutil
 import ray._private.node as node_mod
 import raydl
 from tests import _datasets as D
+from tests._ray_start_timeout import time_out_node_starts
 
-# The first node raydl starts times out exactly as on an overloaded host: its GCS and raylet really start, then Ray's
-# fixed raylet wait (30 s, measured on time.monotonic) runs out, here by a clock that jumps 40 s per reading while
-# the GCS does not yet list the raylet.
+# The first node raydl starts times out exactly as on an overloaded host (tests/_ray_start_timeout.py).
 started, records, first_pids = [], [], set()
 real_init = node_mod.Node.__init__
 def counting_init(self, *args, **kwargs):
     started.append(self)
     return real_init(self, *args, **kwargs)
 node_mod.Node.__init__ = counting_init
-
-class JumpingClock(types.ModuleType):
-    readings = 0
-    def __getattr__(self, name):
-        return getattr(time, name)
-    def monotonic(self):
-        if len(started) == 1:
-            JumpingClock.readings += 1
-            return time.monotonic() + 40.0 * JumpingClock.readings
-        return time.monotonic()
-node_mod.time = JumpingClock("time")
-real_get_node = node_mod.ray._private.services.get_node
-def get_node(*args, **kwargs):
-    if len(started) == 1:  # the raylet registered, but too late for Ray
-        first_pids.update(i.process.pid for infos in started[0].all_processes.values() for i in infos)
-        raise RuntimeError("not registered yet")
-    return real_get_node(*args, **kwargs)
-node_mod.ray._private.services.get_node = get_node
+time_out_node_starts(
+    active=lambda: len(started) == 1,
+    on_time_out=lambda: first_pids.update(i.process.pid for infos in started[0].all_processes.values() for i in infos),
+)
 
 class Keep(logging.Handler):
     def emit(self, record):
