@@ -74,7 +74,7 @@ def test_slow_loop_shows_no_stall_and_per_worker_figures(caplog):
         assert w.batches == n_batches // 2 and w.samples == w.batches * BATCH
         # sleeps of BATCH_S: never shorter; longer by what a loaded machine's scheduling adds
         assert 0.9 * BATCH_S <= w.median_s <= 3 * BATCH_S, str(s)
-        assert w.median_s <= w.p95_s <= 8 * BATCH_S
+        assert w.median_s <= w.p95_s <= w.busy_s  # one batch's time, never more than the worker's whole epoch's
         assert w.cpu_s < 0.5 * w.busy_s  # sleeping, not computing
         assert w.bytes == w.batches * BATCH * 2 * 8  # int64 [i, thread] per sample
         assert (w.pid, w.node_ip) == (records[w.worker_id].pid, records[w.worker_id].node_ip)
