@@ -216,13 +216,12 @@ def listeners_off_loopback(pgid: int) -> list[str]:
             pass
     out = subprocess.run(["ss", "-Hltnp"], capture_output=True, text=True, timeout=30).stdout
     loopback = ("127.", "[::1]", "[::ffff:127.")
-    return [
-        line.split()[3]
-        for line in out.splitlines()
-        if len(line.split()) > 3
-        and not line.split()[3].startswith(loopback)
-        and set(re.findall(r"pid=(\d+)", line)) & pids
-    ]
+    exposed = []
+    for line in out.splitlines():
+        fields = line.split()  # State Recv-Q Send-Q Local-Address:Port Peer-Address:Port Process
+        if len(fields) > 3 and not fields[3].startswith(loopback) and set(re.findall(r"pid=(\d+)", line)) & pids:
+            exposed.append(fields[3])
+    return exposed
 
 
 def _wait_for_line(proc: subprocess.Popen, marker: str, said: list, deadline: float) -> bool:

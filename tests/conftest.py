@@ -48,9 +48,10 @@ def _compile_sources() -> None:
     2-core machine. Reading .pyc files is not affected by that variable, so one compile here serves them all."""
     import compileall
 
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    from tests._session import REPO
+
     for sub in ("raydl", "tests"):
-        compileall.compile_dir(os.path.join(root, sub), quiet=2)
+        compileall.compile_dir(os.path.join(REPO, sub), quiet=2)
 
 
 def pytest_configure(config):
