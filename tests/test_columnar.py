@@ -199,3 +199,43 @@ def test_a_loader_gives_torchs_batches_by_column(ray_session):
     assert len(got) == len(want)
     for a, b in zip(got, want):
         _same(a, b)
+
+
+def test_parquet_batches_gathered_across_row_groups(tmp_path, ray_session, monkeypatch):
+    """NOTE [ raydl gathered pieces ]: batches drawn from many row groups of several files, every column type the
+    Parquet path collates (numbers in blocks, booleans column by column, strings and binary with Arrow), at batch
+    sizes from 1 to the whole dataset and with repeated indices: exactly default_collate of the rows. A file whose
+    row group holds a null where the others hold none makes its batches take the Arrow path, still exact (and a
+    batch holding the null's row raises torch's collate error, both ways)."""
+    import raydl.data.parquet as parquet_module
+
+    names = [n for n, (_, columnar) in CASES.items() if columnar is True and "list" not in n]
+    table = pa.table({n: CASES[n][0] for n in names})
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for f in range(3):
+        pq.write_table(table, folder / f"p{f}.parquet", row_group_size=7)
+    holed = table.set_column(
+        names.index("int32"), "int32", pa.array([None if i == 9 else i for i in range(N)], pa.int32())
+    )
+    pq.write_table(holed, folder / "p3.parquet", row_group_size=7)  # its second row group has the null
+    ds = raydl.ParquetDataset(str(folder), cache_dir=str(tmp_path / "cache"))
+    holed_unit = [u for u in range(ds.num_units) if ds.describe_unit(u) == f"row group 1 of {ds.files[3]}"]
+    real, gathered = parquet_module.collate_pieces, []
+    monkeypatch.setattr(parquet_module, "collate_pieces", lambda p, n: gathered.append(real(p, n)) or gathered[-1])
+    order = [int(i) for i in ds.shuffled_order(7)]
+    batches = [order[s : s + size] for size in (1, 5, 64, len(order)) for s in range(0, len(order), size)]
+    batches += [[3, 3, 50, 3], [len(ds) - 1, 0, len(ds) - 1]]
+    for indices in batches:
+        gathered.clear()
+        (got, got_err), (want, want_err), _ = _both_ways(ds, indices)
+        if want_err is not None:  # the null's row itself: torch's collate error, both ways
+            assert type(got_err) is type(want_err) and str(got_err) == str(want_err)
+        else:
+            assert got_err is None, got_err
+            _same(got, want)
+        units = set(ds.units_of(indices).tolist())
+        with_hole = bool(units & set(holed_unit))
+        refused = (with_hole and len(units) > 1) or 3 * N + 9 in indices  # laid out unlike the others; the null
+        assert all((g is None) == refused for g in gathered), (indices, units)
+        assert gathered, "the gather was not tried"
