@@ -102,6 +102,7 @@ class FaultProxy:
         self.get_bytes = 0  # body bytes of GET responses relayed: what storage sent
         self.get_bytes_by_client: dict = {}  # client IP -> its share of get_bytes
         self.requests = 0
+        self.requests_by_method: dict = {}  # "GET", "HEAD", ... -> how many
         proxy = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -114,6 +115,7 @@ class FaultProxy:
                 body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
                 with proxy.lock:
                     proxy.requests += 1
+                    proxy.requests_by_method[self.command] = proxy.requests_by_method.get(self.command, 0) + 1
                     fault = None
                     if self.command == "GET":
                         for j, (kind, part) in enumerate(proxy.faults):
@@ -177,6 +179,7 @@ class FaultProxy:
     def reset_counts(self) -> None:
         with self.lock:
             self.get_bytes = self.requests = self.injected = 0
+            self.requests_by_method = {}
             self.get_bytes_by_client = {}
 
     def stop(self) -> None:

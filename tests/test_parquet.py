@@ -211,6 +211,7 @@ def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
 
     for epoch in range(2 if workers == 2 else 1):  # a second epoch (a new order, a warm cache) once
         ray.get(cache.reset_stats.remote(), timeout=30)
+        proxy.reset_counts()
         ids = []
         for k, batch in enumerate(loader):
             ids.extend(batch["id"].tolist())
@@ -226,6 +227,8 @@ def test_every_row_once_per_epoch_from_s3(ray_session, s3, tmp_path, workers):
         assert st["peak_bytes"] <= ds.cache_limit
         ratio = st["bytes_fetched"] / ds.nbytes
         assert ratio <= 1.15, (epoch, ratio, st)
+        # one ranged GET a unit, a HEAD only when a file is first opened (NOTE [ raydl open storage files ])
+        assert proxy.requests <= st["fetches"] + FILES, (proxy.requests_by_method, st["fetches"])
         if workers == 2:
             figures = loader.stats().cache
             assert figures is not None and figures["hits"] + figures["misses"] > 0
@@ -840,3 +843,38 @@ def test_parquet_page_checksums_are_verified(tmp_path):
         f.write(bytes([byte[0] ^ 0x01]))
     with pytest.raises(ValueError, match=r"row group 0 of .*paged.parquet.*corrupt"):
         ds.__getitems__(list(range(4096)))
+
+
+def test_open_files_one_head_per_file(s3):
+    """NOTE [ raydl open storage files ]: reads of a file's ranges from many threads open it once (one HEAD);
+    a failed read drops the handle, so the retry opens the file again; so does a handle past its time."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from raydl.data.storage import OpenFiles
+
+    _, proxy = s3
+    fs = s3fs(proxy.port)
+    path = "corpus/data/part-00.parquet"
+    files = OpenFiles()
+    proxy.reset_counts()
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda k: files.read_segments(fs, path, [(4 + k, 10)]), range(16)))
+    assert proxy.requests_by_method == {"HEAD": 1, "GET": 16}, proxy.requests_by_method
+    assert len({bytes(b[0]) for b in got}) > 1 and all(len(b[0]) == 10 for b in got)
+    proxy.reset_counts()
+    proxy.inject("503", path="part-00")
+    with pytest.raises(OSError):
+        OpenFiles.read_segments(files, s3fs(proxy.port, attempts=0), path, [(4, 10)])  # another fs: its own handle
+    files.read_segments(fs, path, [(4, 10)])  # still the kept handle: one GET
+    assert proxy.requests_by_method == {"HEAD": 1, "GET": 2}, proxy.requests_by_method
+    proxy.reset_counts()
+    proxy.inject("503", path="part-00")
+    with pytest.raises(OSError):
+        files.read_segments(fs, path, [(4, 10)])
+    files.read_segments(fs, path, [(4, 10)])  # the failed handle was dropped: opened again
+    assert proxy.requests_by_method == {"GET": 2, "HEAD": 1}, proxy.requests_by_method
+    stale = OpenFiles(ttl_s=0.0)
+    proxy.reset_counts()
+    stale.read_segments(fs, path, [(4, 10)])
+    stale.read_segments(fs, path, [(4, 10)])
+    assert proxy.requests_by_method == {"HEAD": 2, "GET": 2}, proxy.requests_by_method

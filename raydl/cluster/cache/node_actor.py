@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 __all__ = ["NodeCache"]
 
-from ...data.storage import with_retries
+from ...data.storage import OpenFiles, with_retries
 from .peer_calls import ident, is_gone, this_node
 from .peer_units import PeerUnits
 from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, seal, sound, unlink, write_whole
@@ -159,6 +159,7 @@ class NodeCache(PeerUnits):
         self._fetch_spans: deque = deque(maxlen=FETCH_SPANS_KEPT)
         self._last_call = time.monotonic()
         self._pool = ThreadPoolExecutor(FETCH_PARALLEL)
+        self._open_files = OpenFiles()
         self._clean_tmp()
         threading.Thread(target=self._loop, name="raydl-cache", daemon=True).start()
 
@@ -509,8 +510,7 @@ class NodeCache(PeerUnits):
                         self._stats["retries"] += 1
 
                 def read() -> list:
-                    with fs.open_input_file(path) as f:
-                        return [f.read_at(n, off) for off, n in segs]
+                    return self._open_files.read_segments(fs, path, segs)  # NOTE [ raydl open storage files ]
 
                 parts = with_retries(read, f"reading {path}", on_retry)
                 got, want = sum(len(p) for p in parts), nbytes - UNIT_TRAILER_BYTES
