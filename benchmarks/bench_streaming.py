@@ -11,7 +11,8 @@ writes an id, a label and 16 float32 features instead of the payload (issue 38's
     `__getitem__` opens the row's file in S3 and reads its row group (cut after `--naive-s`);
   * ceiling: every file read whole by 8 threads (the store's own bandwidth, in rows/s).
 Prints one JSON line per reader (samples/s per epoch, bytes fetched per epoch / data size, cache
-peak / limit, first batch) and a Markdown table.
+peak / limit, first batch), the cores each role used in the last epoch (storage, node cache, workers, this process;
+Linux) and a Markdown table.
 
     .venv/bin/python -m benchmarks.bench_streaming
 """
@@ -74,10 +75,42 @@ def _ray_data_collate(batch: dict) -> dict:
     return {k: list(v) if v.dtype == object else torch.as_tensor(v) for k, v in batch.items()}
 
 
-def epochs_of(make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = float("inf")) -> dict:
+def cpu_by_role(storage_pid: int) -> dict:
+    """CPU seconds so far of each role on this machine (Linux /proc; {} elsewhere): the storage (moto's server), this
+    process (the training loop and the fault proxy's threads), raydl's node cache, raydl's workers, the rest of Ray."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict = {}
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(pid) == storage_pid:
+            role = "storage"
+        elif int(pid) == os.getpid():
+            role = "loop_and_proxy"
+        elif cmd.startswith("ray::NodeCache"):
+            role = "node_cache"
+        elif cmd.startswith("ray::Worker"):
+            role = "raydl_workers"
+        elif "ray" in cmd:
+            role = "ray_other"
+        else:
+            continue
+        out[role] = out.get(role, 0.0) + (int(fields[11]) + int(fields[12])) / tick  # utime + stime
+    return out
+
+
+def epochs_of(
+    make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = float("inf"), storage_pid: int = 0
+) -> dict:
     out = {"samples_per_s": [], "bytes_per_epoch": [], "first_batch_s": None, "cut": False}
     for e in range(epochs):
         proxy.reset_counts()
+        cpu0 = cpu_by_role(storage_pid)
         t0 = time.perf_counter()
         n = 0
         for batch in make_iter():
@@ -88,6 +121,9 @@ def epochs_of(make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = flo
                 out["cut"] = True
                 break
         dt = time.perf_counter() - t0
+        cpu1 = cpu_by_role(storage_pid)
+        # the last epoch's CPU, in cores: on a small machine the storage emulation shares the cores with the loader
+        out["cores_by_role"] = {k: round((v - cpu0.get(k, 0.0)) / dt, 2) for k, v in sorted(cpu1.items())}
         out["samples_per_s"].append(n / dt)
         out["bytes_per_epoch"].append(proxy.get_bytes)
         out.setdefault("rows_read", []).append(n)
@@ -210,7 +246,7 @@ def main() -> None:
                 generator=torch.Generator().manual_seed(0),
             )
             cache = node_cache(ds.cache_dir, ds.cache_limit)
-            r = epochs_of(lambda: loader, args.epochs, proxy)
+            r = epochs_of(lambda: loader, args.epochs, proxy, storage_pid=moto.proc.pid)
             st = ray.get(cache.stats.remote(), timeout=30)
             figures = loader.stats().cache
             r.update(
@@ -241,6 +277,7 @@ def main() -> None:
                 ),
                 args.epochs,
                 proxy,
+                storage_pid=moto.proc.pid,
             )
             r.update(reader="ray_data", local_shuffle_buffer_size=buf)
             results.append(r)
@@ -311,6 +348,10 @@ def main() -> None:
     if "raydl" in base and "ray_data" in base:
         a, b = base["raydl"]["samples_per_s"], base["ray_data"]["samples_per_s"]
         print(f"\nraydl / Ray Data samples/s per epoch: {' / '.join(f'{x / y:.2f}' for x, y in zip(a, b))}")
+    for r in results:
+        if r.get("cores_by_role"):
+            roles = ", ".join(f"{k} {v:.2f}" for k, v in r["cores_by_role"].items())
+            print(f"{r['reader']}: cores used in its last epoch by role: {roles} (of {os.cpu_count()})")
     if "raydl" in base and "ceiling" in base:
         print(
             f"raydl's last epoch reached {base['raydl']['samples_per_s'][-1] / base['ceiling']['samples_per_s'][0]:.0%} "
