@@ -239,3 +239,4 @@ def test_parquet_batches_gathered_across_row_groups(tmp_path, ray_session, monke
         refused = (with_hole and len(units) > 1) or 3 * N + 9 in indices  # laid out unlike the others; the null
         assert all((g is None) == refused for g in gathered), (indices, units)
         assert gathered, "the gather was not tried"
+    assert ds.raydl_collate([[0, 1], [2, 3]]) is None  # not a list of indices: the rows' path decides (and raises)

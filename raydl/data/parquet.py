@@ -461,11 +461,11 @@ class ParquetDataset(Dataset):
         if self._transform is not None:
             return None
         try:
-            idx = np.asarray(indices, dtype=np.int64).reshape(-1)
+            idx = np.asarray(indices, dtype=np.int64)
         except (TypeError, ValueError):
             return None  # index types NumPy cannot read: the per-row path decides
         n = len(self)
-        if len(idx) == 0 or idx.min() < 0 or idx.max() >= n:
+        if idx.ndim != 1 or len(idx) == 0 or idx.min() < 0 or idx.max() >= n:
             return None  # the per-row path wraps negative indices and names one out of range
         if self._batch_transform is not None:
             return transformed_batch(self._batch_transform, self._take_table(idx), "ParquetDataset")
