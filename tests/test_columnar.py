@@ -240,3 +240,15 @@ def test_parquet_batches_gathered_across_row_groups(tmp_path, ray_session, monke
         assert all((g is None) == refused for g in gathered), (indices, units)
         assert gathered, "the gather was not tried"
     assert ds.raydl_collate([[0, 1], [2, 3]]) is None  # not a list of indices: the rows' path decides (and raises)
+
+
+def test_parquet_gathered_columns_own_their_memory(tmp_path, ray_session):
+    """Columns gathered from one block (NOTE [ raydl gathered pieces ]) are tensors of their own storage, as
+    default_collate's: saving or resizing one does not carry the others."""
+    table = pa.table({f"f{i}": rng.random(N).astype(np.float32) for i in range(4)})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=9)
+    ds = raydl.ParquetDataset(str(tmp_path / "a.parquet"), cache_dir=str(tmp_path / "c"))
+    batch = ds.raydl_collate(INDICES)
+    assert batch is not None
+    for t in batch.values():
+        assert t.untyped_storage().nbytes() == t.numel() * t.element_size()
