@@ -243,8 +243,8 @@ def test_parquet_batches_gathered_across_row_groups(tmp_path, ray_session, monke
 
 
 def test_parquet_gathered_columns_own_their_memory(tmp_path, ray_session):
-    """Columns gathered from one block (NOTE [ raydl gathered pieces ]) are tensors of their own storage, as
-    default_collate's: saving or resizing one does not carry the others."""
+    """Columns gathered from one block (NOTE [ raydl gathered pieces ]) are tensors whose storage is their own bytes,
+    as default_collate's: saving one does not carry the others (a tensor indexed out of the whole block would)."""
     table = pa.table({f"f{i}": rng.random(N).astype(np.float32) for i in range(4)})
     pq.write_table(table, tmp_path / "a.parquet", row_group_size=9)
     ds = raydl.ParquetDataset(str(tmp_path / "a.parquet"), cache_dir=str(tmp_path / "c"))

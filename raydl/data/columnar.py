@@ -313,8 +313,8 @@ def collate_pieces(pieces: list, n: int) -> Optional[dict]:
         gathered = np.empty((len(positions), n), dtype=dtype)
         for c, where, local in pieces:
             gathered[:, where] = c.blocks[b][2][:, local]  # NumPy casts to torch's dtype as it assigns
-        for row, pos in enumerate(positions):  # each column its own memory, as default_collate's tensors
-            out[pos] = torch.from_numpy(gathered[row].copy() if len(positions) > 1 else gathered[0])
+        for row, pos in enumerate(positions):  # a tensor over its row alone: its storage is that row's bytes
+            out[pos] = torch.from_numpy(gathered[row])
     for pos, v in first.singles.items():
         column = np.empty((n, *v.shape), dtype=v.dtype)
         for c, where, local in pieces:
