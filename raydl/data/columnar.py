@@ -218,8 +218,8 @@ def group_rows(which: np.ndarray) -> list:
 # each row group's NumPy view (`ColumnViews`) still made 18 x 16 small NumPy calls a batch.
 # `RowGroupColumns` lays a decoded row group out once instead: the columns `ColumnViews` can view
 # (numbers without nulls, one chunk), grouped by their NumPy dtype, are copied into one
-# [columns, rows] block per dtype, and the table's columns are rebuilt as zero-copy Arrow views of
-# the block's rows (so the row group is held once, and the Arrow path reads the same memory).
+# [columns, rows] block per dtype, and their Arrow buffers are let go (the row group is held once);
+# the Arrow path, where it is needed, gets a table whose columns are zero-copy views of the blocks.
 # A batch is then, per block, one fancy-indexed assignment per row group the batch touches (NumPy
 # casts to torch's dtype as it assigns), in the sampler's order. Booleans (bit-packed) and columns
 # of several chunks gather column by column; strings, binary, nulls and lists are taken with Arrow
@@ -231,9 +231,9 @@ def group_rows(which: np.ndarray) -> list:
 
 class RowGroupColumns:
     """A decoded row group laid out for gathering batches across row groups (NOTE [ raydl gathered pieces ]).
-    `table` is the row group's table, its blocked columns now views of the blocks."""
+    `table` gives it back as a table, its blocked columns views of the blocks."""
 
-    __slots__ = ("table", "nbytes", "names", "rest", "rest_table", "blocks", "singles", "signature")
+    __slots__ = ("_schema", "_arrow", "nbytes", "names", "rest", "rest_table", "blocks", "singles", "signature")
 
     def __init__(self, table: pa.Table) -> None:
         names = table.column_names
@@ -253,16 +253,14 @@ class RowGroupColumns:
                 self.singles[pos] = v
         self.rest_table = table.select(self.rest) if self.rest and usable else None
         self.blocks: list = []
-        arrays = list(table.columns)
+        self._schema = table.schema
+        self._arrow: list = list(table.columns)  # the columns not in a block (the others: None)
         for (_, dtype), columns in grouped.items():
             block = np.stack([array for _, array in columns])  # the one copy: [columns, rows]
-            for row, (pos, _) in enumerate(columns):
-                arrays[pos] = pa.array(block[row], type=table.schema.field(pos).type)  # a view of the block
+            for pos, _ in columns:
+                self._arrow[pos] = None  # its Arrow buffers are let go
             self.blocks.append((tuple(pos for pos, _ in columns), dtype, block))
-        if self.blocks:
-            table = pa.Table.from_arrays(arrays, schema=table.schema)
-        self.table = table
-        self.nbytes = table.nbytes  # the blocks are its blocked columns' memory
+        self.nbytes = sum(c.nbytes for c in self._arrow if c is not None) + sum(b.nbytes for _, _, b in self.blocks)
         self.signature = (
             usable,
             tuple(self.names),
@@ -270,6 +268,15 @@ class RowGroupColumns:
             tuple((positions, dtype, block.dtype) for positions, dtype, block in self.blocks),
             tuple((p, v.kind()) for p, v in self.singles.items()),
         )
+
+    @property
+    def table(self) -> pa.Table:
+        """The row group as a table, its blocked columns zero-copy Arrow views of the blocks (for the Arrow path)."""
+        arrays = list(self._arrow)
+        for positions, _, block in self.blocks:
+            for row, pos in enumerate(positions):
+                arrays[pos] = pa.array(block[row], type=self._schema.field(pos).type)
+        return pa.Table.from_arrays(arrays, schema=self._schema)
 
 
 def _plain_numbers(column: pa.ChunkedArray) -> Optional[np.ndarray]:
