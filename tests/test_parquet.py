@@ -878,3 +878,53 @@ def test_open_files_one_head_per_file(s3):
     stale.read_segments(fs, path, [(4, 10)])
     stale.read_segments(fs, path, [(4, 10)])
     assert proxy.requests_by_method == {"HEAD": 2, "GET": 2}, proxy.requests_by_method
+
+
+def test_cache_cursor_told_when_a_unit_is_freed_else_at_intervals(monkeypatch):
+    """NOTE [ raydl cache cursor ]: the driver tells the caches its cursor at once when it passes the last batch
+    using some unit, otherwise at most every ADVANCE_INTERVAL_S; a plan told batch by batch is told every time."""
+    from raydl.cluster.cache import driver_feed
+
+    class Units:
+        token = "t"
+
+        @staticmethod
+        def units_of(idx):
+            return np.asarray(idx)
+
+    told = []
+
+    class Cache:
+        class advance:  # noqa: N801 - an actor method's shape
+            @staticmethod
+            def remote(sid, cursor, sent):
+                told.append((cursor, sent))
+
+        class extend:  # noqa: N801
+            @staticmethod
+            def remote(**kw):
+                pass
+
+    clock = [100.0]
+    monkeypatch.setattr(driver_feed.time, "monotonic", lambda: clock[0])
+    feed = driver_feed.CacheFeed(Units(), batch_size=1)
+    steps = [[0, 1], [0, 1], [1, 2], [2], [2, 3]]  # last uses: unit 0 at 1, unit 1 at 2, units 2 and 3 at 4
+    assert driver_feed._last_uses(steps).tolist() == [False, True, True, False, True]
+    feed._steps, feed._frees, feed._nodes = steps, driver_feed._last_uses(steps), [None] * 5
+    feed._open, feed._actors = True, {"node": Cache}
+    feed._last = feed._told = (0, 0)
+    feed._told_at = clock[0]
+    feed.advance(1, 2)  # passed position 0: no unit freed
+    feed.advance(2, 3)  # passed 1: unit 0 freed
+    feed.advance(3, 4)  # passed 2: unit 1 freed
+    feed.advance(4, 5)  # passed 3: nothing freed
+    assert told == [(2, 3), (3, 4)]
+    clock[0] += 2 * driver_feed.ADVANCE_INTERVAL_S
+    feed.advance(4, 5)  # nothing moved: nothing to tell
+    feed.advance(4, 6)  # the interval has passed
+    assert told[-1] == (4, 6) and len(told) == 3
+    feed.on_send(5, [7])  # beyond the known plan: told batch by batch, each position may free a unit
+    feed.on_send(6, [7])
+    feed.advance(5, 7)  # passed 4 (units 2 and 3 freed)
+    feed.advance(6, 7)  # passed 5, a position told by on_send
+    assert told[-2:] == [(5, 7), (6, 7)]
