@@ -910,7 +910,7 @@ def test_cache_cursor_told_when_a_unit_is_freed_else_at_intervals(monkeypatch):
     feed = driver_feed.CacheFeed(Units(), batch_size=1)
     steps = [[0, 1], [0, 1], [1, 2], [2], [2, 3]]  # last uses: unit 0 at 1, unit 1 at 2, units 2 and 3 at 4
     assert driver_feed._last_uses(steps).tolist() == [False, True, True, False, True]
-    feed._steps, feed._frees, feed._nodes = steps, driver_feed._last_uses(steps), [None] * 5
+    feed._steps, feed._frees, feed._nodes = steps, driver_feed._last_uses(steps).tolist(), [None] * 5
     feed._open, feed._actors = True, {"node": Cache}
     feed._last = feed._told = (0, 0)
     feed._told_at = clock[0]

@@ -89,9 +89,7 @@ class CacheFeed:
         self._owners: dict = {}  # unit id -> the node whose cache fetches it from storage (several nodes only)
         self._first = 0
         self._last: tuple = (-1, -1)  # (cursor, end of the batches in flight) last reported
-        self._frees = np.zeros(
-            0, bool
-        )  # per position of `_steps`: the last use of a unit (NOTE [ raydl cache cursor ])
+        self._frees: list = []  # per position of `_steps`: a unit's last use (NOTE [ raydl cache cursor ])
         self._told: tuple = (-1, -1)  # what the caches were last told, and when
         self._told_at = 0.0
         self._open = False  # whether the stream is open (actors stay known for stats after it closes)
@@ -123,7 +121,7 @@ class CacheFeed:
             for i in range(0, len(units), self._batch):
                 steps.append(np.unique(units[i : i + self._batch]).tolist())
         self._steps, self._first = steps, first
-        self._frees = _last_uses(steps)
+        self._frees = _last_uses(steps).tolist()
         self._nodes = [None] * len(steps)
         self._last = self._told = (first, first)
         self._told_at = 0.0
@@ -268,7 +266,7 @@ class CacheFeed:
         units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
         self._steps.append(units)
         # a plan told batch by batch says nothing of later uses: each position may be a unit's last
-        self._frees = np.concatenate([self._frees, np.ones(len(self._steps) - len(self._frees), bool)])
+        self._frees.extend([True] * (len(self._steps) - len(self._frees)))  # (a list: appended once a batch)
         target = node if node in self._actors and len(self._actors) > 1 else None
         self._nodes.append(target)
         for n, actor in self._actors.items():
@@ -316,7 +314,7 @@ class CacheFeed:
         lo, hi = start - self._first, end - self._first
         if lo < 0 or hi > len(self._frees):
             return True
-        return bool(self._frees[lo:hi].any())
+        return any(self._frees[lo:hi])
 
     def _live(self) -> bool:
         """Whether the actors' Ray session is still this process's: finalizers may run after ray.shutdown()."""
