@@ -290,7 +290,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._prepared_iter: Any = None  # made by state_dict() before any iteration; the next iter() returns it
         torch_shuffle = shuffle
         if shuffle and sampler is None and batch_sampler is None and hasattr(dataset, "raydl_shuffle_sampler"):
-            # the dataset supplies what shuffle=True means over it (NOTE [ raydl parquet shuffle ] in data/parquet.py)
+            # the dataset supplies what shuffle=True means over it (NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py)
             sampler, torch_shuffle = dataset.raydl_shuffle_sampler(generator), False
         super().__init__(
             dataset,
