@@ -240,6 +240,7 @@ def test_parquet_batches_gathered_across_row_groups(tmp_path, ray_session, monke
         assert all((g is None) == refused for g in gathered), (indices, units)
         assert gathered, "the gather was not tried"
     assert ds.raydl_collate([[0, 1], [2, 3]]) is None  # not a list of indices: the rows' path decides (and raises)
+    assert ds.__getitems__([]) == []  # no index: no row (the rows' path, as before the gather)
 
 
 def test_parquet_gathered_columns_own_their_memory(tmp_path, ray_session):

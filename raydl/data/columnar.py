@@ -118,15 +118,22 @@ def _chunk_starts(column: pa.ChunkedArray) -> np.ndarray:
     return np.cumsum([0] + [len(c) for c in column.chunks[:-1]], dtype=np.int64)
 
 
+def group_rows(which: np.ndarray) -> list:
+    """The positions of `which` grouped by value, in value order: a list of (value, positions), each positions
+    array ascending. One sort for the whole batch, instead of one scan of it per value."""
+    if not len(which):
+        return []
+    order = np.argsort(which, kind="stable")
+    sorted_ = which[order]
+    cuts = np.flatnonzero(sorted_[1:] != sorted_[:-1]) + 1
+    return [(int(which[where[0]]), where) for where in np.split(order, cuts)]
+
+
 def by_chunk(starts: np.ndarray, idx: np.ndarray) -> list:
     """`idx` (in range) grouped by the chunk each falls in, chunks starting at row `starts`: a list of
     (chunk, positions in idx, row numbers within the chunk), in chunk order."""
     which = np.searchsorted(starts, idx, side="right") - 1
-    out = []
-    for chunk in np.unique(which):
-        where = np.flatnonzero(which == chunk)
-        out.append((int(chunk), where, idx[where] - starts[chunk]))
-    return out
+    return [(chunk, where, idx[where] - starts[chunk]) for chunk, where in group_rows(which)]
 
 
 def _column_views(column: pa.ChunkedArray, lists_as_arrays: bool) -> Optional[_Views]:
@@ -198,15 +205,6 @@ class ColumnViews:
                     groups[key] = by_chunk(v.starts, idx)
             out[pos] = v.gather(idx, groups.get(key))
         return dict(zip(self.names, out))
-
-
-def group_rows(which: np.ndarray) -> list:
-    """The positions of `which` grouped by value, in value order: a list of (value, positions), each positions
-    array ascending. One sort for the whole batch, instead of one scan of it per value."""
-    order = np.argsort(which, kind="stable")
-    sorted_ = which[order]
-    cuts = np.flatnonzero(sorted_[1:] != sorted_[:-1]) + 1
-    return [(int(which[where[0]]), where) for where in np.split(order, cuts)]
 
 
 # NOTE [ raydl gathered pieces ]
