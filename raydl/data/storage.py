@@ -112,6 +112,3 @@ class OpenFiles:
                 return None
             self._files.move_to_end(key)
             return kept[0]
-
-    def __len__(self) -> int:
-        return len(self._files)
