@@ -53,8 +53,8 @@ def with_retries(fn: Callable[[], Any], what: str, on_retry: Optional[Callable[[
 
 
 # NOTE [ raydl open storage files ]
-# pyarrow's S3 and GCS filesystems send a HEAD request each time a file is opened (to learn its size)
-# before the ranged GET that reads a row group: two requests a unit. A node cache reads every row
+# pyarrow's S3 filesystem sends a HEAD request each time a file is opened (to learn its size) before
+# the ranged GET that reads a row group: two requests a unit (counted through moto's proxy). A node cache reads every row
 # group of a file over an epoch, so it keeps the files it reads open (`OpenFiles`) and reads later
 # row groups of a file with one ranged GET each: an epoch's requests drop from 2 per unit to 1 per
 # unit plus 1 per file (S3 bills and rate-limits HEAD like GET). `read_at` of a pyarrow file is
