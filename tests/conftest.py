@@ -135,15 +135,21 @@ def pytest_collection_finish(session):
 _WORKER_STARTS: dict[str, int] = {}
 
 
-def _worker_processes_started() -> int:
+def _worker_processes_started(since: tuple[str, int] | None = None) -> tuple[str, int]:
+    """(the suite's Ray session, its worker processes so far), or how many started `since` an earlier look (all of
+    the session's when a test ended the Ray of that look and began another)."""
     import glob
 
     import ray
 
     if not ray.is_initialized():
-        return 0
-    session_dir = ray._private.worker._global_node.get_session_dir_path()
-    return len(glob.glob(os.path.join(session_dir, "logs", "python-core-worker-*.log")))
+        now = ("", 0)
+    else:
+        session_dir = ray._private.worker._global_node.get_session_dir_path()
+        now = (session_dir, len(glob.glob(os.path.join(session_dir, "logs", "python-core-worker-*.log"))))
+    if since is None:
+        return now
+    return now[0], now[1] - (since[1] if since[0] == now[0] else 0)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,10 +159,43 @@ def _count_worker_starts(request):
         return
     before = _worker_processes_started()
     yield
-    _WORKER_STARTS[request.module.__name__] = _worker_processes_started() - before
+    _WORKER_STARTS[request.module.__name__] = _worker_processes_started(before)[1]
+
+
+def _machine_core_seconds() -> float:
+    """The machine's busy CPU time so far (every process, from /proc/stat), in core-seconds; 0 without /proc."""
+    try:
+        with open("/proc/stat") as f:
+            ticks = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return 0.0
+    idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle and iowait
+    return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+# RAYDL_TEST_PROFILE=1 also: per test (setup, call and teardown together) the machine's busy core-seconds and the
+# worker processes the suite's Ray started: the suite is CPU-bound on 2 cores, so core-seconds are what a cut saves.
+_TEST_COSTS: dict[str, tuple[float, int]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    if os.environ.get("RAYDL_TEST_PROFILE") != "1":
+        yield
+        return
+    cpu, workers = _machine_core_seconds(), _worker_processes_started()
+    yield
+    _TEST_COSTS[item.nodeid] = (_machine_core_seconds() - cpu, _worker_processes_started(workers)[1])
 
 
 def pytest_terminal_summary(terminalreporter):
+    if _TEST_COSTS:
+        terminalreporter.write_sep(
+            "=", "the machine's busy core-seconds and worker processes started, per test (top 40)"
+        )
+        for nodeid, (cpu, n) in sorted(_TEST_COSTS.items(), key=lambda kv: -kv[1][0])[:40]:
+            terminalreporter.write_line(f"{cpu:7.1f} core-s {n:4d} workers  {nodeid}")
+        terminalreporter.write_line(f"{sum(c for c, _ in _TEST_COSTS.values()):7.1f} core-s in all")
     if _WORKER_STARTS:
         terminalreporter.write_sep("=", "worker processes started in the suite's Ray, per module")
         for name, n in sorted(_WORKER_STARTS.items(), key=lambda kv: -kv[1]):
