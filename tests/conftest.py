@@ -130,9 +130,11 @@ def pytest_collection_finish(session):
         start_background([item.nodeid for item in session.items])
 
 
-# RAYDL_TEST_PROFILE=1: how many worker processes each module made the suite's Ray start (one per actor or task
-# worker: each imports torch, the suite's largest CPU cost on a 2-core machine), printed at the end of the run.
-_WORKER_STARTS: dict[str, int] = {}
+# RAYDL_TEST_PROFILE=1: per test (setup, call and teardown together) the machine's busy core-seconds and the worker
+# processes the suite's Ray started (one per actor or task worker: each imports torch), and the workers per module
+# (the sum of its tests'), printed at the end of the run. The suite is CPU-bound on 2 cores, so core-seconds are
+# what a cut saves; process starts are their largest share.
+_TEST_COSTS: dict[str, tuple[str, float, int]] = {}  # node id -> (module, core-seconds, worker processes)
 
 
 def _worker_processes_started(since: tuple[str, int] | None = None) -> tuple[str, int]:
@@ -152,16 +154,6 @@ def _worker_processes_started(since: tuple[str, int] | None = None) -> tuple[str
     return now[0], now[1] - (since[1] if since[0] == now[0] else 0)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _count_worker_starts(request):
-    if os.environ.get("RAYDL_TEST_PROFILE") != "1":
-        yield
-        return
-    before = _worker_processes_started()
-    yield
-    _WORKER_STARTS[request.module.__name__] = _worker_processes_started(before)[1]
-
-
 def _machine_core_seconds() -> float:
     """The machine's busy CPU time so far (every process, from /proc/stat), in core-seconds; 0 without /proc."""
     try:
@@ -173,11 +165,6 @@ def _machine_core_seconds() -> float:
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
-# RAYDL_TEST_PROFILE=1 also: per test (setup, call and teardown together) the machine's busy core-seconds and the
-# worker processes the suite's Ray started: the suite is CPU-bound on 2 cores, so core-seconds are what a cut saves.
-_TEST_COSTS: dict[str, tuple[float, int]] = {}
-
-
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
     if os.environ.get("RAYDL_TEST_PROFILE") != "1":
@@ -185,19 +172,21 @@ def pytest_runtest_protocol(item, nextitem):
         return
     cpu, workers = _machine_core_seconds(), _worker_processes_started()
     yield
-    _TEST_COSTS[item.nodeid] = (_machine_core_seconds() - cpu, _worker_processes_started(workers)[1])
+    cost = (item.nodeid.split("::")[0], _machine_core_seconds() - cpu, _worker_processes_started(workers)[1])
+    _TEST_COSTS[item.nodeid] = cost
 
 
 def pytest_terminal_summary(terminalreporter):
-    if _TEST_COSTS:
-        terminalreporter.write_sep(
-            "=", "the machine's busy core-seconds and worker processes started, per test (top 40)"
-        )
-        for nodeid, (cpu, n) in sorted(_TEST_COSTS.items(), key=lambda kv: -kv[1][0])[:40]:
-            terminalreporter.write_line(f"{cpu:7.1f} core-s {n:4d} workers  {nodeid}")
-        terminalreporter.write_line(f"{sum(c for c, _ in _TEST_COSTS.values()):7.1f} core-s in all")
-    if _WORKER_STARTS:
-        terminalreporter.write_sep("=", "worker processes started in the suite's Ray, per module")
-        for name, n in sorted(_WORKER_STARTS.items(), key=lambda kv: -kv[1]):
-            terminalreporter.write_line(f"{n:5d}  {name}")
-        terminalreporter.write_line(f"{sum(_WORKER_STARTS.values()):5d}  in all")
+    if not _TEST_COSTS:
+        return
+    terminalreporter.write_sep("=", "the machine's busy core-seconds and worker processes started, per test (top 40)")
+    for nodeid, (_, cpu, n) in sorted(_TEST_COSTS.items(), key=lambda kv: -kv[1][1])[:40]:
+        terminalreporter.write_line(f"{cpu:7.1f} core-s {n:4d} workers  {nodeid}")
+    terminalreporter.write_line(f"{sum(c for _, c, _ in _TEST_COSTS.values()):7.1f} core-s in all")
+    per_module: dict[str, int] = {}
+    for module, _, n in _TEST_COSTS.values():
+        per_module[module] = per_module.get(module, 0) + n
+    terminalreporter.write_sep("=", "worker processes started in the suite's Ray, per module")
+    for name, n in sorted(per_module.items(), key=lambda kv: -kv[1]):
+        terminalreporter.write_line(f"{n:5d}  {name}")
+    terminalreporter.write_line(f"{sum(per_module.values()):5d}  in all")
