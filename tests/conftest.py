@@ -133,7 +133,9 @@ def pytest_collection_finish(session):
 # RAYDL_TEST_PROFILE=1: per test (setup, call and teardown together) the machine's busy core-seconds and the worker
 # processes the suite's Ray started (one per actor or task worker: each imports torch), and the workers per module
 # (the sum of its tests'), printed at the end of the run. The suite is CPU-bound on 2 cores, so core-seconds are
-# what a cut saves; process starts are their largest share.
+# what a cut saves; process starts are their largest share. RAYDL_TEST_PROFILE_FILE=path also appends each test's
+# end time and costs there as a JSON line: tests/suite_cost.py charges every process's CPU to what started it
+# (NOTE [ tests suite cost ]).
 _TEST_COSTS: dict[str, tuple[str, float, int]] = {}  # node id -> (module, core-seconds, worker processes)
 
 
@@ -174,6 +176,14 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     cost = (item.nodeid.split("::")[0], _machine_core_seconds() - cpu, _worker_processes_started(workers)[1])
     _TEST_COSTS[item.nodeid] = cost
+    if os.environ.get("RAYDL_TEST_PROFILE_FILE"):  # each test's end, for tests/suite_cost.py
+        import json
+        import time
+
+        with open(os.environ["RAYDL_TEST_PROFILE_FILE"], "a") as f:
+            f.write(
+                json.dumps({"nodeid": item.nodeid, "t1": time.time(), "core_s": cost[1], "workers": cost[2]}) + "\n"
+            )
 
 
 def pytest_terminal_summary(terminalreporter):
