@@ -253,11 +253,22 @@ def main() -> None:
             ray_batches_per_call=1,  # every task sent at once: a grouped worker may hold one back (NOTE [ raydl calls ])
         )
         it = iter(loader)
+
+        def lane_tasks(it) -> tuple[list, list]:
+            tasks = list(it._sched.task_info.values())
+            # a task not sent yet (its worker's call waits for a second cheap batch: NOTE [ raydl calls ]) has no call
+            return tasks, [t.call for t in tasks if t.call is not None and type(t.call.ref).__name__ == "LaneTicket"]
+
         got = [next(it)["ids"].tolist() for _ in range(4)]  # the lanes open meanwhile
+        # A worker's lane opens when it connects back (asked through Ray, behind its calls: NOTE [ raydl lane,
+        # driver ]); on a loaded machine one may open some batches later, and the calls sent before it went through
+        # Ray (stop 50's CI: 1 of 4 on a lane after 4 batches). The read-ahead is checked once every outstanding call
+        # went on a lane: a bounded number of batches, 8 left to read after.
+        while len(got) < 12 and len(lane_tasks(it)[1]) < len(lane_tasks(it)[0]):
+            got.append(next(it)["ids"].tolist())
+        facts["lane_batches_before_all_on_lanes"] = len(got)
         time.sleep(2.0)
-        tasks = list(it._sched.task_info.values())
-        # a task not sent yet (its worker's call waits for a second cheap batch: NOTE [ raydl calls ]) has no call
-        on_lanes = [t.call for t in tasks if t.call is not None and type(t.call.ref).__name__ == "LaneTicket"]
+        tasks, on_lanes = lane_tasks(it)
         facts["lane_outstanding"] = [len(tasks), len(on_lanes)]
         facts["lane_read_before_next"] = sum(c.received or c.ref.reply is not None for c in on_lanes)
         got += [b["ids"].tolist() for b in it]

@@ -188,14 +188,21 @@ def report(records: list[dict], tests: list[dict], pytest_pid: int) -> str:
     return "\n".join(lines)
 
 
+def _new_file(prefix: str, suffix: str) -> str:
+    """The path of a new, empty temporary file (made here, so no other process can take its name first)."""
+    fd, path = tempfile.mkstemp(prefix=prefix, suffix=suffix)
+    os.close(fd)
+    return path
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default=None, help="JSON with the report's inputs (default: a temporary file)")
     parser.add_argument("--attach", type=int, default=None, help="sample beside this running pytest until it exits")
     parser.add_argument("--tests-file", default=None, help="with --attach: its RAYDL_TEST_PROFILE_FILE")
     args, pytest_args = parser.parse_known_args()
-    out = args.out or tempfile.mktemp(prefix="raydl-suite-cost-", suffix=".json")
-    tests_file = args.tests_file or tempfile.mktemp(prefix="raydl-suite-tests-", suffix=".jsonl")
+    out = args.out or _new_file("raydl-suite-cost-", ".json")
+    tests_file = args.tests_file or _new_file("raydl-suite-tests-", ".jsonl")
     sampler = Sampler()
     sampler.start()
     if args.attach is not None:

@@ -71,7 +71,7 @@ def test_workers_on_other_nodes_take_tcp_lanes_read_ahead_and_match_torch(facts)
     the caller is busy (every outstanding lane call's batches in hand after a pause); batches equal torch's."""
     assert facts["lane_same_as_torch"]
     outstanding, on_lanes = facts["lane_outstanding"]
-    assert outstanding == 4 and on_lanes >= 2, facts["lane_outstanding"]
+    assert outstanding == 4 and on_lanes >= 2, (facts["lane_outstanding"], facts["lane_batches_before_all_on_lanes"])
     assert facts["lane_read_before_next"] == on_lanes
     lane_calls, calls = facts["lane_calls_of"]
     assert facts["lane_remote_calls"] == lane_calls and lane_calls > calls / 2, facts["lane_calls_of"]
