@@ -108,9 +108,11 @@ class Sampler:
 
 def _kind(cmd: str) -> str:
     """A process's role from its title: a Ray actor's class, a Ray daemon, or its command."""
-    match = re.match(r"ray::([A-Za-z_][\w]*)", cmd)
-    if match:
-        return f"actor {match.group(1)}" if match.group(1) != "IDLE" else "Ray worker, never an actor"
+    if cmd.startswith("ray::"):
+        # `ray::Class`, `ray::Class.method` or, for a named actor, `ray::<name>:Class.method`
+        title = cmd[len("ray::") :].split()[0] if cmd[len("ray::") :].strip() else "?"
+        name = title.rsplit(":", 1)[-1].split(".")[0]
+        return f"actor {name}" if name != "IDLE" else "Ray worker, never an actor"
     for marker, daemon in _RAY_DAEMONS:
         if marker in cmd + " ":
             return f"Ray daemon {daemon}"
