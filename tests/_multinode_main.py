@@ -264,7 +264,10 @@ def main() -> None:
         # driver ]); on a loaded machine one may open some batches later, and the calls sent before it went through
         # Ray (stop 50's CI: 1 of 4 on a lane after 4 batches). The read-ahead is checked once every outstanding call
         # went on a lane: a bounded number of batches, 8 left to read after.
-        while len(got) < 12 and len(lane_tasks(it)[1]) < len(lane_tasks(it)[0]):
+        while len(got) < 12:
+            tasks, on_lanes = lane_tasks(it)
+            if len(on_lanes) == len(tasks):
+                break
             got.append(next(it)["ids"].tolist())
         facts["lane_batches_before_all_on_lanes"] = len(got)
         time.sleep(2.0)

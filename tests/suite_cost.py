@@ -63,7 +63,6 @@ class Sampler:
     def __init__(self, interval_s: float = 0.5) -> None:
         self.interval_s = interval_s
         self.seen: dict[tuple[int, str], dict] = {}  # (pid, start time in ticks) -> record
-        self.started = time.time()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="suite-cost-sampler", daemon=True)
 
