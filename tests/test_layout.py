@@ -72,6 +72,43 @@ def test_importing_raydl_does_not_import_ray():
     assert out.stdout.strip() == "False", "importing raydl imported Ray"
 
 
+def test_the_worker_shell_has_every_public_method_of_the_body():
+    """Ray sees worker/shell.py's `Worker`, which forwards each call to worker/actor.py's `WorkerBody` (NOTE [ raydl
+    worker shell ]): a public method of the body missing from the shell could never be called on an actor."""
+    import inspect
+
+    from raydl.worker.actor import WorkerBody
+    from raydl.worker.shell import Worker
+
+    def public(cls) -> dict:
+        # (once `ray.remote` wrapped the shell's methods, Ray's tracing adds a `_ray_trace_ctx` keyword)
+        return {
+            name: [p for p in inspect.signature(fn).parameters if p != "_ray_trace_ctx"]
+            for name, fn in vars(cls).items()
+            if callable(fn) and not name.startswith("_")
+        }
+
+    body, shell = public(WorkerBody), public(Worker)
+    assert set(shell) == set(body), set(body) ^ set(shell)
+    for name, params in shell.items():  # the body's own parameters, or all of them passed on as they come
+        assert params == body[name] or params == ["self", "args", "kwargs"], (name, params, body[name])
+
+
+def test_the_code_that_creates_worker_actors_imports_no_torch():
+    """A job's coordinator actor creates and replaces the job's workers (cluster/pool.py) without importing torch:
+    the worker's body, which needs it, is imported in the worker actor only (NOTE [ raydl worker shell ])."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, raydl.job.coordinator, raydl.cluster.pool, raydl.cluster.elastic, raydl.cluster.placement; "
+        "print(sorted(m for m in ('torch', 'numpy', 'raydl.worker.actor') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", out.stdout
+
+
 def _module_name(path: pathlib.Path) -> str:
     parts = path.relative_to(RAYDL.parent).with_suffix("").parts
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)

@@ -10,7 +10,7 @@ import torch
 from torch.utils.data import default_collate
 
 from raydl.driver.coldstart.makers import ForkedMaker, MakerDied
-from raydl.worker.actor import BatchFailed, Worker, WorkerPayload
+from raydl.worker.actor import BatchFailed, WorkerBody, WorkerPayload
 from raydl.worker.startup import StartSpec
 from raydl.worker.transfer import decode
 from tests import _datasets as D
@@ -40,19 +40,24 @@ def _read_batch(maker: ForkedMaker):
 
 
 def test_batches_and_metas_are_the_actors():
-    """What a start-up process sends for a task is what a `Worker` makes for it: batch, state and generators."""
+    """What a start-up process sends for a task is what a `WorkerBody` (the actor's body) makes for it: batch, state and generators."""
     dataset = D.RandomAugmentDataset(16)
-    reference = Worker()
+    reference = WorkerBody()
     reference.in_actor = False
     reference.configure(_spec(dataset).payload, 1, 2, 1234)
-    with _forked(dataset, worker_id=1) as maker:
-        for idx, index in [(1, [2, 3]), (3, [6, 7])]:
-            maker.send(0, idx, index)
-            batch, meta = _read_batch(maker)
-            (want,), (want_meta,) = reference._fetch_many(0, [(idx, index)])
-            torch.testing.assert_close(decode(batch), decode(want), rtol=0, atol=0)
-            assert (meta.worker_id, meta.idx, meta.samples, meta.rng.keys()) == (1, idx, 2, want_meta.rng.keys())
-        assert maker.pid != os.getpid()
+    try:
+        with _forked(dataset, worker_id=1) as maker:
+            for idx, index in [(1, [2, 3]), (3, [6, 7])]:
+                maker.send(0, idx, index)
+                batch, meta = _read_batch(maker)
+                (want,), (want_meta,) = reference._fetch_many(0, [(idx, index)])
+                torch.testing.assert_close(decode(batch), decode(want), rtol=0, atol=0)
+                assert (meta.worker_id, meta.idx, meta.samples, meta.rng.keys()) == (1, idx, 2, want_meta.rng.keys())
+            assert maker.pid != os.getpid()
+    finally:
+        # the body set torch's worker info in this (pytest's) process: later tests read None there
+        reference.reset()
+    assert torch.utils.data.get_worker_info() is None
 
 
 def test_a_process_that_dies_is_reported_with_its_exit_code():

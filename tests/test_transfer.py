@@ -46,6 +46,27 @@ def test_encode_decode_round_trip_keeps_types_and_values():
     assert copied.data_ptr() != view.data_ptr() and torch.equal(copied, view)
 
 
+@pytest.mark.parametrize("writable", [True, False])
+def test_decode_makes_tensors_over_the_received_memory_without_a_warning(monkeypatch, writable):
+    """Writable memory (a lane's buffers) goes straight to `torch.from_numpy`; read-only memory (Ray's object store)
+    too, with torch's once-a-process warning kept from the user, however torch's warnings are set."""
+    import warnings
+
+    import raydl.worker.transfer as transfer
+
+    monkeypatch.setattr(transfer, "_read_only_warned", False)
+    received = pickle.loads(pickle.dumps(encode({"x": torch.arange(6.0), "y": torch.ones(2, 3, dtype=torch.int64)})))
+    for view in received.values():
+        view.array.flags.writeable = writable
+    for _ in range(2):  # the first read-only array, then the next
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            decoded = decode(received)
+        assert decoded["x"].data_ptr() == received["x"].array.ctypes.data
+        assert torch.equal(decoded["x"], torch.arange(6.0)) and decoded["y"].shape == (2, 3)
+    assert transfer._read_only_warned is (not writable)
+
+
 @pytest.mark.usefixtures("ray_session")
 def test_large_batches_match_torch_and_are_writable():
     """Image-sized batches (uint8, float16, bool, int64, bfloat16) equal torch's and can be written in place."""

@@ -10,7 +10,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from .._constants import DEFAULT_STARTUP_TIMEOUT_S, INFEASIBLE_GRACE_S, PLACEMENT_RETRIES, STATUS_CHECK_INTERVAL_S
 from .._errors import WorkerPlacementError, WorkerRecord, WorkerStartDied, rebuild_worker_exception, remote_traceback
-from ..worker.actor import Worker
+from ..worker.shell import Worker  # torch-free: a job's coordinator builds pools too (NOTE [ raydl worker shell ])
 from .connect import describe_placement, resource_request
 from .placement import Placement
 from .warm import WARM_POOL, warm_key

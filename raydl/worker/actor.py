@@ -57,7 +57,7 @@ from .state import (
 )
 from .transfer import encode
 
-__all__ = ["WorkerPayload", "BatchMeta", "BatchFailed", "Worker", "numpy_seed_state", "get_worker_info"]
+__all__ = ["WorkerPayload", "BatchMeta", "BatchFailed", "WorkerBody", "numpy_seed_state", "get_worker_info"]
 
 
 def _not_begun(fetcher: Any) -> bool:
@@ -191,8 +191,10 @@ def _announce_name(worker: Any) -> None:
             pass
 
 
-class Worker:
-    """Body of the raydl worker actor (`ray.remote` is applied by the pool, with the user's options).
+class WorkerBody:
+    """Body of the raydl worker actor: the actor Ray runs is worker/shell.py's `Worker`, which builds one of these in
+    its process and hands it every call (NOTE [ raydl worker shell ]); `ray.remote` is applied by the pool, with the
+    user's options.
 
     An actor starts blank (its process has imported torch and raydl) and is given a loader's
     payload by `configure()`, which seeds it, sets the worker info and runs worker_init_fn; a

@@ -31,7 +31,7 @@ from multiprocessing.connection import Connection
 from typing import Optional
 
 from .._errors import TRACEBACK_ATTR
-from .actor import Worker, WorkerPayload, _portable_error, _sendable_reply
+from .actor import WorkerBody, WorkerPayload, _portable_error, _sendable_reply
 from .lane import send_reply
 
 __all__ = ["StartSpec", "serve_startup"]
@@ -51,7 +51,7 @@ class StartSpec:
 def serve_startup(conn: Connection, spec: StartSpec, worker_id: int, worker_state: Optional[dict]) -> None:
     """The body of a start-up process (see the module's NOTE); returns when the driver is done with it."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    worker = Worker()
+    worker = WorkerBody()
     worker.in_actor = False
     try:
         started = worker.configure(

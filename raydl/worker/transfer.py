@@ -98,8 +98,10 @@ def _decode_leaf(x: Any, pin: bool, copy: bool) -> Any:
     array = x.array.reshape(x.shape)
     if not pin and not copy:
         global _read_only_warned
-        if _read_only_warned and not torch.is_warn_always_enabled():
-            return torch.from_numpy(array)  # torch's warning fires once a process: nothing to silence (~40 us a batch)
+        if array.flags.writeable or (_read_only_warned and not torch.is_warn_always_enabled()):
+            # Nothing to silence: torch warns only of a read-only array, and once a process. (Entering
+            # `catch_warnings` costs ~7 us a tensor, which a process that never met a read-only array paid for each.)
+            return torch.from_numpy(array)
         with warnings.catch_warnings():
             # torch warns once about arrays flagged read-only; this memory may be written (NOTE above)
             warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
