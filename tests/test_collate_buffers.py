@@ -30,7 +30,7 @@ def _reused(loader) -> list[int]:
     import ray
 
     actors = loader._iterator._pool.actors
-    return ray.get([a.__ray_call__.remote(lambda w: w._buffers.reused) for a in actors], timeout=TIMEOUT_S)
+    return ray.get([a.__ray_call__.remote(lambda w: w._body._buffers.reused) for a in actors], timeout=TIMEOUT_S)
 
 
 @pytest.mark.usefixtures("ray_session")
@@ -75,9 +75,9 @@ def test_an_idle_worker_keeps_no_buffer():
     it = iter(loader)
     next(it), next(it)
     actor = it._pool.actors[0]
-    held = ray.get(actor.__ray_call__.remote(lambda w: len(w._buffers._pools)), timeout=TIMEOUT_S)
+    held = ray.get(actor.__ray_call__.remote(lambda w: len(w._body._buffers._pools)), timeout=TIMEOUT_S)
     list(it)  # the epoch ends: the worker goes back to the warm pool
-    after = ray.get(actor.__ray_call__.remote(lambda w: len(w._buffers._pools)), timeout=TIMEOUT_S)
+    after = ray.get(actor.__ray_call__.remote(lambda w: len(w._body._buffers._pools)), timeout=TIMEOUT_S)
     loader.shutdown()
     assert (held, after) == (1, 0)
 
