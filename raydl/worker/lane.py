@@ -15,7 +15,8 @@ token given through Ray):
   * calls are made in the order the driver sent them, whichever way they went: each lane call
     carries how many Ray calls the driver had sent, and waits until the worker made that many;
   * batches travel pickled (protocol 5), large arrays out of band into memory the driver's arrays
-    then use: one copy into the kernel, one out;
+    then use: one copy into the kernel, one out; on the driver's node the arrays are written into
+    memory the two share instead, and only the pickle crosses (NOTE [ raydl lane memory ]);
   * across nodes a driver thread reads replies as they arrive (NOTE [ raydl lane, driver ]) and a
     worker thread writes them, with a heartbeat every LANE_HEARTBEAT_S: a lane silent for
     `ray_silence_timeout_s` is a silent node's (NOTE [ raydl silent node ]); TCP keepalive and a
@@ -52,6 +53,7 @@ from .._constants import (
     LANE_TCP_KEEPALIVE_INTERVAL_S,
     LANE_TCP_USER_TIMEOUT_S,
 )
+from .lane_memory import ARENA_MARK, dumps_into, loads_from, map_memory, recv_first
 from .lane_tls import TLS_FLAG, TlsConnection, tls_connect, tls_wanted
 
 __all__ = [
@@ -112,16 +114,37 @@ def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, B
             sent += os.write(fd, buf[sent:])
 
 
-def recv_reply(conn: Connection, wake_bytes: int = 0, alloc: Optional[Callable[[int], Any]] = None) -> Any:
+def _send_into(conn: Connection, reply: Any, memory: memoryview, slots: list) -> bool:
+    """Write a reply into the lane's memory (NOTE [ raydl lane memory ]) and its pickle to the socket; False, nothing
+    sent, when it does not fit or the plain pickler refuses it (the caller sends it over the socket then)."""
+    try:
+        data = dumps_into(reply, memory, slots)
+    except Exception:  # noqa: BLE001 - MemoryFull, or what only cloudpickle or `sendable` can send
+        return False
+    conn.send_bytes(data)
+    return True
+
+
+def recv_reply(
+    conn: Connection,
+    wake_bytes: int = 0,
+    alloc: Optional[Callable[[int], Any]] = None,
+    regions: Optional[list] = None,
+) -> Any:
     """Read a reply `send_reply` wrote: each out-of-band buffer straight into memory (one copy, out of the kernel)
     that the unpickled arrays then use (writable, as torch's batches are): a fresh array, or `alloc(size)`'s (a
     uint8 array nothing else uses: the driver's NOTE [ raydl receive buffers ]). EOFError when the lane ends.
-    `wake_bytes` (a TCP lane's reader): `_read_in_chunks` reads each large buffer."""
+    `wake_bytes` (a TCP lane's reader): `_read_in_chunks` reads each large buffer. `regions`: the slots of the
+    lane's memory the call was given, where a reply `_send_into` wrote has its arrays (NOTE [ raydl lane memory ])."""
     import numpy as np
 
     head = conn.recv_bytes()
     while not head:  # a heartbeat of a TCP lane's worker (NOTE [ raydl silent node ]): proof of life only
         head = conn.recv_bytes()
+    if head[:4] == ARENA_MARK:
+        if regions is None:
+            raise ValueError("a lane reply in shared memory came for a call given no slots")
+        return loads_from(head, regions)
     (count,) = struct.unpack_from("<I", head)
     sizes = struct.unpack_from(f"<{count}Q", head, 4)
     buffers = []
@@ -358,16 +381,28 @@ def serve_lane(
         if replies is not None:
             writer = threading.Thread(target=send_behind, name="raydl-lane-send", daemon=True)
             writer.start()
+        memory: Optional[Any] = None  # a local lane's shared memory (NOTE [ raydl lane memory ]) ...
+        view: Optional[memoryview] = None  # ... and this thread's view of it
         try:
+            first: Optional[bytes] = None
+            if replies is None:  # a Unix lane: its first message may hand over the lane's memory
+                first, fd = recv_first(conn)
+                if fd is not None:
+                    _, size = pickle.loads(first)
+                    memory, first = map_memory(fd, size), None
+                    view = memoryview(memory)
             while True:
-                after, epoch, tasks = pickle.loads(conn.recv_bytes())
+                message = conn.recv_bytes() if first is None else first
+                first = None
+                after, epoch, tasks, slots = pickle.loads(message)
                 go_on, reply = turns.lane_call(born, after, lambda: make_call(epoch, tasks))
                 if not go_on:  # the actor serves another loader now: nothing more from this lane
                     return
                 if replies is not None:
                     replies.put(reply)
-                else:
+                elif not (slots and view is not None and _send_into(conn, reply, view, slots)):
                     send_reply(conn, reply, sendable)
+                del reply
         except (EOFError, OSError):  # the driver closed the lane (epoch over, loader shut down) or went away
             return
         finally:
@@ -376,5 +411,9 @@ def serve_lane(
                 replies.put(None)
                 writer.join()
             conn.close()
+            if view is not None:
+                view.release()
+            if memory is not None:
+                memory.close()
 
     threading.Thread(target=loop, name="raydl-lane", daemon=True).start()

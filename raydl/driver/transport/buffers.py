@@ -27,18 +27,18 @@ import threading
 
 import numpy as np
 
-__all__ = ["ReceiveBuffers"]
+__all__ = ["ReceiveBuffers", "refs", "UNUSED_REFS"]
 
 
-def _refs(kept: list, i: int) -> int:
+def refs(kept: list, i: int) -> int:
     """References to `kept[i]`, this function's own included."""
     buf = kept[i]
     return sys.getrefcount(buf)
 
 
-# `_refs` of a kept buffer nothing else refers to: measured, not assumed (interpreters count a call's
+# `refs` of a kept buffer nothing else refers to: measured, not assumed (interpreters count a call's
 # borrowed references differently)
-_UNUSED_REFS = _refs([object()], 0)
+UNUSED_REFS = refs([object()], 0)
 
 
 class ReceiveBuffers:
@@ -62,7 +62,7 @@ class ReceiveBuffers:
             n = len(self._kept)
             for k in range(n):  # from the one after the last handed out: batches go roughly first in, first out
                 i = (self._next + k) % n
-                if _refs(self._kept, i) == _UNUSED_REFS:
+                if refs(self._kept, i) == UNUSED_REFS:
                     if self._kept[i].nbytes == size:
                         self.reused += 1
                         self._next = i + 1

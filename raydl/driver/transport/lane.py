@@ -48,6 +48,7 @@ from ...worker.lane import recv_reply, shut_down, since_received_s
 from ...worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
 from .lane_accept import Greeter
+from .lane_memory import LaneMemory, memory_for
 
 if TYPE_CHECKING:
     from ...cluster.pool_protocol import DriverPool
@@ -79,12 +80,15 @@ class LaneSilent(LaneLost):
 class LaneTicket:
     """A call sent over a worker's lane, in place of a Ray call's ObjectRef."""
 
-    __slots__ = ("worker_id", "reply", "abandoned")
+    __slots__ = ("worker_id", "reply", "abandoned", "regions")
 
     def __init__(self, worker_id: int) -> None:
         self.worker_id = worker_id
         self.reply: Optional[tuple] = None  # (batches, metas) once read, while the call waits its turn
         self.abandoned = False
+        # the slots of the lane's memory its reply may fill, held (so in use) until the reply is read (NOTE [ raydl
+        # lane memory ]); None: its reply crosses the socket
+        self.regions: Optional[list] = None
 
 
 class _Lane:
@@ -92,10 +96,19 @@ class _Lane:
 
     remote = False
 
-    def __init__(self, actor: Any, conn: Connection) -> None:
+    def __init__(self, actor: Any, conn: Connection, memory: Optional[LaneMemory] = None) -> None:
         self.actor = actor
         self.conn = conn
+        self.memory = memory  # a local lane's shared memory (NOTE [ raydl lane memory ]), if it has one
         self.unread: deque[LaneTicket] = deque()
+
+    def recv(self, alloc: Any) -> tuple:
+        """Read the next reply: the oldest unread ticket's (replies come in the order of the calls)."""
+        ticket = self.unread[0]
+        try:
+            return recv_reply(self.conn, alloc=alloc, regions=ticket.regions)
+        finally:
+            ticket.regions = None  # its reply's arrays now hold the slots they use, nothing else
 
     def close(self) -> None:
         try:
@@ -222,11 +235,13 @@ class Lanes:
         # replies' large arrays: read into memory used again once their batches are gone (NOTE [ raydl receive
         # buffers ]); the batches in flight (`max_batches`), twice, and four more (the trainer's, a pinning copy's)
         self._buffers = ReceiveBuffers(2 * max_batches + 4)
+        self._max_batches = max_batches
         self._lanes: dict[int, _Lane] = {}
         self._opening: dict[int, _Opening] = {}
         self._ray_sent: dict[int, tuple[Any, int]] = {}  # worker id -> (its actor, Ray calls sent to it)
         self._refused: list[Any] = []  # actors whose lane did not open: they keep Ray's calls
         self._small: dict[int, bool] = {}  # worker id -> whether its first batch was small enough for a lane
+        self._first_bytes: dict[int, int] = {}  # worker id -> its first batch's bytes (sizes a lane's memory)
         self._ip: Optional[str] = None  # this node's IP, where lanes to other nodes listen (asked of Ray once)
         self.calls_sent = 0  # calls that went over a lane (stats and tests) ...
         self.remote_calls_sent = 0  # ... of which to workers on other nodes
@@ -355,13 +370,21 @@ class Lanes:
         del self._opening[worker_id]
         if opening.remote:
             return _RemoteLane(opening.actor, conn, worker_id, self._buffers)
-        return _Lane(opening.actor, conn)
+        memory = memory_for(self._first_bytes.get(worker_id, 0), self._max_batches)
+        if memory is not None:
+            try:
+                memory.send(conn)
+            except OSError:  # the worker is gone: its calls find the lane's end
+                memory = None
+        return _Lane(opening.actor, conn, memory)
 
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
         """A batch of the worker is in hand (`nbytes` from its meta, 0 when stats are off): the first one decides
         whether the worker's batches are small enough for a lane."""
         if worker_id not in self._small:
-            self._small[worker_id] = (nbytes or batch_nbytes(batch)) <= LANE_MAX_BATCH_BYTES
+            size = nbytes or batch_nbytes(batch)
+            self._small[worker_id] = size <= LANE_MAX_BATCH_BYTES
+            self._first_bytes[worker_id] = size
 
     def note_ray_call(self, worker_id: int) -> None:
         """A Ray call went to the worker: its lane calls wait until it has run (NOTE [ raydl lane ])."""
@@ -379,14 +402,18 @@ class Lanes:
         ticket = LaneTicket(worker_id)
         known = self._ray_sent.get(worker_id)
         after = known[1] if known is not None and known[0] is lane.actor else 0
+        slots = None
         if lane.remote:
             with lane.lock:  # its reader pops the tickets
                 lane.unread.append(ticket)
             self.remote_calls_sent += 1
         else:
             lane.unread.append(ticket)
+            taken = lane.memory.take(len(tasks)) if lane.memory is not None else None
+            if taken is not None:
+                ticket.regions, slots = taken
         try:
-            lane.conn.send_bytes(pickle.dumps((after, epoch, tasks), protocol=5))
+            lane.conn.send_bytes(pickle.dumps((after, epoch, tasks, slots), protocol=5))
         except OSError:
             pass  # the worker is gone: `receive` reports it when the driver waits on this call
         self.calls_sent += 1
@@ -414,7 +441,7 @@ class Lanes:
         while True:
             try:
                 ready = lane.conn.poll(timeout_s)
-                reply = recv_reply(lane.conn, alloc=self._buffers.take) if ready else None
+                reply = lane.recv(self._buffers.take) if ready else None
             except (EOFError, OSError) as e:
                 self._lost(ticket.worker_id)
                 raise LaneLost(f"the lane of worker {ticket.worker_id} ended: its process died ({e!r})") from None
@@ -498,7 +525,7 @@ class Lanes:
         lane = self._lanes[ticket.worker_id]
         try:
             while lane.conn.poll(0):
-                reply = recv_reply(lane.conn, alloc=self._buffers.take)
+                reply = lane.recv(self._buffers.take)
                 first = lane.unread.popleft()
                 if first is ticket:
                     ticket.reply = reply

@@ -1,0 +1,167 @@
+"""A local lane's shared memory: a worker writes its batches' arrays where the trainer reads them.
+
+NOTE [ raydl lane memory ]
+On the driver's node a lane's reply crossed a Unix socket (NOTE [ raydl lane ]): the worker copied
+each array into the kernel and the trainer's core copied it out, then unpickled one small array
+object per column and rebuilt each tensor from it. For an 18-column batch of 336 KB (bench_arrow's
+table) that was ~0.28 ms of the trainer's core a batch, most of what a lane costs it (measured in
+one process against a forked writer on this project's 2-core host: 31 us to read the pickle, 82 to
+read the large arrays, 108 to unpickle, 65 to make tensors). So a lane on the driver's node has
+its own memory, shared by the two processes:
+  * the driver makes it (`memfd_create`: no name in /dev/shm to clean up, its size not bounded by
+    /dev/shm's) as `slots` slots of `slot_bytes` each, and sends its descriptor as the lane's first
+    message (SCM_RIGHTS over the Unix socket that proved itself with the token);
+  * each call carries the slots its reply may fill (one per batch it asks for, free ones only: the
+    driver's `LaneMemory`, driver/transport/lane_memory.py); the worker pickles its reply with each
+    tensor's array written into the slots, 64-byte aligned, and a persistent id in the pickle in
+    its place (`dumps_into`); the pickle, a few hundred bytes, goes over the socket;
+  * the driver unpickles it with each id made a `_TensorView` over the slot's memory (`loads_from`),
+    which `decode` makes a tensor over that memory: no copy on the trainer's core;
+  * a slot is given to a call again only once nothing refers to the memory of its last reply (the
+    batch's tensors, any view of them, anything the user kept: Python's reference count, as NOTE
+    [ raydl receive buffers ]), so a batch in the user's hands is never written;
+  * a reply that does not fit its slots (a batch grown past the size the first one set), or one
+    the plain pickler refuses, goes over the socket as before: correctness never rests on room.
+Measured the same way: 0.12 ms a batch against 0.28 (`python -m benchmarks.bench_lane_reply`; benchmarks/README.md,
+"Lane memory": with 8 workers on 16 cores, bench_arrow's raydl rate 1.8-2.0x what it was).
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+import socket
+import struct
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+from .transfer import _NUMPY_DTYPES, _TensorView
+
+__all__ = ["ARENA_MARK", "MemoryFull", "dumps_into", "loads_from", "recv_first", "send_memory", "map_memory"]
+
+# the first 4 bytes of a reply pickled into a lane's memory (a socket reply starts with its buffer count, < 2**31)
+ARENA_MARK = b"\xff\xff\xff\xff"
+_ALIGN = 64
+
+# torch dtype <-> a small code in the persistent ids, and the NumPy dtype of its arrays
+_TORCH_DTYPES = sorted(_NUMPY_DTYPES, key=str)
+_CODES = {dtype: code for code, dtype in enumerate(_TORCH_DTYPES)}
+_NP_DTYPES = [torch.empty(0, dtype=dtype).numpy().dtype for dtype in _TORCH_DTYPES]
+
+
+class MemoryFull(Exception):
+    """A reply's arrays do not fit the slots its call was given: it goes over the socket instead."""
+
+
+class _IntoSlots(pickle.Pickler):
+    def __init__(self, out: io.BytesIO, memory: memoryview, slots: list) -> None:
+        super().__init__(out, protocol=5)
+        self._memory = memory
+        self._slots = slots  # [(start, size)] in the lane's memory, in the order they are filled
+        self._slot = 0
+        self._pos = 0
+
+    def persistent_id(self, obj: Any) -> Any:
+        if type(obj) is not _TensorView:
+            return None
+        array = obj.array
+        n = array.nbytes
+        start, size = self._slots[self._slot]
+        if self._pos + n > size:  # on to the next slot (a batch's arrays usually fill one)
+            self._slot += 1
+            if self._slot >= len(self._slots) or n > self._slots[self._slot][1]:
+                raise MemoryFull(f"{n} bytes do not fit the lane memory's slots left")
+            start, size = self._slots[self._slot]
+            self._pos = 0
+        pos = self._pos
+        if n:
+            self._memory[start + pos : start + pos + n] = memoryview(array).cast("B")
+        self._pos = pos + n + (-n) % _ALIGN
+        return (self._slot, pos, _CODES[obj.dtype], obj.shape)
+
+
+def dumps_into(value: Any, memory: memoryview, slots: list) -> bytes:
+    """A reply pickled with each `_TensorView`'s array written into `slots` [(start, size)] of `memory` and a
+    persistent id in its place: ARENA_MARK + the pickle. MemoryFull when they do not fit; pickle's errors as
+    they are (the caller sends the reply over the socket then)."""
+    out = io.BytesIO()
+    out.write(ARENA_MARK)
+    _IntoSlots(out, memory, slots).dump(value)
+    return out.getvalue()
+
+
+class _FromSlots(pickle.Unpickler):
+    def __init__(self, data: memoryview, regions: list) -> None:
+        super().__init__(io.BytesIO(data))
+        # one memoryview a slot: the arrays made from it refer to it, and through it to the slot's array, whose
+        # reference count then says the slot is in use (NOTE [ raydl lane memory ])
+        self._views = [memoryview(r) for r in regions]
+
+    def persistent_load(self, pid: Any) -> Any:
+        slot, pos, code, shape = pid
+        count = 1
+        for d in shape:
+            count *= d
+        # flat: `decode` gives it the tensor's shape
+        return _TensorView(np.frombuffer(self._views[slot], _NP_DTYPES[code], count, pos), _TORCH_DTYPES[code], shape)
+
+
+def loads_from(head: bytes, regions: list) -> Any:
+    """The reply `dumps_into` wrote (`head` with its mark), its arrays over `regions` (the call's slots, as uint8
+    arrays of the driver's mapping of the memory). ValueError if an id points outside its slot."""
+    return _FromSlots(memoryview(head)[len(ARENA_MARK) :], regions).load()
+
+
+# ---------------------------------------------------------------- the memory's descriptor, the lane's first message
+
+
+def send_memory(conn: Any, fd: int, size: int) -> None:
+    """Driver side: the lane's first message, `Connection`-framed, with the memory's descriptor attached."""
+    body = pickle.dumps(("memory", size), protocol=5)
+    frame = struct.pack("!i", len(body)) + body
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        sent = socket.send_fds(sock, [frame], [fd])
+        if sent < len(frame):
+            sock.sendall(frame[sent:])
+    finally:
+        sock.detach()
+
+
+def recv_first(conn: Any) -> tuple[bytes, Optional[int]]:
+    """Worker side: the lane's first message (a `Connection` frame) and the descriptor that came with it, if any."""
+    sock = socket.socket(fileno=conn.fileno())
+    try:
+        head, fds, _, _ = socket.recv_fds(sock, 4, 1)
+        if not head:
+            raise EOFError("the lane ended")
+        for extra in fds[1:]:
+            os.close(extra)
+        fd = fds[0] if fds else None
+        while len(head) < 4:
+            more = sock.recv(4 - len(head))
+            if not more:
+                raise EOFError("the lane ended")
+            head += more
+        (n,) = struct.unpack("!i", head)
+        body = bytearray()
+        while len(body) < n:
+            more = sock.recv(n - len(body))
+            if not more:
+                raise EOFError("the lane ended")
+            body += more
+        return bytes(body), fd
+    finally:
+        sock.detach()
+
+
+def map_memory(fd: int, size: int) -> mmap.mmap:
+    """The lane's memory mapped (shared, read-write); the descriptor is closed."""
+    try:
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
