@@ -102,6 +102,10 @@ def test_fast_loop_stall_matches_and_hint_is_logged(caplog):
     a later epoch of the same loader stalling as much gives none (once per loader)."""
     caplog.set_level(logging.INFO, logger="raydl.stats")
     n_batches, loop_s = 12, 0.02
+    # a started worker for the loader to reuse: the epoch measures the loop against steady batches, not a process's
+    # start (a just-started worker's batch took 1.08 s in a CI run, and the share went to 0.90)
+    assert len(list(raydl.DataLoader(D.SleepyDataset(2 * BATCH, 0.0), batch_size=BATCH, num_workers=1))) == 2
+    caplog.clear()
     loader = raydl.DataLoader(
         D.SleepyDataset(n_batches * BATCH, SAMPLE_S),
         batch_size=BATCH,
