@@ -4,9 +4,9 @@ NOTE [ raydl lane memory ]
 On the driver's node a lane's reply crossed a Unix socket (NOTE [ raydl lane ]): the worker copied
 each array into the kernel and the trainer's core copied it out, then unpickled one small array
 object per column and rebuilt each tensor from it. For an 18-column batch of 336 KB (bench_arrow's
-table) that was ~0.28 ms of the trainer's core a batch, most of what a lane costs it (measured in
-one process against a forked writer on this project's 2-core host: 31 us to read the pickle, 82 to
-read the large arrays, 108 to unpickle, 65 to make tensors). So a lane on the driver's node has
+table) that was ~0.28 ms of the trainer's core a batch, most of what a lane costs it
+(`python -m benchmarks.bench_lane_reply` on this project's 2-core host: 220 us to read and unpickle
+the reply, 53-67 to make tensors). So a lane on the driver's node has
 its own memory, shared by the two processes:
   * the driver makes it (`memfd_create`: no name in /dev/shm to clean up, its size not bounded by
     /dev/shm's) as `slots` slots of `slot_bytes` each, and sends its descriptor as the lane's first

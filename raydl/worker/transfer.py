@@ -92,10 +92,6 @@ def encode(batch: Any) -> Any:
 _read_only_warned = False  # torch.from_numpy has met a read-only array in this process (its warning is spent)
 
 
-def _decode_plain(x: Any) -> Any:
-    return _decode_leaf(x, False, False) if type(x) is _TensorView else x
-
-
 def _decode_leaf(x: Any, pin: bool, copy: bool) -> Any:
     if type(x) is not _TensorView:
         return x
@@ -172,6 +168,4 @@ def decode(batch: Any, pin: bool = False, copy: bool = False) -> Any:
     `copy=True` is for a driver connected through Ray Client (`ray://`), whose values arrive as
     Python bytes objects that must not be written.
     """
-    if not pin and not copy:
-        return _walk(batch, _decode_plain)
     return _walk(batch, lambda x: _decode_leaf(x, pin, copy))
