@@ -138,6 +138,9 @@ def ray_train_resume_loop(config: dict) -> None:
     import ray.train
     from torch import nn
 
+    # Every rank runs the loop (Ray Train's report is collective); rank 0 alone reports checkpoints and writes what it
+    # saw, so the fit's checkpoint is one rank's state.
+    rank = ray.train.get_context().get_world_rank()
     loader = ray_train_loader()
     model = nn.Linear(4, 2)
     # A restarted run: Ray Train's own restore (get_checkpoint) or a reported checkpoint passed by path.
@@ -162,10 +165,11 @@ def ray_train_resume_loop(config: dict) -> None:
             torch.save(
                 {"step": done, "model": model.state_dict(), "loader": loader.state_dict()}, os.path.join(d, "state.pt")
             )
-            ray.train.report({"step": done}, checkpoint=ray.train.Checkpoint.from_directory(d))
+            ray.train.report({"step": done}, checkpoint=ray.train.Checkpoint.from_directory(d) if rank == 0 else None)
     loader.shutdown()
-    with open(os.path.join(config["out"], f"seen_{config['tag']}.json"), "w") as f:
-        json.dump(seen, f)
+    if rank == 0:
+        with open(os.path.join(config["out"], f"seen_{config['tag']}.json"), "w") as f:
+            json.dump(seen, f)
 
 
 class _PassIter:

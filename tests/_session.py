@@ -111,8 +111,8 @@ def settled_alive_worker_actors(timeout_s: float = 20.0) -> int:
 
 
 # Variables a fresh interpreter keeps although it must not join this session's Ray: the suite's
-# worker niceness (tests/conftest.py).
-SUITE_RAY_ENV = ("RAY_worker_niceness",)
+# worker niceness and log monitor interval (tests/conftest.py).
+SUITE_RAY_ENV = ("RAY_worker_niceness", "RAY_LOG_MONITOR_MANY_FILES_THRESHOLD")
 
 
 # This process's environment when the suite was collected: what a background run starts from, whatever a test

@@ -14,6 +14,12 @@ os.environ.setdefault("RAY_metrics_report_interval_ms", "2000")
 # Ray does (NOTE [ raydl worker niceness ]). At Ray's default (+15) any busy process on a shared CI
 # machine starves them, and the suite's bounded waits become failures.
 os.environ.setdefault("RAY_worker_niceness", "0")
+# Ray's log monitor globs the session's log folder for new worker logs every 0.1 s while it holds fewer than
+# RAY_LOG_MONITOR_MANY_FILES_THRESHOLD (1,000) files, every 0.5 s past it. The suite's Ray gathers hundreds of
+# worker logs: its log monitor was 72 of the suite's ~2,800 core-s (tests/suite_cost.py); at 0.5 s from the start
+# it used 2.7 core-s where it used 5.0 over tests/test_recovery.py and test_lifecycle.py. A new worker's first
+# lines reach the driver up to 0.5 s later; no test reads them sooner.
+os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
 
 # A loader iterated in a process with no Ray yet makes its first batches in that process (NOTE [ raydl cold
 # start ]): the default, which the fresh drivers (the examples, the README's commands) run with. In pytest's own
