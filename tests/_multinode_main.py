@@ -2,7 +2,9 @@
 
 Nodes: a head with resource "trainer" (where the driver runs) and two worker nodes with
 resource "data", all raylets on 127.0.0.1 (ray.cluster_utils). Prints one JSON line of facts
-for the test to check.
+for the test to check. Two other modules' multi-node checks run here too (step 1f: torch's worker count
+warning for tests/test_worker_warning.py, files missing on the workers' nodes for tests/test_arrow.py), read
+from the same run: a cluster of their own each cost ~45 core-s on this 2-core machine.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from ray.cluster_utils import Cluster  # noqa: E402
 
 import raydl  # noqa: E402
 from tests import _datasets as D  # noqa: E402
+from tests._arrow_multinode import files_missing_facts  # noqa: E402
 from tests._session import patient_clusters  # noqa: E402
 
 
@@ -183,6 +186,32 @@ def _parquet_once_runs(cluster, name, names) -> dict:
     return out
 
 
+def _worker_warning_facts() -> dict:
+    """torch's "This DataLoader will create N worker processes" warning (N one more than this machine's cores): not
+    given by default, where workers can go to other nodes; given (twice, as torch does) pinned to the driver's node."""
+    import warnings
+
+    n = torch._utils.cpu_count() + 1
+
+    def messages(**kwargs) -> list:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            loader = raydl.DataLoader(D.RangeDataset(4), batch_size=2, num_workers=n, timeout=60, **kwargs)
+            first = next(iter(loader)).flatten().tolist()
+            loader.shutdown()
+        assert first == [0, 1], first
+        return [str(w.message) for w in caught if str(w.message).startswith("This DataLoader will create")]
+
+    here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False
+    )
+    return {
+        "nodes": _wait_alive(3),
+        "default": messages(),
+        "pinned": messages(ray_remote_args={"scheduling_strategy": here}),
+    }
+
+
 def main() -> None:
     facts: dict = {}
     patient_clusters()  # node start-up bounds sized for a loaded machine
@@ -310,6 +339,14 @@ def main() -> None:
         # 1e. The window shuffle across the data nodes: each row group fetched from storage by one node per epoch.
         facts["parquet_once"] = _parquet_once_runs(cluster, name, names)
         _wait_cpus_free()
+
+        # 1f. Scenarios of other modules on this cluster (a cluster of their own each cost ~45 core-s here):
+        # tests/test_worker_warning.py's and tests/test_arrow.py's (files missing where the workers run).
+        facts["worker_warning"] = _worker_warning_facts()
+        facts["arrow_files_missing"] = files_missing_facts(
+            {"num_cpus": 0, "resources": {"data": 1}}, {n.node_id for n in data_nodes}, head_id
+        )
+        facts["arrow_files_missing"]["nodes"] = len([n for n in ray.nodes() if n["Alive"]])
 
         # 2. "data" nodes only, never the trainer's node; then a data node is removed mid-epoch.
         loader = raydl.DataLoader(

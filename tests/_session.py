@@ -347,7 +347,7 @@ class _Background:
         import threading
 
         self.lock = threading.Lock()
-        # key -> (node id prefix, argv (or a callable), env, timeout in seconds)
+        # key -> (node id prefixes (a tuple), argv (or a callable), env, timeout in seconds)
         self.declared: dict[str, tuple] = {}
         self.queue: list[str] = []
         self.jobs: dict[str, dict] = {}  # key -> {"done": Event, "result": CompletedProcess or an exception}
@@ -394,6 +394,16 @@ class _Background:
             self.queue = [k for k in self.queue if k != key]
             return self.jobs.get(key)
 
+    def remember(self, key: str, result):
+        """`result` kept as `key`'s job, run in a test (claim hands it to a later reader); returned."""
+        import threading
+
+        job = {"done": threading.Event(), "result": result}
+        job["done"].set()
+        with self.lock:
+            self.jobs[key] = job
+        return result
+
     def end(self) -> None:
         """At exit: no background command outlives the suite."""
         with self.lock:
@@ -405,15 +415,22 @@ class _Background:
 _BACKGROUND = _Background()
 
 
+def _declare(nodeid_prefix: str, key: str, argv, env, timeout_s: int) -> None:
+    """`key` declared once (its first declaration's command); tests of several modules may read it, each module
+    adding its prefix (one run serves them all: tests/_multinode_main.py's cluster)."""
+    prefixes, *rest = _BACKGROUND.declared.get(key, ((), argv, env, timeout_s))
+    _BACKGROUND.declared[key] = (prefixes + (nodeid_prefix,), *rest)
+
+
 def background(nodeid_prefix: str, key: str, argv: list[str], env: dict, timeout_s: int) -> None:
     """Declare `argv` as the command whose output the tests under `nodeid_prefix` read through `run_command(key)`."""
-    _BACKGROUND.declared.setdefault(key, (nodeid_prefix, list(argv), dict(env), timeout_s))
+    _declare(nodeid_prefix, key, list(argv), dict(env), timeout_s)
 
 
 def background_call(nodeid_prefix: str, key: str, fn, timeout_s: int) -> None:
     """Declare `fn()` (a test's whole run of fresh processes, bounded within `timeout_s`; it may assert or skip) as
     what the tests under `nodeid_prefix` read through `run_command(key)`: its value, or its exception raised again."""
-    _BACKGROUND.declared.setdefault(key, (nodeid_prefix, fn, None, timeout_s))
+    _declare(nodeid_prefix, key, fn, None, timeout_s)
 
 
 def start_background(nodeids: list[str]) -> None:
@@ -422,19 +439,19 @@ def start_background(nodeids: list[str]) -> None:
         return
     keys = []
     for nodeid in nodeids:
-        for key, (prefix, *_) in _BACKGROUND.declared.items():
-            if nodeid.startswith(prefix) and key not in keys:
+        for key, (prefixes, *_) in _BACKGROUND.declared.items():
+            if nodeid.startswith(prefixes) and key not in keys:
                 keys.append(key)
     _BACKGROUND.start(keys)
 
 
 def run_command(key: str) -> subprocess.CompletedProcess:
     """The declared command `key`'s completed process (or callable's value): from the background run if one
-    started, else run now."""
+    started, else run now; either way run once, its result kept for every later reader."""
     job = _BACKGROUND.claim(key)
     _, argv, env, timeout_s = _BACKGROUND.declared[key]
     if job is None:
-        return argv() if callable(argv) else _run_command(argv, env, timeout_s)
+        return _BACKGROUND.remember(key, argv() if callable(argv) else _run_command(argv, env, timeout_s))
     assert job["done"].wait(timeout_s + 60), f"the background run of {key} did not end in {timeout_s + 60} s"
     if isinstance(job["result"], BaseException):
         raise job["result"]
@@ -453,7 +470,7 @@ def run_command_once_more_if_ray_did_not_start(key: str) -> subprocess.Completed
     proc = run_command(key)
     if proc.returncode != 0 and RAY_START_TIMED_OUT in f"{proc.stdout}{proc.stderr}":
         _, argv, env, timeout_s = _BACKGROUND.declared[key]
-        proc = argv() if callable(argv) else _run_command(argv, env, timeout_s)
+        proc = _BACKGROUND.remember(key, argv() if callable(argv) else _run_command(argv, env, timeout_s))
     return proc
 
 

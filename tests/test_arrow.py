@@ -32,7 +32,7 @@ from tests._parity import assert_same_batches  # noqa: E402
 from tests._session import background_main, run_main  # noqa: E402
 
 datasets = pytest.importorskip("datasets")
-background_main("tests/test_arrow.py::test_files_missing_on_another_node", "tests._arrow_multinode_main")
+background_main("tests/test_arrow.py::test_files_missing_on_another_node", "tests._multinode_main")
 
 N = 50
 TIMEOUT_S = 60
@@ -405,15 +405,16 @@ def test_missing_cache_file_without_a_copy_is_named(ray_session, tmp_path):
 
 @pytest.fixture(scope="module")
 def multinode_facts():
-    """Runs tests/_arrow_multinode_main.py once (its own two-node cluster, in a subprocess, in the background while
-    the suite's in-process tests run: NOTE [ tests background commands ])."""
-    return run_main("tests._arrow_multinode_main")
+    """tests/_arrow_multinode.py's scenario, run by tests/_multinode_main.py on its three-node cluster (once for the
+    suite, in the background while the in-process tests run: NOTE [ tests background commands ])."""
+    return run_main("tests._multinode_main")["arrow_files_missing"]
 
 
 def test_files_missing_on_another_node_come_through_the_object_store(multinode_facts):
-    """Two nodes, files absent where the workers run: an HF dataset and a mapped ArrowDataset still give torch's batches."""
+    """Three nodes, files absent where the workers run (the data nodes): an HF dataset and a mapped ArrowDataset still
+    give torch's batches."""
     f = multinode_facts
-    assert f["nodes"] == 2 and f["ipc_mapped"]
+    assert f["nodes"] == 3 and f["ipc_mapped"]
     for name in ("hf", "ipc"):
         assert f[f"{name}_same_as_torch"], f
         assert f[f"{name}_worker_nodes"] == [True] and not f[f"{name}_driver_node_used"], f

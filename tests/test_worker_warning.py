@@ -7,7 +7,6 @@ which `test_suite_filter_does_not_hide_the_warning_from_recwarn` checks.
 
 from __future__ import annotations
 
-import sys
 import warnings
 
 import torch
@@ -15,7 +14,7 @@ import torch
 import raydl
 from raydl.cluster.locality import confined_nodes
 from tests import _datasets as D
-from tests._session import background, fresh_env, read_facts, run_command
+from tests._session import background_main, run_main
 
 TOO_MANY = torch._utils.cpu_count() + 1  # torch's own count, so the test follows this machine
 PREFIX = "This DataLoader will create"
@@ -101,55 +100,16 @@ def test_candidate_nodes_follow_resources_labels_and_affinity():
     assert confined_nodes(nodes, {"scheduling_strategy": pg}) is None
 
 
-_TWO_NODES = r"""
-import json, os, warnings
-os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-import torch, ray
-from ray.cluster_utils import Cluster
-import raydl
-from tests import _datasets as D
-from tests._session import patient_clusters
-patient_clusters()
-n = torch._utils.cpu_count() + 1
-cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-cluster.add_node(num_cpus=1)
-try:
-    ray.init(address=cluster.address)
-    cluster.wait_for_nodes()
-    def messages(**kwargs):
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            loader = raydl.DataLoader(D.RangeDataset(4), batch_size=2, num_workers=n, timeout=60, **kwargs)
-            first = next(iter(loader)).flatten().tolist()
-            loader.shutdown()
-        assert first == [0, 1], first
-        return [str(w.message) for w in caught if str(w.message).startswith("This DataLoader will create")]
-
-    default = messages()
-    here = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-    pinned = messages(ray_remote_args={"scheduling_strategy": here})
-    print("FACTS " + json.dumps({"nodes": len(ray.nodes()), "default": default, "pinned": pinned}))
-finally:
-    raydl.release_idle_workers()
-    ray.shutdown()
-    cluster.shutdown()
-"""
-
-
-# its driver (a cluster of its own) runs in the background while the in-process tests run (NOTE [ tests background
-# commands ] in tests/_session.py)
-background(
-    "tests/test_worker_warning.py::test_silent_when_workers_can_go_to_another_node",
-    "worker_warning_two_nodes",
-    [sys.executable, "-c", _TWO_NODES],
-    fresh_env(),
-    360,
+# its scenario runs on tests/_multinode_main.py's three-node cluster, in the background while the in-process tests run
+# (NOTE [ tests background commands ] in tests/_session.py)
+background_main(
+    "tests/test_worker_warning.py::test_silent_when_workers_can_go_to_another_node", "tests._multinode_main"
 )
 
 
 def test_silent_when_workers_can_go_to_another_node():
-    """On a 2-node loopback cluster: no warning by default; pinned to the driver's node, torch's warning (twice)."""
-    facts = read_facts(run_command("worker_warning_two_nodes"))
-    assert facts["nodes"] == 2
+    """On a 3-node loopback cluster: no warning by default; pinned to the driver's node, torch's warning (twice)."""
+    facts = run_main("tests._multinode_main")["worker_warning"]
+    assert facts["nodes"] == 3
     assert facts["default"] == []
     assert len(facts["pinned"]) == 2 and f"create {torch._utils.cpu_count() + 1} worker" in facts["pinned"][0]
