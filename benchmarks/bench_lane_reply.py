@@ -5,7 +5,7 @@ memory (NOTE [ raydl lane memory ] in raydl/worker/lane_memory.py), with raydl's
     python -m benchmarks.bench_lane_reply --quick
 
 A forked process writes N replies of two batches each (as a worker's call of two tasks) over a Unix socket pair, the
-way a worker's lane thread does (`send_reply`, or `_send_into` the slots its call was given); this process reads
+way a worker's lane thread does (`MemoryWriter.reply`: `send_reply`, or into the slots its call was given); this process reads
 them as the driver does (`recv_reply` into its reused receive buffers, or over the slots) and makes the tensors
 (`decode`). Reported: this thread's CPU per batch (`time.thread_time`), read and decode apart; the writer's CPU is
 not counted (a worker's). The slots are taken as the driver takes them, and a reply's tensors are kept until four
@@ -26,8 +26,8 @@ import torch
 from benchmarks.common.results import printed_report
 from raydl.driver.transport.buffers import ReceiveBuffers
 from raydl.driver.transport.lane_memory import memory_for
-from raydl.worker.lane import _send_into, recv_reply, send_reply
-from raydl.worker.lane_memory import map_memory, recv_first
+from raydl.worker.lane import MemoryWriter, recv_reply
+from raydl.worker.lane_memory import recv_message
 from raydl.worker.transfer import decode, encode
 
 
@@ -51,14 +51,12 @@ def run(way: str, replies: int, rows: int) -> tuple[float, float]:
     if pid == 0:  # the worker's end
         try:
             reader.close()
-            view = None
+            into = MemoryWriter()
             if memory is not None:
-                body, fd = recv_first(writer)
-                view = memoryview(map_memory(fd, memory.size))
+                body, fd = recv_message(writer)
+                into.map(fd, memory.size)
             for _ in range(replies):
-                slots = writer.recv()
-                if view is None or not _send_into(writer, reply, view, slots):
-                    send_reply(writer, reply)
+                into.reply(writer, reply, writer.recv())
         finally:
             os._exit(0)
     writer.close()

@@ -114,6 +114,10 @@ LANE_OPEN_S = 10.0
 LANE_MAX_BATCH_BYTES = 4 * 1024 * 1024
 # ... and the smallest array a lane's reply carries out of band (its own write and read; smaller ones in the pickle).
 LANE_OUT_OF_BAND_BYTES = 64 * 1024
+# ... and the largest slot a local lane's shared memory grows to for batches larger than its first (NOTE [ raydl lane
+# memory ]): 4x the largest first batch that gets a lane. A reply larger goes over the socket; a slot's pages cost
+# nothing until written, so the cap bounds address space (32 slots at most), not memory used.
+LANE_MEMORY_MAX_SLOT_BYTES = 4 * LANE_MAX_BATCH_BYTES
 # ... and, with in_order=False while some workers have lanes and others Ray's calls, the slices the driver waits
 # on the lanes between looks at Ray's refs: from the first, doubling up to the last (a Ray batch waits at most one).
 MIXED_WAIT_FIRST_S = 0.001

@@ -204,7 +204,7 @@ class _RayLoaderIter(Iterator[Any]):
             if taken is not None
             else make_recorder(payload.stats_name, options.threads_per_worker, spec.hint_given)
         )
-        self.stats_recorder.watch(self._sched, self._feed)
+        self.stats_recorder.watch(self._sched, self._feed, self._calls.lane_memory)
         self._reset(first_iter=True, epoch_begun=taken is not None)
 
     # ------------------------------------------------------------------ public surface

@@ -53,12 +53,22 @@ from .._constants import (
     LANE_TCP_KEEPALIVE_INTERVAL_S,
     LANE_TCP_USER_TIMEOUT_S,
 )
-from .lane_memory import ARENA_MARK, dumps_into, loads_from, map_memory, recv_first
+from .lane_memory import (
+    ARENA_MARK,
+    FELL_BACK,
+    LaneMemoryError,
+    MemoryFull,
+    dumps_into,
+    loads_from,
+    map_memory,
+    recv_message,
+)
 from .lane_tls import TLS_FLAG, TlsConnection, tls_connect, tls_wanted
 
 __all__ = [
     "serve_lane",
     "connect_lane",
+    "MemoryWriter",
     "dumps_reply",
     "send_reply",
     "recv_reply",
@@ -92,9 +102,12 @@ def dumps_reply(value: Any) -> tuple[bytes, list[memoryview]]:
         return cloudpickle.dumps(value, protocol=5, buffer_callback=out_of_band), buffers
 
 
-def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, BaseException], Any]] = None) -> None:
-    """Write a reply: one message (the buffers' sizes, then the pickle), then each out-of-band buffer's bytes as they
-    are (one copy, into the kernel). A value pickle refuses is sent as `sendable(value, error)` makes it, if given."""
+def send_reply(
+    conn: Connection, value: Any, sendable: Optional[Callable[[Any, BaseException], Any]] = None, mark: bytes = b""
+) -> None:
+    """Write a reply: one message (`mark`, the buffers' sizes, then the pickle), then each out-of-band buffer's bytes
+    as they are (one copy, into the kernel). A value pickle refuses is sent as `sendable(value, error)` makes it, if
+    given. `mark`: why a reply to a call given slots of the lane's memory is not in them (FELL_BACK)."""
     try:
         data, buffers = dumps_reply(value)
     except Exception as e:  # noqa: BLE001 - a batch pickle refuses: an error for the driver, not a hang
@@ -102,7 +115,7 @@ def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, B
             raise
         data, buffers = dumps_reply(sendable(value, e))
     sizes = [b.nbytes for b in buffers]
-    conn.send_bytes(struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + data)
+    conn.send_bytes(mark + struct.pack(f"<I{len(sizes)}Q", len(sizes), *sizes) + data)
     if isinstance(conn, TlsConnection):
         for buf in buffers:
             conn.write_all(buf)
@@ -114,15 +127,68 @@ def send_reply(conn: Connection, value: Any, sendable: Optional[Callable[[Any, B
             sent += os.write(fd, buf[sent:])
 
 
-def _send_into(conn: Connection, reply: Any, memory: memoryview, slots: list) -> bool:
-    """Write a reply into the lane's memory (NOTE [ raydl lane memory ]) and its pickle to the socket; False, nothing
-    sent, when it does not fit or the plain pickler refuses it (the caller sends it over the socket then)."""
-    try:
-        data = dumps_into(reply, memory, slots)
-    except Exception:  # noqa: BLE001 - MemoryFull, or what only cloudpickle or `sendable` can send
-        return False
-    conn.send_bytes(data)
-    return True
+class MemoryWriter:
+    """A Unix lane's shared memory on the worker's side (NOTE [ raydl lane memory ]): mapped as the driver sends it
+    (`map`, again for a larger one), and `reply` writing each reply into the slots its call was given, else over the
+    socket marked with why not (FELL_BACK)."""
+
+    def __init__(self) -> None:
+        self._mapping: Optional[Any] = None
+        self._view: Optional[memoryview] = None
+        self._warned = False  # a failure writing into the memory is logged once per lane
+
+    def map(self, fd: int, size: int) -> None:
+        """Use the memory whose descriptor came with the driver's ("memory", size) message, in place of any before
+        (the driver's own mapping of the old one stays while its batches use it)."""
+        self.close()
+        self._mapping = map_memory(fd, size)
+        self._view = memoryview(self._mapping)
+
+    def reply(
+        self, conn: Connection, reply: Any, slots: Optional[list], sendable: Optional[Callable[..., Any]] = None
+    ) -> None:
+        """Send a call's reply: into `slots` if given and it fits, else over the socket (`send_reply`). The socket's
+        errors are raised as they are (the lane's end)."""
+        if not slots:
+            send_reply(conn, reply, sendable)
+            return
+        why = self._into(conn, reply, slots)
+        if why is not None:
+            send_reply(conn, reply, sendable, FELL_BACK[why])
+
+    def _into(self, conn: Connection, reply: Any, slots: list) -> Optional[str]:
+        """None once the reply is in the slots and its pickle sent; else why not (FELL_BACK's key), nothing sent."""
+        try:
+            if self._view is None:
+                raise LaneMemoryError("a call was given slots of a lane memory this worker was never sent")
+            data = dumps_into(reply, self._view, slots)
+        except MemoryFull:
+            return "full"
+        except LaneMemoryError as e:  # a bug of raydl's: the reply goes over the socket, but it is said once
+            if not self._warned:
+                self._warned = True
+                logger.warning(
+                    "raydl: a lane reply could not be written into the lane's shared memory; it and any other such "
+                    "go over the socket (replies_failed in loader.stats().lane_memory): %r",
+                    e,
+                    exc_info=e,
+                )
+            return "error"
+        except Exception:  # noqa: BLE001 - the user's object the plain pickler refuses: cloudpickle or `sendable`
+            return "refused"
+        conn.send_bytes(data)
+        return None
+
+    def close(self) -> None:
+        if self._view is not None:
+            self._view.release()
+            self._view = None
+        if self._mapping is not None:
+            try:
+                self._mapping.close()
+            except BufferError:  # a view of it not yet collected: it is unmapped when that goes
+                pass
+            self._mapping = None
 
 
 def recv_reply(
@@ -130,12 +196,15 @@ def recv_reply(
     wake_bytes: int = 0,
     alloc: Optional[Callable[[int], Any]] = None,
     regions: Optional[list] = None,
+    noted: Optional[Callable[[str, int], None]] = None,
 ) -> Any:
     """Read a reply `send_reply` wrote: each out-of-band buffer straight into memory (one copy, out of the kernel)
     that the unpickled arrays then use (writable, as torch's batches are): a fresh array, or `alloc(size)`'s (a
     uint8 array nothing else uses: the driver's NOTE [ raydl receive buffers ]). EOFError when the lane ends.
     `wake_bytes` (a TCP lane's reader): `_read_in_chunks` reads each large buffer. `regions`: the slots of the
-    lane's memory the call was given, where a reply `_send_into` wrote has its arrays (NOTE [ raydl lane memory ])."""
+    lane's memory the call was given, where a reply `MemoryWriter` wrote has its arrays (NOTE [ raydl lane memory ]).
+    `noted(how, nbytes)` is told how a reply to a call given slots came: "memory", or FELL_BACK's key and the bytes
+    it took over the socket."""
     import numpy as np
 
     head = conn.recv_bytes()
@@ -144,9 +213,12 @@ def recv_reply(
     if head[:4] == ARENA_MARK:
         if regions is None:
             raise ValueError("a lane reply in shared memory came for a call given no slots")
+        if noted is not None:
+            noted("memory", 0)
         return loads_from(head, regions)
-    (count,) = struct.unpack_from("<I", head)
-    sizes = struct.unpack_from(f"<{count}Q", head, 4)
+    start = 4 if head[3] & 0x80 else 0  # FELL_BACK's mark (a buffer count is < 2**31), before a call's reply
+    (count,) = struct.unpack_from("<I", head, start)
+    sizes = struct.unpack_from(f"<{count}Q", head, start + 4)
     buffers = []
     fd = conn.fileno()  # (a TLS connection's too: EOF-checked while the lane is open)
     for size in sizes:
@@ -164,7 +236,13 @@ def recv_reply(
                     raise EOFError("the lane ended in the middle of a reply")
                 got += n
         buffers.append(buf)
-    return pickle.loads(memoryview(head)[4 + 8 * count :], buffers=buffers)
+    value = pickle.loads(memoryview(head)[start + 4 + 8 * count :], buffers=buffers)
+    if start and noted is not None:
+        noted(_WHY[bytes(head[:4])], len(head) + sum(sizes))
+    return value
+
+
+_WHY = {mark: why for why, mark in FELL_BACK.items()}
 
 
 def _read_in_chunks(fd: int, view: memoryview, wake_bytes: int) -> None:
@@ -381,27 +459,24 @@ def serve_lane(
         if replies is not None:
             writer = threading.Thread(target=send_behind, name="raydl-lane-send", daemon=True)
             writer.start()
-        memory: Optional[Any] = None  # a local lane's shared memory (NOTE [ raydl lane memory ]) ...
-        view: Optional[memoryview] = None  # ... and this thread's view of it
+        memory = MemoryWriter()  # a Unix lane's shared memory, once the driver sends it (NOTE [ raydl lane memory ])
         try:
-            first: Optional[bytes] = None
-            if replies is None:  # a Unix lane: its first message may hand over the lane's memory
-                first, fd = recv_first(conn)
-                if fd is not None:
-                    _, size = pickle.loads(first)
-                    memory, first = map_memory(fd, size), None
-                    view = memoryview(memory)
             while True:
-                message = conn.recv_bytes() if first is None else first
-                first = None
+                if replies is None:  # a Unix lane: a message may hand over the lane's memory, first or larger
+                    message, fd = recv_message(conn)
+                    if fd is not None:
+                        memory.map(fd, pickle.loads(message)[1])
+                        continue
+                else:
+                    message = conn.recv_bytes()
                 after, epoch, tasks, slots = pickle.loads(message)
                 go_on, reply = turns.lane_call(born, after, lambda: make_call(epoch, tasks))
                 if not go_on:  # the actor serves another loader now: nothing more from this lane
                     return
                 if replies is not None:
                     replies.put(reply)
-                elif not (slots and view is not None and _send_into(conn, reply, view, slots)):
-                    send_reply(conn, reply, sendable)
+                else:
+                    memory.reply(conn, reply, slots, sendable)
                 del reply
         except (EOFError, OSError):  # the driver closed the lane (epoch over, loader shut down) or went away
             return
@@ -411,9 +486,6 @@ def serve_lane(
                 replies.put(None)
                 writer.join()
             conn.close()
-            if view is not None:
-                view.release()
-            if memory is not None:
-                memory.close()
+            memory.close()
 
     threading.Thread(target=loop, name="raydl-lane", daemon=True).start()

@@ -22,6 +22,26 @@ its own memory, shared by the two processes:
     [ raydl receive buffers ]), so a batch in the user's hands is never written;
   * a reply that does not fit its slots (a batch grown past the size the first one set), or one
     the plain pickler refuses, goes over the socket as before: correctness never rests on room.
+    Such a reply's message starts with a mark saying why (FELL_BACK: "full", "refused", "error"),
+    which the driver counts (`loader.stats().lane_memory`);
+  * the memory grows with the batches: a "full" reply of n bytes (its socket form's, arrays and
+    pickle) makes the driver, before the lane's next call, make a memory of slots of 1.5 n + 64 KiB
+    (at most LANE_MEMORY_MAX_SLOT_BYTES; a slot's pages cost nothing until written, so one sized
+    for a whole reply of several batches costs no more than one batch's) and send its descriptor
+    as it sent the first: a ("memory", size) message with it attached. The worker reads every
+    message of a Unix lane with `recv_message` (ancillary data looked for), maps the new memory in
+    place of its old mapping and fills the slots of later calls there; calls sent before it carry
+    slots of the old memory and are answered before the worker reads it (the lane's order). The
+    driver's old mapping is no one's to unmap: the arrays of the batches still using it refer to
+    it (and the calls in flight to their slots), and it goes with the last of them;
+  * errors while writing a reply into the memory: MemoryFull is room (above); an error pickling
+    one of the user's objects (anything raised outside `persistent_id`) is "refused", quiet, as
+    `send_reply` then sends the reply with cloudpickle or its batches as errors, the same as a lane
+    without memory; an error inside `persistent_id`, this module writing an array (a dtype it has no
+    code for, a released view), is a bug of raydl's: raised as LaneMemoryError, the reply still
+    goes over the socket (the batch is not lost) marked "error", and the worker logs it once per
+    lane at warning level with its traceback. Writing the pickle to the socket is outside all this:
+    an OSError there is the lane's end, as for any reply.
 Measured the same way: 0.12 ms a batch against 0.28 (`python -m benchmarks.bench_lane_reply`; benchmarks/README.md,
 "Lane memory": with 8 workers on 16 cores, bench_arrow's raydl rate 1.8-2.0x what it was).
 """
@@ -41,10 +61,22 @@ import torch
 
 from .transfer import _NUMPY_DTYPES, _TensorView
 
-__all__ = ["ARENA_MARK", "MemoryFull", "dumps_into", "loads_from", "recv_first", "send_memory", "map_memory"]
+__all__ = [
+    "ARENA_MARK",
+    "FELL_BACK",
+    "LaneMemoryError",
+    "MemoryFull",
+    "dumps_into",
+    "loads_from",
+    "recv_message",
+    "send_memory",
+    "map_memory",
+]
 
 # the first 4 bytes of a reply pickled into a lane's memory (a socket reply starts with its buffer count, < 2**31)
 ARENA_MARK = b"\xff\xff\xff\xff"
+# ... and of a socket reply to a call that was given slots, before its buffer count: why it is not in the memory
+FELL_BACK = {"full": b"\xff\xff\xff\xfe", "refused": b"\xff\xff\xff\xfd", "error": b"\xff\xff\xff\xfc"}
 _ALIGN = 64
 
 # torch dtype <-> a small code in the persistent ids, and the NumPy dtype of its arrays
@@ -55,6 +87,10 @@ _NP_DTYPES = [torch.empty(0, dtype=dtype).numpy().dtype for dtype in _TORCH_DTYP
 
 class MemoryFull(Exception):
     """A reply's arrays do not fit the slots its call was given: it goes over the socket instead."""
+
+
+class LaneMemoryError(Exception):
+    """Writing an array into the lane's memory failed other than for room: a bug (NOTE [ raydl lane memory ])."""
 
 
 class _IntoSlots(pickle.Pickler):
@@ -68,6 +104,16 @@ class _IntoSlots(pickle.Pickler):
     def persistent_id(self, obj: Any) -> Any:
         if type(obj) is not _TensorView:
             return None
+        try:
+            return self._write(obj)
+        except MemoryFull:
+            raise
+        except Exception as e:
+            raise LaneMemoryError(
+                f"writing a {obj.dtype} array of shape {obj.shape} into the lane's memory: {e!r}"
+            ) from e
+
+    def _write(self, obj: _TensorView) -> tuple:
         array = obj.array
         n = array.nbytes
         start, size = self._slots[self._slot]
@@ -86,8 +132,9 @@ class _IntoSlots(pickle.Pickler):
 
 def dumps_into(value: Any, memory: memoryview, slots: list) -> bytes:
     """A reply pickled with each `_TensorView`'s array written into `slots` [(start, size)] of `memory` and a
-    persistent id in its place: ARENA_MARK + the pickle. MemoryFull when they do not fit; pickle's errors as
-    they are (the caller sends the reply over the socket then)."""
+    persistent id in its place: ARENA_MARK + the pickle. MemoryFull when they do not fit, LaneMemoryError when an
+    array cannot be written for another reason; pickle's errors as they are (the caller sends the reply over the
+    socket then)."""
     out = io.BytesIO()
     out.write(ARENA_MARK)
     _IntoSlots(out, memory, slots).dump(value)
@@ -116,11 +163,12 @@ def loads_from(head: bytes, regions: list) -> Any:
     return _FromSlots(memoryview(head)[len(ARENA_MARK) :], regions).load()
 
 
-# ---------------------------------------------------------------- the memory's descriptor, the lane's first message
+# ---------------------------------------------------------------- the memory's descriptor, sent on the lane
 
 
 def send_memory(conn: Any, fd: int, size: int) -> None:
-    """Driver side: the lane's first message, `Connection`-framed, with the memory's descriptor attached."""
+    """Driver side: a ("memory", size) message, `Connection`-framed, with the memory's descriptor attached: the lane's
+    first message, and later a larger memory's."""
     body = pickle.dumps(("memory", size), protocol=5)
     frame = struct.pack("!i", len(body)) + body
     sock = socket.socket(fileno=conn.fileno())
@@ -132,8 +180,10 @@ def send_memory(conn: Any, fd: int, size: int) -> None:
         sock.detach()
 
 
-def recv_first(conn: Any) -> tuple[bytes, Optional[int]]:
-    """Worker side: the lane's first message (a `Connection` frame) and the descriptor that came with it, if any."""
+def recv_message(conn: Any) -> tuple[bytes, Optional[int]]:
+    """Worker side: a Unix lane's next message (a `Connection` frame) and the descriptor that came with it, if any
+    (`Connection.recv_bytes` would drop it: the kernel closes a descriptor whose message is read without room for
+    it)."""
     sock = socket.socket(fileno=conn.fileno())
     try:
         head, fds, _, _ = socket.recv_fds(sock, 4, 1)

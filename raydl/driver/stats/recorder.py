@@ -117,6 +117,7 @@ class StatsRecorder:
         self._pool_lists: Optional[tuple[list, list]] = None  # the pool's records and restarts as sent (`workers`)
         self._schedule: Optional[weakref.ref] = None  # the epoch's tasks in flight (`watch`)
         self._feed: Optional[weakref.ref] = None  # its node cache's feed (`watch`)
+        self._lane_memory: Optional[weakref.ref] = None  # its local lanes' shared memory counts (`watch`)
         # perf_counter -> wall clock (time.time()), to put the driver's spans on the workers' clock
         self._wall_offset = time.time() - time.perf_counter()
         self._workers: dict[int, _WorkerAcc] = {}
@@ -146,12 +147,14 @@ class StatsRecorder:
         pool's lists, sent whenever the pool may have changed; a snapshot copies them."""
         self._pool_lists = (records, restarts)
 
-    def watch(self, schedule: Any, feed: Any = None) -> None:
-        """The epoch's tasks in flight (a `Schedule`: `task_info`) and its node cache's feed (a `CacheFeed`, None
-        without a cache), sent once by a Ray iterator: what only they know now (batches in flight and the bytes made
-        of them, the cache's figures). Held weakly: they go with their iterator."""
+    def watch(self, schedule: Any, feed: Any = None, lane_memory: Any = None) -> None:
+        """The epoch's tasks in flight (a `Schedule`: `task_info`), its node cache's feed (a `CacheFeed`, None
+        without a cache) and its lanes' `LaneMemoryCounts` (None without lanes), sent once by a Ray iterator: what
+        only they know now (batches in flight and the bytes made of them, the cache's figures, how replies came
+        through the lanes' shared memory). Held weakly: they go with their iterator."""
         self._schedule = weakref.ref(schedule)
         self._feed = weakref.ref(feed) if feed is not None else None
+        self._lane_memory = weakref.ref(lane_memory) if lane_memory is not None else None
 
     def next_call(self) -> _NextCall:
         """Wrap the body of `__next__` in this: its time is the loop's wait."""
@@ -359,6 +362,7 @@ class StatsRecorder:
             total=total,
             first_batch_s=self._first_batch[0],
             cache=self._cache_figures(sum(w.busy_s for w in workers)),
+            lane_memory=self._lane_memory_figures(),
             _first_wait_s=self._first_batch[1],
             spans=spans,
         )
@@ -367,6 +371,11 @@ class StatsRecorder:
         """The node cache's figures for a streamed dataset (NOTE [ raydl node cache ]), else None."""
         feed = self._watched()[1]
         return feed.stats(busy_s) if feed is not None else None
+
+    def _lane_memory_figures(self) -> Optional[dict]:
+        """How the local lanes' replies came through their shared memory (NOTE [ raydl lane memory ]), else None."""
+        counts = self._lane_memory() if self._lane_memory is not None else None
+        return counts.figures() if counts is not None else None
 
     def _live_figures(self) -> tuple[int, int]:
         """(batches in flight, object-store bytes of those already made), from the schedule sent by `watch`."""
@@ -454,7 +463,7 @@ class _Off:
     def workers(self, records: list, restarts: list) -> None:
         pass
 
-    def watch(self, schedule: Any, feed: Any = None) -> None:
+    def watch(self, schedule: Any, feed: Any = None, lane_memory: Any = None) -> None:
         pass
 
     def next_call(self) -> Any:

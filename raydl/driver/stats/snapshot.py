@@ -90,6 +90,17 @@ class LoaderStats:
             from storage when their owner could not give them), and `per_node` (node id -> that node's
             `hits`, `misses`, `bytes_fetched`, `fetches`, `adopted`, `bytes_from_peers`, `peer_fetches`,
             `bytes_served`, `peer_fallbacks`, `bytes_held`, `peak_bytes`); else None.
+        lane_memory: for workers on the driver's node whose lanes have shared memory (NOTE [ raydl lane
+            memory ]), since the iterator started (over every epoch of persistent workers):
+            `replies_in_memory` (replies written where the trainer reads them), the replies to calls
+            given slots that came over the socket instead, by why: `replies_did_not_fit` (larger than
+            the slots: the memory grows), `replies_refused` (the plain pickler refused a batch: sent
+            with cloudpickle, or as its error), `replies_failed` (writing into the memory failed: a bug,
+            logged once by the worker); `calls_without_slots` (no free slots: the loop, the reorder
+            buffer and the prefetch held them; their replies came over the socket), `regrown` (memories
+            made larger for batches that outgrew their slots), `slot_bytes` (the largest slot made) and
+            `mapped_bytes` (lane memory this process maps now: a memory replaced stays mapped while
+            its batches are held); else None.
         spans: the timed spans the timeline draws, by kind (the workers' batches, start-up batches, the
             driver's waits and pin copies, cache fetches per node; at most 200,000 each, `truncated` says
             whether any was dropped).
@@ -109,6 +120,7 @@ class LoaderStats:
     total: StatsTotals
     first_batch_s: float = 0.0
     cache: Optional[dict] = None
+    lane_memory: Optional[dict] = None
     _first_wait_s: float = field(default=0.0, repr=False)
     spans: dict = field(default_factory=dict, repr=False, compare=False)
 
@@ -164,6 +176,14 @@ class LoaderStats:
                 + f", {c['retries']} retries, prefetch depth "
                 f"{c['prefetch_depth']} units, {_fmt_bytes(c['bytes_held'])} held (peak {_fmt_bytes(c['peak_bytes'])}, "
                 f"limit {_fmt_bytes(c['limit_bytes'])}), workers waited on storage {c['storage_wait_share']:.1%} of their time"
+            )
+        m = self.lane_memory
+        if m:
+            lines.append(
+                f"lane memory: {m['replies_in_memory']} replies through it, over the socket "
+                f"{m['replies_did_not_fit']} that did not fit, {m['replies_refused']} refused by pickle, "
+                f"{m['replies_failed']} failed, {m['calls_without_slots']} with no free slot; regrown "
+                f"{m['regrown']} times, slots of {_fmt_bytes(m['slot_bytes'])}, {_fmt_bytes(m['mapped_bytes'])} mapped"
             )
         t = self.total
         lines.append(

@@ -206,6 +206,11 @@ class CallSender:
         return nbytes
 
     @property
+    def lane_memory(self) -> Any:
+        """The local lanes' `LaneMemoryCounts` (NOTE [ raydl lane memory ]); None without lanes."""
+        return None if self._lanes is None else self._lanes.memory_counts
+
+    @property
     def lane_calls(self) -> int:
         """Calls sent over lanes so far (NOTE [ raydl lane, driver ])."""
         return 0 if self._lanes is None else self._lanes.calls_sent

@@ -48,7 +48,7 @@ from ...worker.lane import recv_reply, shut_down, since_received_s
 from ...worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
 from .lane_accept import Greeter
-from .lane_memory import LaneMemory, memory_for
+from .lane_memory import LaneMemory, LaneMemoryCounts, memory_for
 
 if TYPE_CHECKING:
     from ...cluster.pool_protocol import DriverPool
@@ -101,14 +101,39 @@ class _Lane:
         self.conn = conn
         self.memory = memory  # a local lane's shared memory (NOTE [ raydl lane memory ]), if it has one
         self.unread: deque[LaneTicket] = deque()
+        # the largest reply that did not fit its slots since the memory last grew: it grows before the next call
+        self.needed = 0
 
     def recv(self, alloc: Any) -> tuple:
         """Read the next reply: the oldest unread ticket's (replies come in the order of the calls)."""
         ticket = self.unread[0]
         try:
-            return recv_reply(self.conn, alloc=alloc, regions=ticket.regions)
+            noted = None if ticket.regions is None else self._noted
+            return recv_reply(self.conn, alloc=alloc, regions=ticket.regions, noted=noted)
         finally:
             ticket.regions = None  # its reply's arrays now hold the slots they use, nothing else
+
+    def _noted(self, how: str, nbytes: int) -> None:
+        """How a reply to a call given slots came (`recv_reply`): counted; one that did not fit grows the memory."""
+        assert self.memory is not None
+        self.memory.counts.noted(how)
+        if how == "full":
+            self.needed = max(self.needed, nbytes)
+
+    def grow(self) -> None:
+        """A larger memory in place of this lane's, for the replies that did not fit (`needed`), sent to the worker
+        ahead of the next call (NOTE [ raydl lane memory ]). The old one stays mapped while its batches use it."""
+        assert self.memory is not None
+        needed, self.needed = self.needed, 0
+        memory = self.memory.grown(needed)
+        if memory is None:
+            return
+        try:
+            memory.send(self.conn)
+        except OSError:  # the worker is gone: its calls find the lane's end
+            return
+        memory.counts.regrown += 1
+        self.memory = memory
 
     def close(self) -> None:
         try:
@@ -242,6 +267,7 @@ class Lanes:
         self._refused: list[Any] = []  # actors whose lane did not open: they keep Ray's calls
         self._small: dict[int, bool] = {}  # worker id -> whether its first batch was small enough for a lane
         self._first_bytes: dict[int, int] = {}  # worker id -> its first batch's bytes (sizes a lane's memory)
+        self.memory_counts = LaneMemoryCounts()  # the local lanes' shared memory (`loader.stats().lane_memory`)
         self._ip: Optional[str] = None  # this node's IP, where lanes to other nodes listen (asked of Ray once)
         self.calls_sent = 0  # calls that went over a lane (stats and tests) ...
         self.remote_calls_sent = 0  # ... of which to workers on other nodes
@@ -370,7 +396,7 @@ class Lanes:
         del self._opening[worker_id]
         if opening.remote:
             return _RemoteLane(opening.actor, conn, worker_id, self._buffers)
-        memory = memory_for(self._first_bytes.get(worker_id, 0), self._max_batches)
+        memory = memory_for(self._first_bytes.get(worker_id, 0), self._max_batches, self.memory_counts)
         if memory is not None:
             try:
                 memory.send(conn)
@@ -409,6 +435,8 @@ class Lanes:
             self.remote_calls_sent += 1
         else:
             lane.unread.append(ticket)
+            if lane.needed:
+                lane.grow()
             taken = lane.memory.take(len(tasks)) if lane.memory is not None else None
             if taken is not None:
                 ticket.regions, slots = taken
