@@ -1,5 +1,5 @@
 """Memory-mapped tables whose files are missing where the workers run: a scenario of tests/_multinode_main.py's
-cluster (read by tests/test_arrow.py).
+cluster (read by tests/test_multinode.py).
 
 The driver builds a Hugging Face dataset and an ArrowDataset over cache / IPC files in a temp folder, records
 torch's batches, then renames the folder: the files are now missing on every node (the driver's own maps stay

@@ -3,7 +3,7 @@
 Nodes: a head with resource "trainer" (where the driver runs) and two worker nodes with
 resource "data", all raylets on 127.0.0.1 (ray.cluster_utils). Prints one JSON line of facts
 for the test to check. Two other modules' multi-node checks run here too (step 1f: torch's worker count
-warning for tests/test_worker_warning.py, files missing on the workers' nodes for tests/test_arrow.py), read
+warning for tests/test_worker_warning.py; tests/_arrow_multinode.py, files missing on the workers' nodes), read
 from the same run: a cluster of their own each cost ~45 core-s on this 2-core machine.
 """
 
@@ -341,7 +341,7 @@ def main() -> None:
         _wait_cpus_free()
 
         # 1f. Scenarios of other modules on this cluster (a cluster of their own each cost ~45 core-s here):
-        # tests/test_worker_warning.py's and tests/test_arrow.py's (files missing where the workers run).
+        # tests/test_worker_warning.py's, and tests/_arrow_multinode.py's (files missing where the workers run).
         facts["worker_warning"] = _worker_warning_facts()
         facts["arrow_files_missing"] = files_missing_facts(
             {"num_cpus": 0, "resources": {"data": 1}}, {n.node_id for n in data_nodes}, head_id

@@ -29,10 +29,8 @@ from raydl.data.share import Shipped, pack  # noqa: E402
 from raydl.worker.actor import WorkerPayload  # noqa: E402
 from tests import _arrow_helpers as H  # noqa: E402
 from tests._parity import assert_same_batches  # noqa: E402
-from tests._session import background_main, run_main  # noqa: E402
 
 datasets = pytest.importorskip("datasets")
-background_main("tests/test_arrow.py::test_files_missing_on_another_node", "tests._multinode_main")
 
 N = 50
 TIMEOUT_S = 60
@@ -401,24 +399,6 @@ def test_missing_cache_file_without_a_copy_is_named(ray_session, tmp_path):
         FileNotFoundError, match=r"memory-mapped file .*hf/data-00000-of-00001.arrow is missing on node .* Fix:"
     ):
         list(loader)
-
-
-@pytest.fixture(scope="module")
-def multinode_facts():
-    """tests/_arrow_multinode.py's scenario, run by tests/_multinode_main.py on its three-node cluster (once for the
-    suite, in the background while the in-process tests run: NOTE [ tests background commands ])."""
-    return run_main("tests._multinode_main")["arrow_files_missing"]
-
-
-def test_files_missing_on_another_node_come_through_the_object_store(multinode_facts):
-    """Three nodes, files absent where the workers run (the data nodes): an HF dataset and a mapped ArrowDataset still
-    give torch's batches."""
-    f = multinode_facts
-    assert f["nodes"] == 3 and f["ipc_mapped"]
-    for name in ("hf", "ipc"):
-        assert f[f"{name}_same_as_torch"], f
-        assert f[f"{name}_worker_nodes"] == [True] and not f[f"{name}_driver_node_used"], f
-        assert f[f"{name}_places"] == ["plasma"], f
 
 
 def test_file_of_another_size_is_not_mapped(tmp_path):

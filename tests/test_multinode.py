@@ -137,3 +137,15 @@ def test_streamed_parquet_owner_node_lost_mid_epoch(facts):
     survivors = {n: st for n, st in lost["per_node"].items() if n in ("data0", "data1")}
     assert len(survivors) == 2, lost["per_node"]
     assert sum(st["bytes_fetched"] for st in survivors.values()) > 0
+
+
+def test_arrow_files_missing_on_the_workers_nodes_come_through_the_object_store(facts):
+    """tests/_arrow_multinode.py on this cluster: files absent where the workers run (the data nodes, the folder
+    renamed after the driver mapped it): an HF dataset and a mapped ArrowDataset still give torch's batches, their
+    tables reaching the workers through the object store."""
+    f = facts["arrow_files_missing"]
+    assert f["nodes"] == 3 and f["ipc_mapped"]
+    for name in ("hf", "ipc"):
+        assert f[f"{name}_same_as_torch"], f
+        assert f[f"{name}_worker_nodes"] == [True] and not f[f"{name}_driver_node_used"], f
+        assert f[f"{name}_places"] == ["plasma"], f
