@@ -29,10 +29,7 @@ import os
 import pickle
 import secrets
 import socket
-import threading
 import time
-from collections import deque
-from multiprocessing.connection import Connection
 from typing import TYPE_CHECKING, Any, Optional
 
 from ..._constants import (
@@ -40,15 +37,15 @@ from ..._constants import (
     LANE_HELLO_PENDING,
     LANE_MAX_BATCH_BYTES,
     LANE_OPEN_S,
-    LANE_TCP_WAKE_BYTES,
 )
 from ..._measures import batch_nbytes
 from ...cluster.silent_nodes import mark_silent
-from ...worker.lane import recv_reply, shut_down, since_received_s
+from ...worker.lane import since_received_s
 from ...worker.lane_tls import TLS_FLAG, tls_context, tls_wanted
 from .buffers import ReceiveBuffers
 from .lane_accept import Greeter
-from .lane_memory import LaneMemory, LaneMemoryCounts, memory_for
+from .lane_conn import Lane, LaneLost, LaneSilent, LaneTicket, RemoteLane
+from .lane_memory import LaneMemoryCounts, memory_for
 
 if TYPE_CHECKING:
     from ...cluster.pool_protocol import DriverPool
@@ -66,155 +63,6 @@ def worker_node(pool: DriverPool, worker_id: int) -> Optional[str]:
 
 # nodes whose workers could not connect to a TCP lane of this process (a firewall): not asked again
 _UNREACHED: set[str] = set()
-
-
-class LaneLost(Exception):
-    """The lane of a worker ended while the driver waited on it: its process died (NOTE [ raydl lane, driver ])."""
-
-
-class LaneSilent(LaneLost):
-    """Nothing came on a worker's TCP lane for `ray_silence_timeout_s`: its node went silent (NOTE [ raydl silent
-    node ] in cluster/silent_nodes.py). Recovered as a death; the lane is closed, so no late reply is read."""
-
-
-class LaneTicket:
-    """A call sent over a worker's lane, in place of a Ray call's ObjectRef."""
-
-    __slots__ = ("worker_id", "reply", "abandoned", "regions")
-
-    def __init__(self, worker_id: int) -> None:
-        self.worker_id = worker_id
-        self.reply: Optional[tuple] = None  # (batches, metas) once read, while the call waits its turn
-        self.abandoned = False
-        # the slots of the lane's memory its reply may fill, held (so in use) until the reply is read (NOTE [ raydl
-        # lane memory ]); None: its reply crosses the socket
-        self.regions: Optional[list] = None
-
-
-class _Lane:
-    """One worker's socket: its actor, the connection, the tickets in send order whose replies are not read yet."""
-
-    remote = False
-
-    def __init__(self, actor: Any, conn: Connection, memory: Optional[LaneMemory] = None) -> None:
-        self.actor = actor
-        self.conn = conn
-        self.memory = memory  # a local lane's shared memory (NOTE [ raydl lane memory ]), if it has one
-        self.unread: deque[LaneTicket] = deque()
-        # the largest reply that did not fit its slots since the memory last grew: it grows before the next call
-        self.needed = 0
-
-    def recv(self, alloc: Any) -> tuple:
-        """Read the next reply: the oldest unread ticket's (replies come in the order of the calls)."""
-        ticket = self.unread[0]
-        try:
-            noted = None if ticket.regions is None else self._noted
-            return recv_reply(self.conn, alloc=alloc, regions=ticket.regions, noted=noted)
-        finally:
-            ticket.regions = None  # its reply's arrays now hold the slots they use, nothing else
-
-    def _noted(self, how: str, nbytes: int) -> None:
-        """How a reply to a call given slots came (`recv_reply`): counted; one that did not fit grows the memory."""
-        assert self.memory is not None
-        self.memory.counts.noted(how)
-        if how == "full":
-            self.needed = max(self.needed, nbytes)
-
-    def grow(self) -> None:
-        """A larger memory in place of this lane's, for the replies that did not fit (`needed`), sent to the worker
-        ahead of the next call (NOTE [ raydl lane memory ]). The old one stays mapped while its batches use it."""
-        assert self.memory is not None
-        needed, self.needed = self.needed, 0
-        memory = self.memory.grown(needed)
-        if memory is None:
-            return
-        try:
-            memory.send(self.conn)
-        except OSError:  # the worker is gone: its calls find the lane's end
-            return
-        memory.counts.regrown += 1
-        self.memory = memory
-
-    def close(self) -> None:
-        try:
-            self.conn.close()
-        except OSError:
-            pass
-
-
-class _RemoteLane(_Lane):
-    """A lane to a worker on another node: its thread reads each reply as it arrives into its ticket and rings `bell`
-    (NOTE [ raydl lane, driver ]). `lost` holds why the lane ended, once it did."""
-
-    remote = True
-
-    def __init__(self, actor: Any, conn: Connection, worker_id: int, buffers: ReceiveBuffers) -> None:
-        super().__init__(actor, conn)
-        self._buffers = buffers
-        self.lock = threading.Lock()
-        self.lost: Optional[BaseException] = None
-        self.bell, self._ring = socket.socketpair()
-        self.bell.setblocking(False)
-        self._ring.setblocking(False)
-        self._reader = threading.Thread(target=self._read, name=f"raydl-lane-{worker_id}", daemon=True)
-        self._reader.start()
-
-    def _read(self) -> None:
-        try:
-            while True:
-                reply = recv_reply(self.conn, LANE_TCP_WAKE_BYTES, self._buffers.take)
-                with self.lock:
-                    ticket = self.unread.popleft()
-                    if not ticket.abandoned:
-                        ticket.reply = reply
-                del reply, ticket
-                self._ring_bell()
-        except BaseException as e:  # the end (EOFError, OSError), or a reply that cannot be read: raised at its turn
-            with self.lock:
-                self.lost = e
-            self._ring_bell()
-        finally:
-            with self.lock:  # this thread closes the connection; `close` only shuts it down, under the same lock
-                self.conn.close()
-
-    def _ring_bell(self) -> None:
-        try:
-            self._ring.send(b"\0")
-        except OSError:  # full (a ring is pending anyway), or the lane was closed
-            pass
-
-    def silence(self) -> None:
-        """Drain the bell before looking at the tickets: a reply set after this rings again."""
-        try:
-            while self.bell.recv(4096):
-                pass
-        except OSError:
-            pass
-
-    def take(self, ticket: LaneTicket) -> Optional[tuple]:
-        """The ticket's reply if in; LaneLost if the lane ended before it came; None while it is on its way."""
-        with self.lock:
-            reply = ticket.reply
-            if reply is not None:
-                ticket.reply = None
-                return reply
-            if self.lost is not None and not isinstance(self.lost, (EOFError, OSError)):
-                raise self.lost  # what reading the reply raised (an unpicklable batch type here): as on a local lane
-            if self.lost is not None or ticket not in self.unread:
-                raise LaneLost(f"the lane of worker {ticket.worker_id} ended: its process died ({self.lost!r})")
-        return None
-
-    def ready(self, ticket: LaneTicket) -> bool:
-        with self.lock:
-            return ticket.reply is not None or self.lost is not None or ticket not in self.unread
-
-    def close(self) -> None:
-        """Shut the connection down (its reader sees the end and closes it) and the bell."""
-        with self.lock:
-            if not self.conn.closed:
-                shut_down(self.conn)
-        self.bell.close()
-        self._ring.close()
 
 
 class _Opening:
@@ -261,7 +109,7 @@ class Lanes:
         # buffers ]); the batches in flight (`max_batches`), twice, and four more (the trainer's, a pinning copy's)
         self._buffers = ReceiveBuffers(2 * max_batches + 4)
         self._max_batches = max_batches
-        self._lanes: dict[int, _Lane] = {}
+        self._lanes: dict[int, Lane] = {}
         self._opening: dict[int, _Opening] = {}
         self._ray_sent: dict[int, tuple[Any, int]] = {}  # worker id -> (its actor, Ray calls sent to it)
         self._refused: list[Any] = []  # actors whose lane did not open: they keep Ray's calls
@@ -277,7 +125,7 @@ class Lanes:
         lane = self._lanes.get(worker_id)
         return lane is not None and lane.actor is self._pool.actors[worker_id]
 
-    def lane_for(self, worker_id: int) -> Optional[_Lane]:
+    def lane_for(self, worker_id: int) -> Optional[Lane]:
         """The worker's lane if its next call goes over it, else None (Ray's call; a lane is asked for meanwhile)."""
         actor = self._pool.actors[worker_id]
         lane = self._lanes.get(worker_id)
@@ -367,7 +215,7 @@ class Lanes:
             self._ip = ray.util.get_node_ip_address()
         return self._ip
 
-    def _accept(self, worker_id: int, opening: _Opening) -> Optional[_Lane]:
+    def _accept(self, worker_id: int, opening: _Opening) -> Optional[Lane]:
         """The lane, if the actor's connection has proved itself to the listener's greeter (never waits for it: the
         actor's queue may hold slow calls, and a stranger on the port is the greeter's business, not this thread's)."""
         import ray
@@ -395,14 +243,14 @@ class Lanes:
         opening.close()
         del self._opening[worker_id]
         if opening.remote:
-            return _RemoteLane(opening.actor, conn, worker_id, self._buffers)
+            return RemoteLane(opening.actor, conn, worker_id, self._buffers)
         memory = memory_for(self._first_bytes.get(worker_id, 0), self._max_batches, self.memory_counts)
         if memory is not None:
             try:
                 memory.send(conn)
             except OSError:  # the worker is gone: its calls find the lane's end
                 memory = None
-        return _Lane(opening.actor, conn, memory)
+        return Lane(opening.actor, conn, memory)
 
     def on_batch(self, worker_id: int, nbytes: int, batch: Any) -> None:
         """A batch of the worker is in hand (`nbytes` from its meta, 0 when stats are off): the first one decides
