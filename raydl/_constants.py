@@ -118,6 +118,10 @@ LANE_OUT_OF_BAND_BYTES = 64 * 1024
 # memory ]): 4x the largest first batch that gets a lane. A reply larger goes over the socket; a slot's pages cost
 # nothing until written, so the cap bounds address space (32 slots at most), not memory used.
 LANE_MEMORY_MAX_SLOT_BYTES = 4 * LANE_MAX_BATCH_BYTES
+# ... and the most calls a lane sends without slots after a reply that could not use its memory (larger than the cap,
+# or refused by the plain pickler): 1 after the first such reply, doubling with each next one; a reply through the
+# memory ends the pauses. The worker then skips a pickling attempt that fails (NOTE [ raydl lane memory ], pauses).
+LANE_MEMORY_MAX_PAUSE = 64
 # ... and, with in_order=False while some workers have lanes and others Ray's calls, the slices the driver waits
 # on the lanes between looks at Ray's refs: from the first, doubling up to the last (a Ray batch waits at most one).
 MIXED_WAIT_FIRST_S = 0.001

@@ -136,12 +136,13 @@ def _memory_figures(loader) -> dict:
         "replies_refused",
         "replies_failed",
         "calls_without_slots",
+        "calls_paused",
         "regrown",
         "slot_bytes",
         "mapped_bytes",
     }
     replies = sum(m[k] for k in ("replies_in_memory", "replies_did_not_fit", "replies_refused", "replies_failed"))
-    assert replies + m["calls_without_slots"] <= loader._iterator._calls.lane_calls
+    assert replies + m["calls_without_slots"] + m["calls_paused"] <= loader._iterator._calls.lane_calls
     assert m["mapped_bytes"] > 0 and m["mapped_bytes"] % 4096 == 0 and m["slot_bytes"] % 4096 == 0
     assert f"{m['replies_in_memory']} replies through it" in str(stats)
     return m
@@ -167,17 +168,19 @@ def test_batches_growing_past_the_first_go_through_a_larger_memory(ray_session):
 
 def test_batches_past_the_cap_cross_the_socket_counted_intact(ray_session, monkeypatch):
     """With the memory's cap at its first size it cannot grow: each larger batch crosses the socket, counted as not
-    fitting, and arrives as torch's."""
+    fitting, and arrives as torch's; after such replies the lane's calls pause the memory (two epochs: calls sent
+    after the first large replies are read)."""
     from raydl.driver.transport import lane_memory
 
     monkeypatch.setattr(lane_memory, "LANE_MEMORY_MAX_SLOT_BYTES", 160 * 1024)
     ds = _StepUp(48, small=16)
     kwargs = dict(batch_size=4, num_workers=2, persistent_workers=True)
-    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 1)
+    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 2)
     with raydl.DataLoader(ds, timeout=TIMEOUT_S, ray_lane=True, **kwargs) as loader:
-        actual = run_epochs(loader, 1)
+        actual = run_epochs(loader, 2)
         m = _memory_figures(loader)
         assert m["regrown"] == 0 and m["replies_did_not_fit"] >= 1 and m["slot_bytes"] == 160 * 1024
+        assert m["calls_paused"] >= 1  # the worker stops pickling each large batch twice
     assert_epochs_equal(expected, actual)
 
 
@@ -193,6 +196,7 @@ def test_a_batch_the_plain_pickler_refuses_is_counted_and_arrives(ray_session):
         got = run_epochs(loader, 2)  # (the second on the lanes the first opened)
         m = _memory_figures(loader)
         assert m["replies_refused"] >= 1 and m["replies_in_memory"] == m["replies_failed"] == 0
+        assert m["calls_paused"] >= 1  # the worker stops trying the memory for a while
     assert_epochs_equal([expected, expected], [[b for b, _ in epoch] for epoch in got])
     assert all(f(3) == 9 for epoch in got for _, f in epoch)
 
@@ -202,6 +206,51 @@ def _collate_with_local_function(samples):
         return x * x
 
     return torch.utils.data.default_collate(samples), square
+
+
+def test_a_lane_pauses_its_memory_while_replies_cannot_use_it(monkeypatch):
+    """A reply refused by the plain pickler, or larger than the cap allows, makes the lane's next calls go without
+    slots: 1, then 2, 4, ... after each next such reply, at most LANE_MEMORY_MAX_PAUSE; a reply through the memory
+    ends the pauses. A reply too large for slots that can still grow makes a larger memory, no pause."""
+    import socket
+    from multiprocessing.connection import Connection
+
+    from raydl._constants import LANE_MEMORY_MAX_PAUSE
+    from raydl.driver.transport import lane_memory
+    from raydl.driver.transport.lane_conn import Lane
+    from raydl.driver.transport.lane_memory import LaneMemory
+
+    here, there = socket.socketpair()
+    try:
+        lane = Lane(None, Connection(here.detach()), LaneMemory(4, 8192))
+
+        def run(replies: list, nbytes: int = 100_000) -> list:
+            """For each reply (its `how`), the calls without slots sent before the next call given slots."""
+            skipped = []
+            for how in replies:
+                lane._noted(how, nbytes)
+                n = 0
+                while True:
+                    taken = lane.slots_for(1)
+                    if taken is not None:
+                        break
+                    n += 1
+                del taken  # the slot is free again
+                skipped.append(n)
+            return skipped
+
+        assert run(["refused"] * 9) == [1, 2, 4, 8, 16, 32, 64, 64, 64] and LANE_MEMORY_MAX_PAUSE == 64
+        assert run(["memory", "refused", "refused"]) == [0, 1, 2]  # a reply through the memory starts again at 1
+        assert lane.memory.counts.paused == 1 + 2 + 4 + 8 + 16 + 32 + 3 * 64 + 3
+        lane._noted("memory", 0)
+        grown = run(["full"])  # below the cap: a larger memory, sent ahead of the call
+        assert grown == [0] and lane.memory.slot_bytes > 100_000 and lane.memory.counts.regrown == 1
+        monkeypatch.setattr(lane_memory, "LANE_MEMORY_MAX_SLOT_BYTES", lane.memory.slot_bytes)
+        at_cap = run(["full", "full", "memory", "full"], nbytes=lane.memory.slot_bytes + 1)
+        assert at_cap == [1, 2, 0, 1] and lane.memory.counts.regrown == 1  # at the cap: pauses, as for refused
+    finally:
+        lane.close()
+        there.close()
 
 
 class _StepUp(torch.utils.data.Dataset):

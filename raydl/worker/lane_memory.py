@@ -41,7 +41,13 @@ its own memory, shared by the two processes:
     code for, a released view), is a bug of raydl's: raised as LaneMemoryError, the reply still
     goes over the socket (the batch is not lost) marked "error", and the worker logs it once per
     lane at warning level with its traceback. Writing the pickle to the socket is outside all this:
-    an OSError there is the lane's end, as for any reply.
+    an OSError there is the lane's end, as for any reply;
+  * pauses: a worker whose replies cannot use the memory (each larger than the largest slot the cap
+    allows, or holding an object only cloudpickle sends) would pickle every reply twice, once into
+    the slots and once for the socket. So after such a reply the driver sends the lane's next call
+    without slots, after the next such reply the next 2, then 4, up to LANE_MEMORY_MAX_PAUSE; a reply
+    that comes through the memory ends it. Batches that only sometimes outgrow the memory lose at
+    most a few calls' worth of it (`calls_paused` in the stats).
 Measured the same way: 0.12 ms a batch against 0.28 (`python -m benchmarks.bench_lane_reply`; benchmarks/README.md,
 "Lane memory": with 8 workers on 16 cores, bench_arrow's raydl rate 1.8-2.0x what it was).
 """

@@ -97,7 +97,9 @@ class LoaderStats:
             the slots: the memory grows), `replies_refused` (the plain pickler refused a batch: sent
             with cloudpickle, or as its error), `replies_failed` (writing into the memory failed: a bug,
             logged once by the worker); `calls_without_slots` (no free slots: the loop, the reorder
-            buffer and the prefetch held them; their replies came over the socket), `regrown` (memories
+            buffer and the prefetch held them; their replies came over the socket), `calls_paused` (calls sent
+            without slots because the worker's last replies could not use them: larger than the largest
+            memory, or refused by the plain pickler), `regrown` (memories
             made larger for batches that outgrew their slots), `slot_bytes` (the largest slot made) and
             `mapped_bytes` (lane memory this process maps now: a memory replaced stays mapped while
             its batches are held); else None.
@@ -182,7 +184,7 @@ class LoaderStats:
             lines.append(
                 f"lane memory: {m['replies_in_memory']} replies through it, over the socket "
                 f"{m['replies_did_not_fit']} that did not fit, {m['replies_refused']} refused by pickle, "
-                f"{m['replies_failed']} failed, {m['calls_without_slots']} with no free slot; regrown "
+                f"{m['replies_failed']} failed, {m['calls_without_slots']} with no free slot, {m['calls_paused']} paused; regrown "
                 f"{m['regrown']} times, slots of {_fmt_bytes(m['slot_bytes'])}, {_fmt_bytes(m['mapped_bytes'])} mapped"
             )
         t = self.total

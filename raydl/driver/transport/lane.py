@@ -283,9 +283,7 @@ class Lanes:
             self.remote_calls_sent += 1
         else:
             lane.unread.append(ticket)
-            if lane.needed:
-                lane.grow()
-            taken = lane.memory.take(len(tasks)) if lane.memory is not None else None
+            taken = lane.slots_for(len(tasks))
             if taken is not None:
                 ticket.regions, slots = taken
         try:

@@ -13,7 +13,7 @@ from collections import deque
 from multiprocessing.connection import Connection
 from typing import Any, Optional
 
-from ..._constants import LANE_TCP_WAKE_BYTES
+from ..._constants import LANE_MEMORY_MAX_PAUSE, LANE_TCP_WAKE_BYTES
 from ...worker.lane import recv_reply, shut_down
 from .buffers import ReceiveBuffers
 from .lane_memory import LaneMemory
@@ -56,6 +56,11 @@ class Lane:
         self.unread: deque[LaneTicket] = deque()
         # the largest reply that did not fit its slots since the memory last grew: it grows before the next call
         self.needed = 0
+        # calls to send without slots before trying the memory again, and how many the last pause was: the worker's
+        # replies could not use it (larger than the largest memory, or refused by the plain pickler; NOTE [ raydl
+        # lane memory ], pauses)
+        self.pause = 0
+        self.last_pause = 0
 
     def recv(self, alloc: Any) -> tuple:
         """Read the next reply: the oldest unread ticket's (replies come in the order of the calls)."""
@@ -72,6 +77,27 @@ class Lane:
         self.memory.counts.noted(how)
         if how == "full":
             self.needed = max(self.needed, nbytes)
+        elif how == "refused":
+            self._paused()
+        elif how == "memory":
+            self.last_pause = 0
+
+    def _paused(self) -> None:
+        """The next calls go without slots: 1, then twice as many after each reply that still cannot use the memory,
+        at most LANE_MEMORY_MAX_PAUSE (NOTE [ raydl lane memory ], pauses)."""
+        self.last_pause = self.pause = min(max(1, 2 * self.last_pause), LANE_MEMORY_MAX_PAUSE)
+
+    def slots_for(self, k: int) -> Optional[tuple[list, list]]:
+        """The slots a call of `k` tasks may fill (`LaneMemory.take`), or None: no memory, none free, or a pause."""
+        if self.memory is None:
+            return None
+        if self.needed:
+            self.grow()
+        if self.pause:
+            self.pause -= 1
+            self.memory.counts.paused += 1
+            return None
+        return self.memory.take(k)
 
     def grow(self) -> None:
         """A larger memory in place of this lane's, for the replies that did not fit (`needed`), sent to the worker
@@ -80,6 +106,8 @@ class Lane:
         needed, self.needed = self.needed, 0
         memory = self.memory.grown(needed)
         if memory is None:
+            if needed > self.memory.slot_bytes:  # at the cap (or no larger memory could be made): the socket it is
+                self._paused()
             return
         try:
             memory.send(self.conn)

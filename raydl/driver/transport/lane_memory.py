@@ -32,6 +32,7 @@ class LaneMemoryCounts:
         self.replies = 0  # replies read from the memory
         self.fell_back = {"full": 0, "refused": 0, "error": 0}  # replies to calls given slots that came over the socket
         self.no_slots = 0  # calls given no slots (too few free: the user holds the batches), their replies the socket's
+        self.paused = 0  # calls given no slots in a pause: the worker's last replies could not use the memory
         self.mapped_bytes = 0  # bytes of lane memory this process maps now (an old memory until its batches go)
         self._lock = threading.Lock()  # a mapping's finalizer runs in whichever thread drops its last batch
 
@@ -63,6 +64,7 @@ class LaneMemoryCounts:
             "replies_refused": self.fell_back["refused"],
             "replies_failed": self.fell_back["error"],
             "calls_without_slots": self.no_slots,
+            "calls_paused": self.paused,
             "regrown": self.regrown,
             "slot_bytes": self.slot_bytes,
             "mapped_bytes": self.mapped_bytes,
