@@ -97,3 +97,36 @@ def test_takes_and_nexts_mixed_give_torchs_samples_and_resume(kind, n, num_sampl
         resumed = RngSamplerIter(make())
         resumed.load_state_dict(state[0])
         assert resumed.take(len(want) + 1) == want[state[1] :]
+
+
+@pytest.mark.parametrize("own", [False, True])
+@pytest.mark.parametrize("by", ["batches", "samples"])
+@pytest.mark.parametrize("num_samples", [None, 206, 150])
+def test_an_epoch_of_random_sampler_skips_the_remainder_draw_only_for_its_private_generator(
+    monkeypatch, own, by, num_samples
+):
+    """NOTE [ raydl sampler end ]: with no generator of the sampler's own (shuffle=True's default) the epoch ends at
+    its last sample without torch's trailing `randperm` of a remainder sliced to nothing: one draw fewer, the same
+    samples and global RNG. With the sampler's own generator every draw is made, so the generator ends where torch
+    leaves it (the next epoch depends on it)."""
+    real = torch.randperm
+    draws = []
+    monkeypatch.setattr(torch, "randperm", lambda *a, **k: draws.append(a) or real(*a, **k))
+
+    def make():
+        g = torch.Generator().manual_seed(9) if own else None
+        return RandomSampler(range(103), num_samples=num_samples, generator=g)
+
+    torch.manual_seed(4)
+    reference = make()
+    want = list(BatchSampler(reference, 8, False)) if by == "batches" else list(reference)
+    torch_draws, draws[:] = len(draws), []
+    after_torch = torch.rand(2)
+    torch.manual_seed(4)
+    sampler = make()
+    got = list(BatchIter(BatchSampler(sampler, 8, False))) if by == "batches" else list(RngSamplerIter(sampler))
+    assert got == want and torch.equal(torch.rand(2), after_torch)
+    assert torch_draws == -(-len(reference) // 103) + (len(reference) % 103 == 0)
+    assert len(draws) == torch_draws - (not own and len(reference) % 103 == 0)
+    if own:
+        assert torch.equal(sampler.generator.get_state(), reference.generator.get_state())
