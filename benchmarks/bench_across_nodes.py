@@ -8,7 +8,9 @@ incompressible column; `cache_limit` a quarter of the data on each node; `shuffl
 64, one worker per data node, `--epochs` epochs. Each cluster size runs twice, each time in cache folders of its own:
   * each node alone (`RAYDL_CACHE_PEERS=0`, as before issue 38 item 3): every node fetches its own units;
   * cooperative caches (the default, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node, the
-    others take it from the owner's cache.
+    others take it from the owner's cache;
+  * with `--unordered`, also cooperative caches with `in_order=False`: a batch's worker is not known ahead, so each
+    batch is in every node's plan (NOTE [ raydl node cache ]); its batches are compared with torch's as a set.
 Prints, per cluster size, mode and epoch: S3 bytes / data for the cluster and for each node, bytes taken from peers,
 fallbacks to storage, whether the batches are torch's (its DataLoader over the same files, same generator), and
 samples/s (a 2-core machine: the rate is the CPUs', not storage's). Needs root (network namespaces).
@@ -40,13 +42,13 @@ def _driver(args) -> dict:
 
     import raydl
     from tests._netns_cache_main import _batches, _write_corpus
-    from tests._netns_main import _cluster, _wait_alive
+    from tests._netns_driver import state_cluster, wait_alive
     from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
 
     ray.init()
-    cluster = _cluster()
+    cluster = state_cluster()
     head = cluster.ip(0)
-    out: dict = {"alive": _wait_alive(len(cluster.nodes)), "modes": {}}
+    out: dict = {"alive": wait_alive(len(cluster.nodes)), "modes": {}}
     ip_of = {node["NodeID"]: node["NodeManagerAddress"] for node in ray.nodes()}
     corpus = tempfile.mkdtemp(prefix="raydl-bench-across-")
     moto = proxy = None
@@ -67,12 +69,15 @@ def _driver(args) -> dict:
         )
         expected = [_batches(reference) for _ in range(args.epochs)]
         raydl.release_node_caches()
-        for mode, peers in (("alone", "0"), ("cooperative", "1")):
+        modes = [("alone", "0", True), ("cooperative", "1", True)]
+        if args.unordered:
+            modes.append(("cooperative, in_order=False", "1", False))
+        for mode, peers, in_order in modes:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
             ds = raydl.ParquetDataset(
                 "s3://corpus/data/",
                 filesystem=s3fs(proxy.port, attempts=3, host=head),
-                cache_dir=os.path.join(cluster.private_dir, mode),
+                cache_dir=os.path.join(cluster.private_dir, mode.split(",")[0] + ("" if in_order else "-unordered")),
                 cache_limit=limit,
             )
             loader = raydl.DataLoader(
@@ -82,6 +87,7 @@ def _driver(args) -> dict:
                 num_workers=len(cluster.nodes) - 1,
                 generator=torch.Generator().manual_seed(SEED),
                 persistent_workers=False,
+                in_order=in_order,
                 timeout=120,
                 ray_startup_timeout_s=300,
             )
@@ -95,7 +101,7 @@ def _driver(args) -> dict:
                 per_node = loader.stats().cache["per_node"]
                 epochs.append(
                     {
-                        "same_as_torch": got == expected[e],
+                        "same_as_torch": got == expected[e] if in_order else sorted(got) == sorted(expected[e]),
                         "samples_s": round(len(local) / dt),
                         "s3_bytes": proxy.get_bytes,
                         "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
@@ -136,6 +142,7 @@ def _run_cluster(n: int, args) -> dict:
             "--driver",
             *("--files", str(args.files), "--groups", str(args.groups), "--rows", str(args.rows)),
             *("--payload", str(args.payload), "--epochs", str(args.epochs)),
+            *(["--unordered"] if args.unordered else []),
             timeout_s=1200,
             RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
         )
@@ -151,6 +158,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=150)
     ap.add_argument("--payload", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument("--unordered", action="store_true", help="also cooperative caches with in_order=False")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:
