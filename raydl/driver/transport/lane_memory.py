@@ -93,8 +93,7 @@ class LaneMemory:
         # each slot its own array: its reference count says whether it is in use
         self._slots = [whole[i * self.slot_bytes : (i + 1) * self.slot_bytes] for i in range(slots)]
         self._given = [False] * slots
-        self.reused = 0  # slots given to a call again (tests) ...
-        self.full = 0  # ... and calls that found too few free slots (their replies came over the socket)
+        self.reused = 0  # slots given to a call again (tests); calls that found too few free: `counts.no_slots`
 
     def send(self, conn: Any) -> None:
         """Hand the memory to the worker (the lane's first message, or ahead of a call: a larger memory); this process
@@ -116,7 +115,6 @@ class LaneMemory:
                         self.reused += self._given[j]
                         self._given[j] = True
                     return [self._slots[j] for j in free], [(j * self.slot_bytes, self.slot_bytes) for j in free]
-        self.full += 1
         self.counts.no_slots += 1
         return None
 
