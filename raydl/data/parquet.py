@@ -216,15 +216,22 @@ class ParquetDataset(Dataset):
 
     def _check_window(self, window: Optional[int]) -> int:
         """The window in row groups; refuses a cache_limit too small for what must be held at once."""
-        largest = int(self._unit_bytes.max()) if len(self._unit_bytes) else 0
+        from ..cluster.cache.unit_file import UNIT_TRAILER_BYTES
+
+        # a row group as the node cache holds it: its column chunks and its checksum trailer (a limit of exactly twice
+        # the chunks held one unit, not two: one node re-read the data 3.4x, cooperative caches waited on each other)
+        largest = int(self._unit_bytes.max()) + UNIT_TRAILER_BYTES if len(self._unit_bytes) else 0
         need = 2 * largest  # one row group being read, the next one arriving
         if self.cache_limit < need:
             raise ValueError(
                 f"ParquetDataset: cache_limit={self.cache_limit} bytes is too small: a batch in flight needs at least "
-                f"{need} bytes (2 x the largest row group, {largest} bytes). Raise cache_limit to {need} or more."
+                f"{need} bytes (2 x the largest row group as the cache holds it, {largest} bytes with its checksum). "
+                f"Raise cache_limit to {need} or more."
             )
         if window is None:
-            fits = (self.cache_limit // 2) // max(largest, 1)  # half the cache: the other half prefetches
+            # half the cache: the other half prefetches (reckoned in column chunks, as it always was: the window
+            # decides the shuffle's order, which must not move under a saved checkpoint)
+            fits = (self.cache_limit // 2) // max(largest - UNIT_TRAILER_BYTES, 1)
             decodes = max(2, _DECODED_BYTES // max(self._largest_decoded, 1))
             return max(1, min(self.num_units, fits, decodes))
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
@@ -235,7 +242,7 @@ class ParquetDataset(Dataset):
         if self.cache_limit < need:
             raise ValueError(
                 f"ParquetDataset: shuffle_window={window} row groups need up to {need} bytes of cache (the window and "
-                f"one row group arriving, largest {largest} bytes); cache_limit is {self.cache_limit}. Raise "
+                f"one row group arriving, largest {largest} bytes with its checksum); cache_limit is {self.cache_limit}. Raise "
                 f"cache_limit to {need} or lower shuffle_window to {max(1, self.cache_limit // largest - 1)}."
             )
         return window
