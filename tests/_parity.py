@@ -88,6 +88,29 @@ def _run_forked(fn: Callable[[], Any]) -> Any:
         gc.unfreeze()
 
 
+def torch_epochs(dataset: Any, epochs: int, **kwargs: Any) -> list[list[Any]]:
+    """torch's own epochs of `torch.utils.data.DataLoader(dataset, **kwargs)`, the reference a test compares with.
+
+    Its workers are forks of this process, a Ray driver with many threads, and a fork can leave a lock held in the
+    child: a worker once stopped inside default_collate's `torch.stack` for good (beside two CPU spinners; the test
+    then timed out at 600 s). So with workers torch's own `timeout` bounds each batch (BATCH_TIMEOUT_S), and a loader
+    that timed out is made again once, from the same RNG states (the global one, the loader's `generator`), so the
+    second try draws what the first drew. Garbage is frozen first, as for `_run_forked`."""
+    if kwargs.get("num_workers", 0) > 0:
+        kwargs.setdefault("timeout", BATCH_TIMEOUT_S)
+    generator = kwargs.get("generator")
+    states = (torch.get_rng_state(), generator.get_state() if generator is not None else None)
+    try:
+        return _run_forked(lambda: run_epochs(torch.utils.data.DataLoader(dataset, **kwargs), epochs))
+    except RuntimeError as e:
+        if "timed out" not in str(e):
+            raise
+    torch.set_rng_state(states[0])
+    if generator is not None:
+        generator.set_state(states[1])
+    return _run_forked(lambda: run_epochs(torch.utils.data.DataLoader(dataset, **kwargs), epochs))
+
+
 def assert_same_batches(
     make_dataset: Callable[[], Any],
     *,
@@ -120,9 +143,7 @@ def assert_same_batches(
         t_kwargs["generator"] = torch.Generator().manual_seed(seed)
         r_kwargs["generator"] = torch.Generator().manual_seed(seed)
         _seed_everything(seed)
-    expected = _run_forked(
-        lambda: run_epochs(torch.utils.data.DataLoader(make_dataset(), num_workers=tw, **t_kwargs), epochs)
-    )
+    expected = torch_epochs(make_dataset(), epochs, num_workers=tw, **t_kwargs)
     if seed is not None:
         _seed_everything(seed)
     with raydl.DataLoader(make_dataset(), num_workers=num_workers, **r_kwargs) as loader:

@@ -18,7 +18,7 @@ from raydl._constants import LANE_MAX_BATCH_BYTES, LANE_OUT_OF_BAND_BYTES
 from raydl.worker.lane import recv_reply, send_reply
 from raydl.worker.transfer import decode, encode
 from tests import _datasets as D
-from tests._parity import assert_epochs_equal, run_epochs
+from tests._parity import assert_epochs_equal, run_epochs, torch_epochs
 from tests._resume_parity import check_resume
 
 pytestmark = pytest.mark.usefixtures("ray_session")
@@ -64,7 +64,7 @@ def test_default_configuration_on_lanes_matches_torch(lanes_on, kind):
     """shuffle=True, no generator, persistent workers, 3 epochs: torch's batches, and the calls went over lanes."""
     torch.manual_seed(7)
     kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
-    expected = run_epochs(torch.utils.data.DataLoader(D.RandomAugmentDataset(160), **kwargs), 3)
+    expected = torch_epochs(D.RandomAugmentDataset(160), 3, **kwargs)
     torch.manual_seed(7)
     with raydl.DataLoader(D.RandomAugmentDataset(160), **kwargs) as loader:
         actual = run_epochs(loader, 3)
@@ -256,7 +256,7 @@ def test_reply_memory_is_used_again_only_once_its_batch_is_gone(kind):
     ds = _Sized(96, 16 * 1024)
     kwargs = dict(batch_size=4, shuffle=True, num_workers=2, persistent_workers=True)
     torch.manual_seed(3)
-    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 2)
+    expected = torch_epochs(ds, 2, **kwargs)
     torch.manual_seed(3)
     with raydl.DataLoader(ds, timeout=TIMEOUT_S, **kwargs) as loader:
         kept, view = [], None
@@ -443,7 +443,7 @@ def test_mid_size_batches_take_lanes_out_of_band_and_match_torch(lanes_on, kind)
     assert LANE_OUT_OF_BAND_BYTES < 32768 * 4 * 8 <= LANE_MAX_BATCH_BYTES
     kwargs = dict(batch_size=8, shuffle=True, num_workers=2, persistent_workers=True)
     torch.manual_seed(11)
-    expected = run_epochs(torch.utils.data.DataLoader(_MidSize(320), **kwargs), 2)
+    expected = torch_epochs(_MidSize(320), 2, **kwargs)
     torch.manual_seed(11)
     with raydl.DataLoader(_MidSize(320), timeout=TIMEOUT_S, **kwargs) as loader:
         actual = run_epochs(loader, 2)

@@ -13,7 +13,7 @@ import torch
 import raydl
 from raydl.worker.lane_memory import ARENA_MARK, MemoryFull, dumps_into, loads_from
 from raydl.worker.transfer import decode, encode
-from tests._parity import assert_epochs_equal, run_epochs
+from tests._parity import assert_epochs_equal, run_epochs, torch_epochs
 
 TIMEOUT_S = 120
 Pair = collections.namedtuple("Pair", "left right")
@@ -109,7 +109,7 @@ def test_held_and_growing_batches_on_a_local_lane_match_torch(ray_session, grow)
     memory since replaced included."""
     ds = _Growing(192, grow)
     kwargs = dict(batch_size=4, num_workers=2, persistent_workers=True)
-    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 2)
+    expected = torch_epochs(ds, 2, **kwargs)
     with raydl.DataLoader(ds, timeout=TIMEOUT_S, ray_lane=True, **kwargs) as loader:
         actual = run_epochs(loader, 2)  # keeps every batch
         lanes = loader._iterator._calls._lanes
@@ -155,7 +155,7 @@ def test_batches_growing_past_the_first_go_through_a_larger_memory(ray_session):
     is in, which on a busy host may be late in the first."""
     ds = _StepUp(96, small=16)
     kwargs = dict(batch_size=4, num_workers=2, persistent_workers=True)
-    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 2)
+    expected = torch_epochs(ds, 2, **kwargs)
     with raydl.DataLoader(ds, timeout=TIMEOUT_S, ray_lane=True, **kwargs) as loader:
         actual = run_epochs(loader, 2)  # keeps every batch
         m = _memory_figures(loader)
@@ -175,7 +175,7 @@ def test_batches_past_the_cap_cross_the_socket_counted_intact(ray_session, monke
     monkeypatch.setattr(lane_memory, "LANE_MEMORY_MAX_SLOT_BYTES", 160 * 1024)
     ds = _StepUp(48, small=16)
     kwargs = dict(batch_size=4, num_workers=2, persistent_workers=True)
-    expected = run_epochs(torch.utils.data.DataLoader(ds, **kwargs), 2)
+    expected = torch_epochs(ds, 2, **kwargs)
     with raydl.DataLoader(ds, timeout=TIMEOUT_S, ray_lane=True, **kwargs) as loader:
         actual = run_epochs(loader, 2)
         m = _memory_figures(loader)

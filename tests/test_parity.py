@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import functools
+import os
+import time
 
 import pytest
+import torch
 
 from tests import _datasets as D
 from tests._parity import assert_same_batches
@@ -117,3 +120,40 @@ def test_iterable_unsharded_duplicates_like_torch():
 def test_num_workers_zero_is_torch():
     """num_workers=0 loads in the calling process exactly as torch does."""
     assert_same_batches(lambda: D.RandomAugmentDataset(9), batch_size=2, shuffle=True, num_workers=0)
+
+
+class _StuckOnce(torch.utils.data.Dataset):
+    """Its first sample, the first time any process asks (a marker file says), never comes back in time: as a forked
+    worker stuck on a lock held at the fork."""
+
+    def __init__(self, marker: str) -> None:
+        self.marker = marker
+
+    def __len__(self) -> int:
+        return 12
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        if not os.path.exists(self.marker):
+            open(self.marker, "w").close()
+            time.sleep(60)
+        return torch.tensor([i])
+
+
+def test_a_torch_reference_that_times_out_is_made_again_from_the_same_rng(tmp_path):
+    """tests/_parity.torch_epochs: torch's reference loader stuck once (a worker that never answers) times out and is
+    made again with the global RNG and the loader's generator as they were: the same batches as a loader that never
+    stuck, shuffle=True with and without a generator."""
+    from tests._parity import assert_epochs_equal, torch_epochs
+
+    never = tmp_path / "never-stuck"
+    never.touch()
+    for seed in (None, 5):
+        kwargs = dict(batch_size=4, shuffle=True, num_workers=2, timeout=2)
+        make = lambda: dict(kwargs, generator=torch.Generator().manual_seed(seed)) if seed else kwargs  # noqa: E731
+        torch.manual_seed(3)
+        want = torch_epochs(_StuckOnce(str(never)), 2, **make())
+        torch.manual_seed(3)
+        marker = tmp_path / f"stuck-{seed}"
+        got = torch_epochs(_StuckOnce(str(marker)), 2, **make())
+        assert marker.exists()
+        assert_epochs_equal(want, got)
