@@ -21,7 +21,7 @@ from .cluster.locality import warn_if_workers_oversubscribe
 from .driver.coldstart.iter import ColdStartIter, cold_start_applies
 from .driver.inprocess import _InProcessIter
 from .driver.iter import _RayLoaderIter
-from .driver.lifecycle import EpochIter
+from .driver.lifecycle import EpochIter, StartHold
 from .driver.spec import LoaderSpec, index_sampler_of
 from .driver.state.draws import restore_next_epoch_rng
 from .driver.state.layout import FINISHED, STEPS_SINCE_SNAPSHOT, validate
@@ -288,6 +288,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._next_iter_state: Optional[Mapping] = None  # from load_state_dict, for the next iter()
         self._state_source: Any = None  # what state_dict() reads: the last iterator's (or its tracker)
         self._prepared_iter: Any = None  # made by state_dict() before any iteration; the next iter() returns it
+        self._start_hold: Optional[StartHold] = None  # NOTE [ raydl start hold ] in driver/lifecycle.py
         torch_shuffle = shuffle
         if shuffle and sampler is None and batch_sampler is None and hasattr(dataset, "raydl_shuffle_sampler"):
             # the dataset supplies what shuffle=True means over it (NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py)
@@ -356,7 +357,8 @@ class DataLoader(_TorchDataLoader[T_co]):
         it: EpochIter = ColdStartIter(spec) if cold_start_applies(spec, state) else _RayLoaderIter(spec, state)
         self._live_iters().add(it)
         self._stats_recorder = it.stats_recorder  # NOTE [ raydl stats ]: the recorder, never the iterator
-        self._state_source = it.checkpoint  # never the iterator: a dropped one is released
+        self._state_source = it.checkpoint  # never the iterator: a dropped one is released, except
+        self._start_hold = StartHold.of(it)  # while its workers' start snapshots are not in (NOTE [ raydl start hold ])
         return it
 
     def _live_iters(self) -> weakref.WeakSet:
@@ -442,7 +444,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if isinstance(self._prepared_iter, _RAY_ITERS) and self._prepared_iter is not self._iterator:
             self._prepared_iter.shutdown()
         self._prepared_iter = None
-        self._next_iter_state = state_dict
+        self._next_iter_state = copy.deepcopy(dict(state_dict))  # by value: the caller may reuse or change theirs
 
     def set_num_workers(self, num_workers: int) -> None:
         """Resize the worker pool to `num_workers`, now: mid-epoch, in every live iterator, and for later ones.
@@ -524,6 +526,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         if isinstance(self._iterator, _RAY_ITERS):
             self._iterator.shutdown()
         self._iterator = None
+        self._start_hold = None
 
     def __enter__(self) -> DataLoader[T_co]:
         return self
@@ -536,6 +539,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         state["_iterator"] = None  # actors belong to this process's loader, not to a copy
         state["_state_source"] = None
         state["_prepared_iter"] = None
+        state["_start_hold"] = None
         state.pop("_ray_iters", None)
         state["_stats_recorder"] = None
         return state

@@ -238,3 +238,124 @@ class LazyResumeIterable(IterableDataset):
 def identity_collate(batch):
     """`collate_fn=lambda x: x`, importable by workers: the samples as the sampler drew them, a list per batch."""
     return batch
+
+
+# ---------------------------------------------------------------- states reported by reference (NOTE [ raydl state by value ])
+
+
+class LiveFlips(IterableDataset):
+    """Yields bit `step % 4` after flipping it; `state_dict()` returns its live dict, as most datasets do, and
+    `load_state_dict()` keeps a copy: a state recorded by reference is changed by the batches after it."""
+
+    def __init__(self, n: int = 60) -> None:
+        self.n = n
+        self.bits, self.step = {0: 0, 1: 0, 2: 0, 3: 0}, 0
+
+    def __iter__(self):
+        while self.step < self.n:
+            self.step += 1
+            b = self.step % 4
+            self.bits[b] = 1 - self.bits[b]
+            yield self.bits[b]
+
+    def state_dict(self) -> dict:
+        return {"bits": self.bits, "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.bits, self.step = dict(state["bits"]), state["step"]
+
+
+class LiveCounter(Dataset):
+    """Item i is [i, calls so far in this copy, the offset worker_init_fn set]; `state_dict()` returns its live
+    box and `load_state_dict()` keeps the box it is given (torchdata's PeriodicStateIterableDataset does too)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.box = {"calls": 0, "offset": -1}
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        self.box["calls"] += 1
+        return torch.tensor([i, self.box["calls"], self.box["offset"]])
+
+    def state_dict(self) -> dict:
+        return {"box": self.box}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.box = state["box"]
+
+
+def live_counter_init(worker_id: int) -> None:
+    """worker_init_fn: the worker's copy of LiveCounter starts from an offset of its own, in a new live box."""
+    info = get_worker_info()
+    info.dataset.box = {"calls": 0, "offset": 100 * worker_id}
+
+
+class LiveSampler(torch.utils.data.Sampler):
+    """Indices 0..n-1 in a fixed shuffle; its position lives in a dict that `state_dict()` returns as it is."""
+
+    def __init__(self, n: int) -> None:
+        self.order = torch.randperm(n, generator=torch.Generator().manual_seed(3)).tolist()
+        self.pos = {"next": 0}
+
+    def __len__(self) -> int:
+        return len(self.order)
+
+    def __iter__(self):
+        while self.pos["next"] < len(self.order):
+            self.pos["next"] += 1
+            yield self.order[self.pos["next"] - 1]
+        self.pos["next"] = 0
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.pos = dict(state["pos"])
+
+
+class IterCalls(IterableDataset):
+    """Counts its `__iter__` calls, which is its whole state; `load_state_dict()` takes nothing back (a worker that
+    called `__iter__` once after a load reports 1, not 2)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.iter_calls = 0
+
+    def __iter__(self):
+        self.iter_calls += 1
+        info = get_worker_info()
+        wid, nw = (info.id, info.num_workers) if info is not None else (0, 1)
+        return iter(range(wid, self.n, nw))
+
+    def state_dict(self) -> dict:
+        return {"iter_calls": self.iter_calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        pass
+
+
+class InitCalls(Dataset):
+    """Map-style: worker_init_fn counts into `inits` (its whole state), which `load_state_dict()` restores."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.inits = 0
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i):
+        return i
+
+    def state_dict(self) -> dict:
+        return {"inits": self.inits}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.inits = state["inits"]
+
+
+def count_init(worker_id: int) -> None:
+    get_worker_info().dataset.inits += 1

@@ -18,7 +18,7 @@ import torch
 from ..job.global_epoch import GLOBAL_EPOCH
 from ..worker.fetch import IterableFetcher, MapFetcher, warn_if_length_exceeded
 from ..worker.seeding import _SavedRNG, seed_batch, seed_sample
-from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, is_stateful
+from ..worker.state import DATASET_ITER_STATE, DATASET_STATE, FETCHER_ENDED, FETCHER_STATE, by_value, is_stateful
 from .device import pin_memory, pin_memory_target, warn_pin_memory_args
 from .state.checkpoint import Deal, restore_sampler
 from .state.draws import draw_base_seed, global_rng_record, iterator_base_seed, next_epoch_draws_global, saved_base_seed
@@ -98,7 +98,7 @@ class _InProcessIter(Iterator[Any]):
             self._sampler_iter_yielded = int(state[SAMPLER_ITER_YIELDED])
             self._num_yielded = int(state[NUM_YIELDED])
             if state.get(DATASET_STATE) is not None and is_stateful(self._dataset):
-                self._dataset.load_state_dict(state[DATASET_STATE])
+                self._dataset.load_state_dict(by_value(state[DATASET_STATE]))
         if self._is_iterable:
             self._fetcher: Any = IterableFetcher(self._dataset, self._auto_collation, collate, spec.drop_last)
             if state is not None:
@@ -106,7 +106,7 @@ class _InProcessIter(Iterator[Any]):
                 fetcher_state = state.get(FETCHER_STATE) or {}
                 if is_stateful(self._dataset) or is_stateful(it):
                     if fetcher_state.get(DATASET_ITER_STATE) is not None and is_stateful(it):
-                        it.load_state_dict(fetcher_state[DATASET_ITER_STATE])
+                        it.load_state_dict(by_value(fetcher_state[DATASET_ITER_STATE]))
                     self._fetcher.ended = bool(fetcher_state.get(FETCHER_ENDED, False))
                 else:  # a stream without state: replay it, as torchdata does
                     replay, self._num_yielded = self._num_yielded, 0
@@ -191,15 +191,15 @@ class _InProcessIter(Iterator[Any]):
         if self._is_iterable:
             it = self._fetcher.dataset_iter
             fetcher_state: Optional[dict] = {
-                DATASET_ITER_STATE: it.state_dict() if is_stateful(it) else None,
+                DATASET_ITER_STATE: by_value(it.state_dict()) if is_stateful(it) else None,
                 FETCHER_ENDED: bool(self._fetcher.ended),
             }
             dataset_state = (
-                self._dataset.state_dict() if it is not self._dataset and is_stateful(self._dataset) else None
+                by_value(self._dataset.state_dict()) if it is not self._dataset and is_stateful(self._dataset) else None
             )
         else:
             fetcher_state = None
-            dataset_state = self._dataset.state_dict() if is_stateful(self._dataset) else None
+            dataset_state = by_value(self._dataset.state_dict()) if is_stateful(self._dataset) else None
         ours = {
             **self._facts,
             SAMPLER_EPOCH: record,

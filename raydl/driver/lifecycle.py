@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import weakref
 from enum import IntEnum
 from typing import Any, Iterator, Optional, Protocol
 
-__all__ = ["Checkpoint", "EpochIter", "IterState"]
+__all__ = ["Checkpoint", "EpochIter", "IterState", "StartHold"]
 
 
 class IterState(IntEnum):
@@ -26,6 +27,38 @@ class Checkpoint(Protocol):
         ...
 
     def state_dict(self) -> dict: ...
+
+    def call_when_started(self, callback: Any) -> bool:
+        """Call `callback()()` once every worker's start snapshot is in; False when they all are already."""
+        ...
+
+
+class StartHold:
+    """The loader's hold on its newest iterator until every worker's start snapshot is in.
+
+    NOTE [ raydl start hold ]: a state taken right after `iter()`, before any batch, reports each worker's dataset
+    state as its `__iter__` (or a loaded state) left it, as StatefulDataLoader's does; only the workers know it, and
+    they report it when they have started (their configure() reply). torchdata's loader keeps its last iterator, so
+    `iter(loader); loader.state_dict()` still finds the workers; raydl's loader keeps only an iterator's record, so
+    that a dropped iterator releases its workers at once. In between: the loader keeps the newest iterator only
+    while some of its workers' start snapshots are missing (a stateful or iterable dataset, or a loaded state:
+    for a map-style dataset without state the driver knows them), and lets go of it once they are in, at the
+    next `iter()` or at `shutdown()`. A dropped iterator whose workers are still starting is so released once a
+    `state_dict()` has waited for them (bounded by `ray_startup_timeout_s`), or at the loader's next `iter()`."""
+
+    __slots__ = ("it", "__weakref__")
+
+    def __init__(self, it: Any) -> None:
+        self.it = it
+
+    @classmethod
+    def of(cls, it: Any) -> Optional[StartHold]:
+        """A hold on `it` while its record waits for start snapshots; None when it waits for none."""
+        hold = cls(it)
+        return hold if it.checkpoint.call_when_started(weakref.WeakMethod(hold.release)) else None
+
+    def release(self) -> None:
+        self.it = None
 
 
 class EpochIter(Protocol):

@@ -51,6 +51,7 @@ from .state import (
     FETCHER_STATE,
     RNG,
     RngTracker,
+    by_value,
     is_stateful,
     make_worker_snapshot,
     restore_rng,
@@ -288,14 +289,15 @@ class WorkerBody:
         """Take back a worker snapshot (torchdata's order: dataset, then its iterator; then the generators)."""
         p = self._payload
         assert p is not None
+        # by value: a dataset may keep what it loads and mutate it (NOTE [ raydl state by value ] in worker/state.py)
         if state.get(DATASET_STATE) is not None and is_stateful(p.dataset):
-            p.dataset.load_state_dict(state[DATASET_STATE])
+            p.dataset.load_state_dict(by_value(state[DATASET_STATE]))
         self._fetcher = self._make_fetcher()
         fetcher_state = state.get(FETCHER_STATE)
         if p.is_iterable and fetcher_state is not None:
             it_state = fetcher_state.get(DATASET_ITER_STATE)
             if it_state is not None and is_stateful(self._fetcher.dataset_iter):
-                self._fetcher.dataset_iter.load_state_dict(it_state)
+                self._fetcher.dataset_iter.load_state_dict(by_value(it_state))
             # As torchdata: an ended stream is asked once more, and says so again.
             self._fetcher.ended = False
         if state.get(RNG) is not None:

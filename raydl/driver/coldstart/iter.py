@@ -146,6 +146,9 @@ class _EpochRecord:
     def state_dict(self) -> dict:
         return self.tracker.state_dict()
 
+    def call_when_started(self, callback: Any) -> bool:
+        return self.tracker.call_when_started(callback)
+
 
 class ColdStartIter(Iterator[Any]):
     """An epoch that starts with start-up makers and goes on with Ray workers (NOTE [ raydl cold start ]); an

@@ -211,6 +211,8 @@ class Tracker:
         self._restarts: dict[int, Any] = {}
         # the iterator's bounded wait for its workers' start (a weak method: None once it is gone)
         self.await_start: Optional[Callable[[], Optional[Callable[[], None]]]] = None
+        # what to call once every start snapshot is in (a weak method: NOTE [ raydl start hold ] in loader.py)
+        self._when_started: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         self.base_seed = 0
         # the iterator's epoch (persistent workers count them; ray_seed="batch" seeds from it)
         self.epoch = int((loaded.get(RAYDL) or {}).get("epoch", 0)) if loaded is not None and not self.replay else 0
@@ -238,6 +240,21 @@ class Tracker:
             if self.committed[w] is old:
                 self.committed[w] = snap
         self._unreported.clear()
+        self._started_now()
+
+    def call_when_started(self, callback: Callable[[], Optional[Callable[[], None]]]) -> bool:
+        """Call `callback()()` (a weak method) once every worker's start snapshot is in; False when all are already:
+        the loader then need not keep the iterator for them (NOTE [ raydl start hold ] in loader.py)."""
+        if not self._unreported:
+            return False
+        self._when_started = callback
+        return True
+
+    def _started_now(self) -> None:
+        callback, self._when_started = self._when_started, None
+        release = callback() if callback is not None else None
+        if release is not None:
+            release()
 
     def on_streams_restarting(self, refs: Mapping[int, Any]) -> None:
         """Persistent iterable workers restart their streams for the epoch just begun: the refs of their snapshots

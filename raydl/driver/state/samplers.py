@@ -19,7 +19,7 @@ from typing import Any, Iterator, Optional
 import torch
 from torch.utils.data import BatchSampler, RandomSampler, SubsetRandomSampler, WeightedRandomSampler
 
-from ...worker.state import is_stateful
+from ...worker.state import by_value, is_stateful
 
 __all__ = [
     "RNG_SAMPLERS",
@@ -254,9 +254,9 @@ def new_sampler_iter(index_sampler: Any) -> Iterator:
 
 def sampler_state(index_sampler: Any, it: Any) -> tuple:
     """(sampler iterator state, index sampler state) now; (None, None) for samplers without state."""
-    return (
-        it.state_dict() if is_stateful(it) else None,
-        index_sampler.state_dict() if is_stateful(index_sampler) else None,
+    return (  # by value: recorded at a draw, read at a later state_dict() (NOTE [ raydl state by value ])
+        by_value(it.state_dict()) if is_stateful(it) else None,
+        by_value(index_sampler.state_dict()) if is_stateful(index_sampler) else None,
     )
 
 
