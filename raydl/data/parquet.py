@@ -28,8 +28,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
-import torch
-from torch.utils.data import Dataset
 
 from .arrow import check_columns_and_transform
 from .columnar import (
@@ -41,8 +39,9 @@ from .columnar import (
     transformed_row,
     transformed_rows,
 )
-from .parquet_shuffle import ParquetDistributedSampler, ParquetShuffleSampler, _ShuffleIter, shard_aware_order
+from .parquet_shuffle import ParquetDistributedSampler, ParquetShuffleSampler, shard_aware_order
 from .segments import SegmentFile, merge_segments
+from .units import UnitDataset
 
 __all__ = [
     "ParquetDataset",
@@ -81,7 +80,7 @@ def parse_size(value: Union[int, str]) -> int:
     return n
 
 
-class ParquetDataset(Dataset):
+class ParquetDataset(UnitDataset):
     """A map-style dataset over Parquet files in object storage or a folder, read through a node-local cache.
 
     Example, on a local folder:
@@ -166,6 +165,8 @@ class ParquetDataset(Dataset):
         self._decoded_bytes = 0
         self._lock = threading.Lock()
 
+    _WHO = "ParquetDataset"
+
     # ------------------------------------------------------------------ the index
 
     def _build_units(self, infos: list) -> None:
@@ -248,21 +249,6 @@ class ParquetDataset(Dataset):
         return window
 
     @property
-    def num_units(self) -> int:
-        """Row groups (the units the cache holds)."""
-        return len(self._rows)
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the column chunks read (the selected columns of every row group): what one epoch fetches at least."""
-        return int(self._unit_bytes.sum())
-
-    @property
-    def unit_nbytes(self) -> np.ndarray:
-        """Bytes of each unit (row group, selected columns): what the node cache holds for it."""
-        return self._unit_bytes
-
-    @property
     def raydl_batch_transform(self) -> Optional[Callable[[dict], dict]]:
         """The `batch_transform` this dataset applies to each batch, if any."""
         return self._batch_transform
@@ -271,22 +257,7 @@ class ParquetDataset(Dataset):
     def column_names(self) -> list:
         return self._columns if self._columns is not None else self._footers[0].schema.to_arrow_schema().names
 
-    def __len__(self) -> int:
-        return int(self._starts[-1])
-
-    def shuffled_order(self, seed: int) -> np.ndarray:
-        """The epoch's order for `seed` (NOTE [ raydl parquet shuffle ])."""
-        return shard_aware_order(self._starts, self._rows, self.shuffle_window, seed)
-
-    def units_of(self, indices: Any) -> np.ndarray:
-        """The row group of each index."""
-        return np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
-
     # ------------------------------------------------------------------ what the loader and the cache ask
-
-    def raydl_shuffle_sampler(self, generator: Optional[torch.Generator]) -> ParquetShuffleSampler:
-        """The sampler `shuffle=True` uses over this dataset (NOTE [ raydl parquet shuffle ])."""
-        return ParquetShuffleSampler(self, generator)
 
     def raydl_cache_units(self) -> list:
         """Per unit: (path, file size, byte segments, key): what the node cache fetches (cluster/cache/node_actor.py)."""
@@ -295,14 +266,6 @@ class ParquetDataset(Dataset):
             for f, segs, key in zip(self._unit_file, self._segments, self._unit_keys)
         ]
 
-    @staticmethod
-    def raydl_order_ahead(sampler_iter: Any) -> Optional[np.ndarray]:
-        """The indices an epoch's sampler iterator will still yield, when it knows them (the dataset's own sampler)."""
-        for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
-            if isinstance(it, _ShuffleIter):
-                return it.remaining_order()
-        return None
-
     # ------------------------------------------------------------------ reading
 
     def __getitem__(self, index: int) -> Any:
@@ -310,15 +273,6 @@ class ParquetDataset(Dataset):
             idx = self._wrapped([index])
             return transformed_row(self._batch_transform, self._take_table(idx), "ParquetDataset", int(idx[0]))
         return self.__getitems__([index])[0]
-
-    def _wrapped(self, indices: Sequence[int]) -> np.ndarray:
-        """`indices` as row numbers, negative ones wrapped; IndexError names the first out of range."""
-        idx = np.asarray([int(i) for i in indices], dtype=np.int64)
-        n = len(self)
-        bad = idx[(idx < -n) | (idx >= n)]
-        if len(bad):
-            raise IndexError(f"ParquetDataset: index {int(bad[0])} out of range for {n} rows")
-        return np.where(idx < 0, idx + n, idx)
 
     def __getitems__(self, indices: Sequence[int]) -> list:
         idx = self._wrapped(indices)

@@ -1,0 +1,325 @@
+"""The sample index of tar shards: where each sample's members lie, read from the headers once and kept on disk.
+
+NOTE [ raydl tar index ]
+A shard is scanned header by header (`scan_members`): ustar and GNU headers, GNU long names, pax
+extended headers (`path`, `size`), each header's checksum checked; directories, links and other
+non-regular members are skipped, as tar's and webdataset's readers skip them. Members are grouped
+into samples by WebDataset's rule (`group_samples`): the key is the path up to the first `.` of its
+last component, the rest, lower-cased, the field; a run of consecutive members with one key is one
+sample; `__*__` metadata members and names without a `.` are skipped; a field twice in one run is an
+error, as in webdataset. A key whose members are not adjacent makes two samples, as webdataset does.
+How a shard is read for its headers: a local (or NFS) shard by positioned reads that hop over the
+data; a remote one in one streamed request, since each hop would be a request (~20 ms each to S3;
+benchmarks/README.md, "Tar shards: the index"). Shards are scanned in parallel. Each shard's index is
+written to `<cache_dir>/tar-index/` under a key of its path, size and modification time: a second
+job, another node or the next run reads it instead of scanning, and a shard that changed gets a new
+key, so it is scanned again, never read with a stale index. Progress (shards, bytes, time left) goes
+to a terminal's line, else to log lines; Ctrl-C stops the scan and keeps what was written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import re
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from typing import Any, Callable, Iterator, Optional
+
+__all__ = ["TarFormatError", "scan_members", "group_samples", "index_shards", "ShardIndex"]
+
+logger = logging.getLogger("raydl.data")
+
+BLOCK = 512
+_ZERO = bytes(BLOCK)
+_REGULAR = (b"0", b"\x00", b"7")
+_SKIPPED = (b"1", b"2", b"3", b"4", b"5", b"6")  # links, devices, directories, FIFOs
+_META = re.compile(r"__[^/]*__($|/)")
+_KEY = re.compile(r"^((?:.*/|)[^.]+)[.]([^/]*)$")
+_INDEX_THREADS = 16
+_STREAM_CHUNK = 8 << 20
+_INDEX_VERSION = 1
+
+
+class TarFormatError(ValueError):
+    """A shard that is not a tar, is truncated, or has a header whose checksum fails: names the shard and offset."""
+
+
+def _number(field: bytes, shard: str, offset: int) -> int:
+    """A header's numeric field: octal, or GNU's base-256 (first byte 0x80 / 0xff)."""
+    if field and field[0] in (0x80, 0xFF):
+        n = 0
+        for b in field[1:]:
+            n = (n << 8) | b
+        return n if field[0] == 0x80 else n - (256 ** (len(field) - 1))
+    text = field.split(b"\x00", 1)[0].strip()
+    try:
+        return int(text, 8) if text else 0
+    except ValueError:
+        raise TarFormatError(f"{shard}: a tar header at byte {offset} has a malformed number {field!r}") from None
+
+
+def _checksum_ok(block: bytes, shard: str, offset: int) -> bool:
+    try:
+        want = _number(block[148:156], shard, offset)
+    except TarFormatError:
+        return False
+    unsigned = sum(block[:148]) + 256 + sum(block[156:])  # the checksum field counts as 8 spaces
+    signed = unsigned - sum(b for b in block[:148] if b > 127) * 2 - sum(b for b in block[156:] if b > 127) * 2
+    return want in (unsigned, signed)
+
+
+def _text(raw: bytes) -> str:
+    return raw.split(b"\x00", 1)[0].decode("utf-8", "surrogateescape")
+
+
+def _pax(data: bytes, shard: str, offset: int) -> dict:
+    """A pax extended header's records ("LEN key=value\\n")."""
+    out, pos = {}, 0
+    while pos < len(data) and data[pos : pos + 1] not in (b"\x00", b""):
+        space = data.find(b" ", pos)
+        try:
+            length = int(data[pos:space])
+        except ValueError:
+            raise TarFormatError(f"{shard}: a malformed pax header at byte {offset}") from None
+        record = data[space + 1 : pos + length - 1]
+        key, _, value = record.partition(b"=")
+        out[key.decode("utf-8", "surrogateescape")] = value.decode("utf-8", "surrogateescape")
+        pos += length
+    return out
+
+
+def scan_members(read: Callable[[int, int], bytes], size: int, shard: str) -> Iterator[tuple]:
+    """(name, data offset, data size) of each regular member of a tar of `size` bytes, `read(offset, n)` giving its
+    bytes (offsets only grow). Raises TarFormatError naming the shard and byte offset."""
+    offset = 0
+    long_name: Optional[str] = None
+    pax: dict = {}
+    while True:
+        if offset + BLOCK > size:
+            if offset == size and offset > 0:
+                return  # no end-of-archive blocks: tar and webdataset accept that too
+            if offset == 0:
+                raise TarFormatError(f"{shard}: not a tar file (empty or shorter than one header)")
+            raise TarFormatError(f"{shard}: truncated at byte {size}: a header at byte {offset} is cut off")
+        block = read(offset, BLOCK)
+        if block == _ZERO:
+            return
+        if not _checksum_ok(block, shard, offset):
+            if offset == 0:
+                raise TarFormatError(f"{shard}: not a tar file (the first header's checksum fails)")
+            raise TarFormatError(f"{shard}: the tar header at byte {offset} fails its checksum (corrupt shard)")
+        kind = block[156:157]
+        n = _number(block[124:136], shard, offset)
+        if "size" in pax:
+            n = int(pax["size"])
+        data_at = offset + BLOCK
+        if data_at + n > size:
+            raise TarFormatError(
+                f"{shard}: truncated at byte {size}: the member whose header is at byte {offset} needs "
+                f"{n} bytes from byte {data_at}"
+            )
+        nxt = data_at + (n + BLOCK - 1) // BLOCK * BLOCK
+        if kind == b"x":
+            pax = _pax(read(data_at, n), shard, offset)
+        elif kind == b"g":
+            pass  # global pax records: no path or size of one member
+        elif kind == b"L":
+            long_name = _text(read(data_at, n))
+        elif kind == b"K":
+            pass  # a long link target: links are skipped
+        elif kind == b"S":
+            raise TarFormatError(f"{shard}: the member at byte {offset} is a GNU sparse file, which raydl cannot read")
+        else:
+            name = long_name if long_name is not None else _text(block[0:100])
+            prefix = _text(block[345:500]) if block[257:263] == b"ustar\x00" else ""
+            if long_name is None and prefix:
+                name = prefix + "/" + name
+            if "path" in pax:
+                name = pax["path"]
+            if kind in _REGULAR and not (kind == b"\x00" and name.endswith("/")):
+                yield name, data_at, n
+            elif kind not in _SKIPPED and kind not in _REGULAR:
+                logger.debug("raydl: %s: member %r of tar type %r skipped", shard, name, kind)
+            long_name, pax = None, {}
+        offset = nxt
+
+
+def group_samples(members: Iterator[tuple], shard: str) -> list:
+    """[(key, [(field, offset, size), ...]), ...] by WebDataset's rule (NOTE [ raydl tar index ])."""
+    samples: list = []
+    key: Optional[str] = None
+    fields: list = []
+    names: set = set()
+    for name, offset, n in members:
+        if "/" not in name and name.startswith("__") and name.endswith("__"):
+            continue
+        if _META.match(name):
+            continue
+        m = _KEY.match(name)
+        if m is None:
+            continue
+        prefix, field = m.group(1), m.group(2).lower()
+        if prefix != key:
+            if fields:
+                samples.append((key, fields))
+            key, fields, names = prefix, [], set()
+        if field in names:
+            raise ValueError(f"{shard}: member {name!r} repeats field {field!r} of sample {key!r} (duplicate name)")
+        names.add(field)
+        fields.append((field, offset, n))
+    if fields:
+        samples.append((key, fields))
+    return samples
+
+
+class _Forward:
+    """`read(offset, n)` over a stream read forward in large chunks (a remote shard's one request)."""
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._buf = b""
+        self._at = 0  # offset of _buf[0]
+        self.bytes_read = 0
+
+    def read(self, offset: int, n: int) -> bytes:
+        if offset < self._at:
+            raise RuntimeError("raydl bug: a tar scan read backwards")
+        end = offset + n
+        while self._at + len(self._buf) < end:
+            keep = self._buf[max(0, offset - self._at) :]
+            self._at = max(self._at, offset) if keep else self._at + len(self._buf)
+            chunk = self._stream.read(max(_STREAM_CHUNK, end - self._at - len(keep)))
+            if not chunk:
+                break
+            self.bytes_read += len(chunk)
+            self._buf = keep + chunk
+        start = offset - self._at
+        return bytes(self._buf[start : start + n])
+
+
+def scan_shard(fs: Any, path: str, size: int, url: str) -> list:
+    """One shard's samples (NOTE [ raydl tar index ]): positioned reads on a local disk, one stream elsewhere."""
+    local = type(fs).__name__ == "LocalFileSystem"
+    if local:
+        with fs.open_input_file(path) as f:
+            return group_samples(scan_members(lambda o, n: f.read_at(n, o), size, url), url)
+    with fs.open_input_stream(path) as f:
+        reader = _Forward(f)
+        return group_samples(scan_members(reader.read, size, url), url)
+
+
+class ShardIndex:
+    """A shard's samples as scanned: its size and modification time (the key of its stored index)."""
+
+    def __init__(self, url: str, size: int, samples: list) -> None:
+        self.url, self.size, self.samples = url, size, samples
+
+
+def _stored_name(path: str, size: int, mtime_ns: Optional[int]) -> str:
+    return hashlib.sha1(f"v{_INDEX_VERSION}|{path}|{size}|{mtime_ns}".encode()).hexdigest()[:32] + ".json"
+
+
+def _load(file: str) -> Optional[list]:
+    try:
+        with open(file, encoding="utf-8") as f:
+            doc = json.load(f)
+        return [(k, [tuple(x) for x in fields]) for k, fields in doc["samples"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent, or a partial write of another process: scanned again
+
+
+def _store(file: str, url: str, size: int, samples: list) -> None:
+    os.makedirs(os.path.dirname(file), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump({"url": url, "size": size, "samples": samples}, f, separators=(",", ":"))
+    os.replace(tmp, file)
+
+
+class _Progress:
+    """Shards done, bytes, time left: a terminal's line, else a log line every 10 s (first after 2 s)."""
+
+    def __init__(self, total_shards: int, total_bytes: int) -> None:
+        self.total_shards, self.total_bytes = total_shards, total_bytes
+        self.shards = self.bytes = 0
+        self.t0 = time.monotonic()
+        self._last = self.t0 - 8.0
+        self._tty = sys.stderr.isatty()
+        self._lock = threading.Lock()
+
+    def line(self) -> str:
+        took = time.monotonic() - self.t0
+        rate = self.bytes / took if took > 0 else 0.0
+        left = (self.total_bytes - self.bytes) / rate if rate > 0 else float("nan")
+        return (
+            f"raydl: indexing tar shards: {self.shards}/{self.total_shards} shards, "
+            f"{self.bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB, {took:.0f} s, about {left:.0f} s left"
+        )
+
+    def done(self, nbytes: int) -> None:
+        with self._lock:
+            self.shards += 1
+            self.bytes += nbytes
+            now = time.monotonic()
+            if self._tty:
+                if now - self._last >= 0.5 or self.shards == self.total_shards:
+                    self._last = now
+                    sys.stderr.write("\r" + self.line() + ("\n" if self.shards == self.total_shards else ""))
+                    sys.stderr.flush()
+            elif now - self._last >= 10.0:
+                self._last = now
+                logger.info("%s", self.line())
+
+
+def index_shards(fs: Any, shards: list, cache_dir: str) -> tuple:
+    """([samples of each shard], seconds spent scanning, bytes scanned) for `shards` = [(url, FileInfo)]: stored
+    indexes read, the others scanned in parallel and stored (NOTE [ raydl tar index ])."""
+    folder = os.path.join(cache_dir, "tar-index")
+    out: list = [None] * len(shards)
+    todo = []
+    for k, (url, info) in enumerate(shards):
+        file = os.path.join(folder, _stored_name(info.path, int(info.size), info.mtime_ns))
+        got = _load(file)
+        if got is None:
+            todo.append((k, url, info, file))
+        else:
+            out[k] = got
+    if not todo:
+        return out, 0.0, 0
+    progress = _Progress(len(todo), sum(int(i.size) for _, _, i, _ in todo))
+    t0 = time.perf_counter()
+
+    def one(k: int, url: str, info: Any, file: str) -> None:
+        from .storage import with_retries
+
+        samples = with_retries(lambda: scan_shard(fs, info.path, int(info.size), url), f"indexing {url}")
+        _store(file, url, int(info.size), samples)
+        out[k] = samples
+        progress.done(int(info.size))
+
+    pool = ThreadPoolExecutor(min(_INDEX_THREADS, len(todo)), thread_name_prefix="raydl_tar_index")
+    futures = [pool.submit(one, *t) for t in todo]
+    try:
+        pending = set(futures)
+        while pending:
+            finished, pending = wait(pending, timeout=0.5, return_when=FIRST_COMPLETED)
+            for fut in finished:
+                fut.result()  # the first shard that failed stops the build, named
+    except BaseException as e:
+        pool.shutdown(wait=False, cancel_futures=True)
+        if isinstance(e, KeyboardInterrupt):
+            logger.warning(
+                "raydl: indexing interrupted: %d of %d shards indexed and kept in %s",
+                progress.shards,
+                len(todo),
+                folder,
+            )
+        raise
+    pool.shutdown()
+    return out, time.perf_counter() - t0, progress.bytes

@@ -1,0 +1,76 @@
+"""What the datasets streamed through the node cache share: samples laid out in units, and the order over them.
+
+A unit is what the node cache fetches and holds (a Parquet row group, a run of a tar shard's samples): sample `i`
+lives in unit `u` where `_starts[u] <= i < _starts[u + 1]`. `shuffle=True` gives the dataset's own sampler over
+`shuffled_order` (NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py), which the cache is told ahead of
+time (`raydl_order_ahead`). A subclass sets `_starts`, `_rows`, `_unit_bytes`, `shuffle_window` and `_WHO`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from .parquet_shuffle import ParquetShuffleSampler, _ShuffleIter, shard_aware_order
+
+__all__ = ["UnitDataset"]
+
+
+class UnitDataset(Dataset):
+    """A map-style dataset whose samples lie in units that a node cache fetches (see the module's docstring)."""
+
+    _WHO = "UnitDataset"
+    _starts: np.ndarray
+    _rows: np.ndarray
+    _unit_bytes: np.ndarray
+    shuffle_window: int
+
+    @property
+    def num_units(self) -> int:
+        """The units the cache holds."""
+        return len(self._rows)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every unit: what one epoch fetches at least."""
+        return int(self._unit_bytes.sum())
+
+    @property
+    def unit_nbytes(self) -> np.ndarray:
+        """Bytes of each unit: what the node cache holds for it."""
+        return self._unit_bytes
+
+    def __len__(self) -> int:
+        return int(self._starts[-1])
+
+    def shuffled_order(self, seed: int) -> np.ndarray:
+        """The epoch's order for `seed` (NOTE [ raydl parquet shuffle ])."""
+        return shard_aware_order(self._starts, self._rows, self.shuffle_window, seed)
+
+    def units_of(self, indices: Any) -> np.ndarray:
+        """The unit of each index."""
+        return np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
+
+    def raydl_shuffle_sampler(self, generator: Optional[torch.Generator]) -> ParquetShuffleSampler:
+        """The sampler `shuffle=True` uses over this dataset (NOTE [ raydl parquet shuffle ])."""
+        return ParquetShuffleSampler(self, generator)  # type: ignore[arg-type]
+
+    @staticmethod
+    def raydl_order_ahead(sampler_iter: Any) -> Optional[np.ndarray]:
+        """The indices an epoch's sampler iterator will still yield, when it knows them (the dataset's own sampler)."""
+        for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
+            if isinstance(it, _ShuffleIter):
+                return it.remaining_order()
+        return None
+
+    def _wrapped(self, indices: Sequence[int], what: str = "rows") -> np.ndarray:
+        """`indices` as sample numbers, negative ones wrapped; IndexError names the first out of range."""
+        idx = np.asarray([int(i) for i in indices], dtype=np.int64)
+        n = len(self)
+        bad = idx[(idx < -n) | (idx >= n)]
+        if len(bad):
+            raise IndexError(f"{self._WHO}: index {int(bad[0])} out of range for {n} {what}")
+        return np.where(idx < 0, idx + n, idx)

@@ -1,0 +1,272 @@
+"""raydl.TarDataset: WebDataset tar shards through the node cache, checked against webdataset's own tar reader."""
+
+from __future__ import annotations
+
+import io
+import os
+import random
+import tarfile
+
+import pytest
+import torch
+
+import raydl
+import raydl.data.tar as tar_module
+from raydl.data.sources import expand_braces
+from raydl.data.tar_index import TarFormatError
+from tests._parity import BATCH_TIMEOUT_S
+from tests._resume_parity import _roundtrip
+
+SHARDS, PER_SHARD = 4, 9
+
+
+def _member(tar: tarfile.TarFile, name: str, data: bytes, **pax: str) -> None:
+    info = tarfile.TarInfo(name)
+    info.size = len(data)
+    if pax:
+        info.pax_headers = pax
+    tar.addfile(info, io.BytesIO(data))
+
+
+def write_shards(folder: str, fmt: int = tarfile.PAX_FORMAT, shards: int = SHARDS, seed: int = 0) -> list:
+    """Shards with what real corpora hold: directories, links, long names, pax records, upper-case extensions,
+    several fields per key, multi-dot fields, metadata members, a name without a dot, a key split in two runs."""
+    os.makedirs(folder, exist_ok=True)
+    rnd = random.Random(seed)
+    paths = []
+    for s in range(shards):
+        path = os.path.join(folder, f"train-{s:03d}.tar")
+        with tarfile.open(path, "w", format=fmt) as tar:
+            d = tarfile.TarInfo("imgs")
+            d.type = tarfile.DIRTYPE
+            tar.addfile(d)
+            _member(tar, "__meta__", b"corpus metadata")
+            for k in range(PER_SHARD):
+                key = f"imgs/{s:03d}_{k:04d}" + ("_" + "n" * 140 if k == 2 else "")
+                for ext in ("JPG", "cls", "meta.json"):
+                    data = bytes(rnd.getrandbits(8) for _ in range(rnd.randint(0, 2500)))
+                    _member(tar, f"{key}.{ext}", data, **({"comment": "é"} if k == 3 else {}))
+                if k == 1:
+                    link = tarfile.TarInfo("imgs/latest.jpg")
+                    link.type = tarfile.SYMTYPE
+                    link.linkname = f"{key}.JPG"
+                    tar.addfile(link)
+                    _member(tar, "imgs/README", b"no dot: no sample")
+            _member(tar, f"imgs/{s:03d}_0000.extra", b"the first key again, after the others")
+        paths.append(path)
+    return paths
+
+
+def webdataset_samples(paths: list) -> list:
+    """What webdataset's tar reader yields for these shards (its grouping, its skips)."""
+    from webdataset.tariterators import group_by_keys, tar_file_expander, url_opener
+
+    out = []
+    for s in group_by_keys(tar_file_expander(url_opener([{"url": p} for p in paths]))):
+        s.pop("__local_path__", None)
+        out.append(s)
+    return out
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    return write_shards(str(tmp_path_factory.mktemp("tar") / "data"))
+
+
+@pytest.fixture
+def small_units(monkeypatch):
+    """Units of about 12 KB: several per shard, so batches mix units and shards."""
+    monkeypatch.setattr(tar_module, "_UNIT_BYTES", 12_000)
+
+
+def _keys(batches) -> list:
+    return [k for b in batches for k in b]
+
+
+def _field_bytes(sample: dict) -> int:
+    return sum(len(v) for k, v in sample.items() if not k.startswith("__"))
+
+
+def _key_collate(samples):
+    return [s["__key__"] + "|" + s["__url__"] for s in samples]
+
+
+# ------------------------------------------------------------------ what a sample is
+
+
+@pytest.mark.parametrize(
+    "fmt", [tarfile.PAX_FORMAT, tarfile.GNU_FORMAT, tarfile.USTAR_FORMAT], ids=["pax", "gnu", "ustar"]
+)
+def test_samples_are_webdatasets(tmp_path, fmt, small_units):
+    """Every sample, field and byte equals webdataset's tar reader's on the same shards: pax, GNU long names or
+    ustar prefixes, directories and links skipped, `__meta__` and dot-less names skipped, upper-case fields
+    lower-cased, a key whose members are not adjacent giving a second sample (as webdataset)."""
+    if fmt == tarfile.USTAR_FORMAT:  # no pax or GNU records: a name past 100 bytes splits into ustar's prefix
+        folder = tmp_path / "data"
+        folder.mkdir()
+        paths = [str(folder / "train-000.tar")]
+        with tarfile.open(paths[0], "w", format=fmt) as tar:
+            for k in range(5):
+                _member(tar, f"{'deep/' * 25}{k:03d}.txt", f"sample {k}".encode())
+                _member(tar, f"{'deep/' * 25}{k:03d}.cls", str(k).encode())
+    else:
+        paths = write_shards(str(tmp_path / "data"), fmt=fmt, shards=2)
+    ds = raydl.TarDataset(paths, cache_dir=str(tmp_path / "cache"))
+    want = webdataset_samples(paths)
+    assert len(ds) == len(want) and [ds[i] for i in range(len(ds))] == want
+    if fmt == tarfile.PAX_FORMAT:
+        keys = [s["__key__"] for s in want]
+        assert len(keys) - len(set(keys)) == 2, "each shard's first key comes back once more at its end"
+        assert {"jpg", "cls", "meta.json"} <= set(ds.fields) and "JPG" not in ds.fields
+
+
+def test_a_brace_pattern_a_folder_and_a_list_name_the_same_shards(shards, tmp_path):
+    folder = os.path.dirname(shards[0])
+    cache = str(tmp_path / "cache")
+    by_braces = raydl.TarDataset(os.path.join(folder, "train-{000..003}.tar"), cache_dir=cache)
+    by_folder = raydl.TarDataset(folder, cache_dir=cache)
+    by_list = raydl.TarDataset(shards, cache_dir=cache)
+    assert by_braces.urls == by_folder.urls == by_list.urls == shards
+    assert len(by_braces) == len(by_folder) == SHARDS * (PER_SHARD + 1)
+    assert expand_braces("a-{8..10}-{x,y}.tar") == [
+        "a-8-x.tar",
+        "a-8-y.tar",
+        "a-9-x.tar",
+        "a-9-y.tar",
+        "a-10-x.tar",
+        "a-10-y.tar",
+    ]
+    assert expand_braces("s-{000..002}.tar") == ["s-000.tar", "s-001.tar", "s-002.tar"]
+
+
+def test_the_index_is_kept_and_a_changed_shard_is_indexed_again(tmp_path):
+    paths = write_shards(str(tmp_path / "data"), shards=2)
+    cache = str(tmp_path / "cache")
+    first = raydl.TarDataset(paths, cache_dir=cache)
+    assert first.index_bytes == sum(os.path.getsize(p) for p in paths)
+    again = raydl.TarDataset(paths, cache_dir=cache)
+    assert again.index_bytes == 0 and [again[i] for i in range(len(again))] == [first[i] for i in range(len(first))]
+    with tarfile.open(paths[1], "w") as tar:  # the shard is rewritten: other size and time
+        _member(tar, "new/0.txt", b"a new sample")
+    os.utime(paths[1], ns=(1, 1))
+    changed = raydl.TarDataset(paths, cache_dir=cache)
+    assert changed.index_bytes == os.path.getsize(paths[1])
+    assert changed[len(changed) - 1]["txt"] == b"a new sample" and len(changed) == PER_SHARD + 2
+
+
+# ------------------------------------------------------------------ bad input
+
+
+def test_bad_input_is_named(tmp_path, shards):
+    cache = str(tmp_path / "cache")
+    folder = tmp_path / "bad"
+    folder.mkdir()
+    with pytest.raises(FileNotFoundError, match="train-9.tar"):
+        raydl.TarDataset(str(folder / "train-{8..9}.tar"), cache_dir=cache)
+    with pytest.raises(ValueError, match="never closed"):
+        raydl.TarDataset(str(folder / "train-{0..9.tar"), cache_dir=cache)
+    (folder / "notes.txt").write_text("not a shard")
+    with pytest.raises(ValueError, match=r"no \.tar under"):
+        raydl.TarDataset(str(folder), cache_dir=cache)
+    junk = folder / "junk.tar"
+    junk.write_bytes(os.urandom(4096))
+    with pytest.raises(TarFormatError, match=r"junk\.tar: not a tar file"):
+        raydl.TarDataset(str(junk), cache_dir=cache)
+    data = open(shards[0], "rb").read()
+    cut = folder / "cut.tar"
+    cut.write_bytes(data[: len(data) // 2 + 100])
+    with pytest.raises(TarFormatError, match=r"cut\.tar: truncated at byte"):
+        raydl.TarDataset(str(cut), cache_dir=cache)
+    corrupt = bytearray(data)
+    header = _second_header(data)
+    corrupt[header + 10] ^= 0x20
+    flipped = folder / "flipped.tar"
+    flipped.write_bytes(bytes(corrupt))
+    with pytest.raises(TarFormatError, match=rf"flipped\.tar: the tar header at byte {header} fails its checksum"):
+        raydl.TarDataset(str(flipped), cache_dir=cache)
+    with pytest.raises(ValueError, match=r"cache_limit=1000 bytes is too small.*Raise cache_limit to \d+"):
+        raydl.TarDataset(shards, cache_dir=cache, cache_limit=1000)
+    with pytest.raises(ValueError, match="not both"):
+        raydl.TarDataset(shards, cache_dir=cache, transform=len, batch_transform=len)
+
+
+def _second_header(data: bytes) -> int:
+    """Byte offset of the shard's second header (the first is the directory's)."""
+    with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+        return tar.getmembers()[1].offset
+
+
+# ------------------------------------------------------------------ through the loader and the node cache
+
+
+def _loader(ds, **kw):
+    kw.setdefault("num_workers", 2)
+    return raydl.DataLoader(ds, batch_size=4, collate_fn=_key_collate, timeout=BATCH_TIMEOUT_S, **kw)
+
+
+def test_shuffle_default_gives_every_sample_once_and_resumes_exactly(ray_session, shards, tmp_path, small_units):
+    """shuffle=True with no generator: every sample once per epoch, epochs in different orders, batches mixing
+    shards; a state taken mid-epoch gives exactly the rest in a new loader."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), cache_limit=60_000)
+    assert ds.num_units > SHARDS and ds.shuffle_window >= 2
+    every = sorted(f"{s['__key__']}|{s['__url__']}" for s in (ds[i] for i in range(len(ds))))
+    loader = _loader(ds, shuffle=True)
+    epochs = [list(loader) for _ in range(2)]
+    for batches in epochs:
+        assert sorted(_keys(batches)) == every
+    assert _keys(epochs[0]) != _keys(epochs[1])
+    assert any(len({k.split("|")[1] for k in b}) > 1 for b in epochs[0]), "no batch mixes two shards"
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = _roundtrip(loader.state_dict())
+    rest = list(it)
+    resumed = _loader(raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), cache_limit=60_000), shuffle=True)
+    resumed.load_state_dict(state)
+    assert list(resumed) == rest
+    figures = loader.stats().cache
+    assert figures["corrupt"] == 0 and figures["failures"] == 0, figures
+
+
+def test_default_collate_and_transforms(ray_session, shards, tmp_path):
+    """torch's default_collate over samples (bytes fields become lists), a per-sample transform, and a
+    batch_transform that makes the whole batch in the worker."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), transform=_field_bytes)
+    plain = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"))
+    lengths = [_field_bytes(plain[i]) for i in range(len(plain))]
+    batch = next(iter(raydl.DataLoader(plain, batch_size=4, num_workers=1, timeout=BATCH_TIMEOUT_S)))
+    assert isinstance(batch["cls"], list) and batch["__key__"] == [plain[i]["__key__"] for i in range(4)]
+    got = torch.cat(list(raydl.DataLoader(ds, batch_size=5, num_workers=2, timeout=BATCH_TIMEOUT_S))).tolist()
+    assert got == lengths
+
+    def sizes(samples):
+        return torch.tensor([_field_bytes(s) for s in samples])
+
+    batched = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), batch_transform=sizes)
+    out = torch.cat(list(raydl.DataLoader(batched, batch_size=6, num_workers=2, timeout=BATCH_TIMEOUT_S)))
+    assert out.tolist() == sizes([plain[i] for i in range(len(plain))]).tolist()
+
+
+def test_from_s3_through_the_cache(ray_session, shards, tmp_path, small_units):
+    """The shards in S3 (moto): the index read in one streamed request a shard, the samples equal the local ones,
+    and an epoch fetches each byte of the units once."""
+    from tests._s3 import MotoServer, s3fs, stop_all, upload_folder
+
+    moto = MotoServer()
+    try:
+        moto.make_bucket("shards")
+        upload_folder(os.path.dirname(shards[0]), moto.filesystem(), "shards/train")
+        ds = raydl.TarDataset(
+            "s3://shards/train/train-{000..003}.tar", filesystem=s3fs(moto.port, 3), cache_dir=str(tmp_path / "c")
+        )
+        local = raydl.TarDataset(shards, cache_dir=str(tmp_path / "local"))
+        assert ds.urls[0] == "s3://shards/train/train-000.tar"
+        assert [{**ds[i], "__url__": None} for i in range(len(ds))] == [
+            {**local[i], "__url__": None} for i in range(len(local))
+        ]
+        loader = _loader(ds, shuffle=True)
+        assert len(_keys(loader)) == len(ds)
+        figures = loader.stats().cache
+        assert figures["bytes_fetched"] <= ds.nbytes, figures
+    finally:
+        stop_all(moto)
