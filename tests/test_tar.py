@@ -270,3 +270,50 @@ def test_from_s3_through_the_cache(ray_session, shards, tmp_path, small_units):
         assert figures["bytes_fetched"] <= ds.nbytes, figures
     finally:
         stop_all(moto)
+
+
+def test_worker_killed_then_flipped_bits_in_the_cache(ray_session, shards, tmp_path, small_units):
+    """A worker killed mid-epoch costs no sample; then every cached unit gets one flipped bit and a new job over the
+    same folder reads every sample right, counting and refetching each corrupt unit."""
+    import ray
+
+    from tests._session import end_node_caches
+
+    cache = str(tmp_path / "cache")
+    ds = raydl.TarDataset(shards, cache_dir=cache)
+    every = sorted(_key_collate([ds[i] for i in range(len(ds))]))
+    loader = _loader(ds, shuffle=True, persistent_workers=True)
+    keys = []
+    for k, b in enumerate(loader):
+        keys.extend(b)
+        if k == 3:
+            ray.kill(loader._iterator._pool.actors[0], no_restart=True)
+    assert sorted(keys) == every and loader.stats().workers[0].restarts == 1
+    loader.shutdown()
+    end_node_caches()
+    units = [n for n in os.listdir(cache) if n in {spec[3] for spec in ds.raydl_cache_units()}]
+    assert len(units) == ds.num_units
+    for name in units:
+        with open(os.path.join(cache, name), "r+b") as f:
+            f.seek(os.fstat(f.fileno()).st_size // 2)
+            byte = f.read(1)
+            f.seek(-1, 1)
+            f.write(bytes([byte[0] ^ 0x10]))
+    again = raydl.TarDataset(shards, cache_dir=cache)
+    assert sorted(_keys(_loader(again, shuffle=True))) == every
+    from raydl.cluster.cache.handles import _name
+
+    cache_actor = ray.get_actor(_name(ray.get_runtime_context().get_node_id(), again.cache_dir), namespace="raydl")
+    figures = ray.get(cache_actor.stats.remote(), timeout=30)  # the new job's cache, from its start
+    assert figures["corrupt"] == ds.num_units and figures["bytes_fetched"] == ds.nbytes, figures
+
+
+def test_distributed_sampler_gives_each_rank_an_equal_share(ray_session, shards, tmp_path):
+    """ParquetDistributedSampler works over any dataset with units: two ranks, equal counts, every sample once."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"))
+    got = []
+    for rank in range(2):
+        sampler = raydl.ParquetDistributedSampler(ds, num_replicas=2, rank=rank, seed=5)
+        got.append(_keys(_loader(ds, sampler=sampler, num_workers=1)))
+    assert len(got[0]) == len(got[1]) == len(ds) // 2
+    assert sorted(got[0] + got[1]) == sorted(_key_collate([ds[i] for i in range(len(ds))]))
