@@ -21,7 +21,7 @@ def _run_examples(obj) -> None:
     assert runner.failures == 0, "".join(report)
 
 
-@pytest.mark.parametrize("name", ["ArrowDataset", "ParquetDataset"])
+@pytest.mark.parametrize("name", ["ArrowDataset", "ParquetDataset", "TarDataset", "FileDataset"])
 def test_dataset_examples_run(name):
     """The dataset examples run in this process, with no Ray (num_workers=0)."""
     _run_examples(getattr(raydl, name))

@@ -14,12 +14,14 @@ from __future__ import annotations
 
 import hashlib
 import os
+import tempfile
 import threading
 from collections import OrderedDict
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
+from .parquet import parse_size
 from .units import UnitDataset
 
 __all__ = ["MemberDataset"]
@@ -34,11 +36,21 @@ class MemberDataset(UnitDataset):
     _batch_transform: Optional[Callable[[list], Any]]
     cache_limit: int
 
-    def _set_transforms(self, transform: Optional[Callable], batch_transform: Optional[Callable]) -> None:
+    def _configure(
+        self,
+        transform: Optional[Callable],
+        batch_transform: Optional[Callable],
+        cache_dir: Optional[str],
+        cache_limit: Union[int, str],
+    ) -> None:
+        """The arguments every subclass takes: transforms, the cache's folder (the default one under the temp
+        folder) and its limit."""
         if transform is not None and batch_transform is not None:
             raise ValueError(f"{self._WHO}: give transform (per sample) or batch_transform (per batch), not both")
         self._transform = transform
         self._batch_transform = batch_transform
+        self.cache_dir = os.path.abspath(cache_dir or os.path.join(tempfile.gettempdir(), "raydl-cache"))
+        self.cache_limit = parse_size(cache_limit)
 
     def _set_units(self, units: list, specs: list) -> None:
         """`units`: per unit, its samples [(key, url, [(field, offset in the unit, size), ...]), ...];

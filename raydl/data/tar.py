@@ -20,11 +20,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-import tempfile
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .members import MemberDataset
-from .parquet import parse_size
 from .sources import list_objects
 from .tar_index import index_shards
 
@@ -95,9 +93,7 @@ class TarDataset(MemberDataset):
         batch_transform: Optional[Callable[[list], Any]] = None,
         shuffle_window: Optional[int] = None,
     ) -> None:
-        self._set_transforms(transform, batch_transform)
-        self.cache_dir = os.path.abspath(cache_dir or os.path.join(tempfile.gettempdir(), "raydl-cache"))
-        self.cache_limit = parse_size(cache_limit)
+        self._configure(transform, batch_transform, cache_dir, cache_limit)
         self.filesystem, shards = list_objects("TarDataset", source, filesystem, (".tar",))
         self.urls = [u for u, _ in shards]
         self.files = [i.path for _, i in shards]

@@ -31,7 +31,7 @@ import time
 from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from typing import Any, Callable, Iterator, Optional
 
-__all__ = ["TarFormatError", "scan_members", "group_samples", "index_shards", "ShardIndex"]
+__all__ = ["TarFormatError", "scan_members", "sample_key", "group_samples", "index_shards", "write_json"]
 
 logger = logging.getLogger("raydl.data")
 
@@ -150,6 +150,19 @@ def scan_members(read: Callable[[int, int], bytes], size: int, shard: str) -> It
         offset = nxt
 
 
+def sample_key(name: str) -> tuple:
+    """(key, field) of a member or object name by WebDataset's rule; (None, None) for a name it skips (`__*__`
+    metadata, no `.` in the last component)."""
+    if "/" not in name and name.startswith("__") and name.endswith("__"):
+        return None, None
+    if _META.match(name):
+        return None, None
+    m = _KEY.match(name)
+    if m is None:
+        return None, None
+    return m.group(1), m.group(2).lower()
+
+
 def group_samples(members: Iterator[tuple], shard: str) -> list:
     """[(key, [(field, offset, size), ...]), ...] by WebDataset's rule (NOTE [ raydl tar index ])."""
     samples: list = []
@@ -157,14 +170,9 @@ def group_samples(members: Iterator[tuple], shard: str) -> list:
     fields: list = []
     names: set = set()
     for name, offset, n in members:
-        if "/" not in name and name.startswith("__") and name.endswith("__"):
+        prefix, field = sample_key(name)
+        if prefix is None:
             continue
-        if _META.match(name):
-            continue
-        m = _KEY.match(name)
-        if m is None:
-            continue
-        prefix, field = m.group(1), m.group(2).lower()
         if prefix != key:
             if fields:
                 samples.append((key, fields))
@@ -214,13 +222,6 @@ def scan_shard(fs: Any, path: str, size: int, url: str) -> list:
         return group_samples(scan_members(reader.read, size, url), url)
 
 
-class ShardIndex:
-    """A shard's samples as scanned: its size and modification time (the key of its stored index)."""
-
-    def __init__(self, url: str, size: int, samples: list) -> None:
-        self.url, self.size, self.samples = url, size, samples
-
-
 def _stored_name(path: str, size: int, mtime_ns: Optional[int]) -> str:
     return hashlib.sha1(f"v{_INDEX_VERSION}|{path}|{size}|{mtime_ns}".encode()).hexdigest()[:32] + ".json"
 
@@ -234,11 +235,12 @@ def _load(file: str) -> Optional[list]:
         return None  # absent, or a partial write of another process: scanned again
 
 
-def _store(file: str, url: str, size: int, samples: list) -> None:
+def write_json(file: str, doc: Any) -> None:
+    """`doc` as JSON at `file`, whole or not at all (a reader never sees a partial index or listing)."""
     os.makedirs(os.path.dirname(file), exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(file), suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump({"url": url, "size": size, "samples": samples}, f, separators=(",", ":"))
+        json.dump(doc, f, separators=(",", ":"))
     os.replace(tmp, file)
 
 
@@ -299,7 +301,7 @@ def index_shards(fs: Any, shards: list, cache_dir: str) -> tuple:
         from .storage import with_retries
 
         samples = with_retries(lambda: scan_shard(fs, info.path, int(info.size), url), f"indexing {url}")
-        _store(file, url, int(info.size), samples)
+        write_json(file, {"url": url, "size": int(info.size), "samples": samples})
         out[k] = samples
         progress.done(int(info.size))
 

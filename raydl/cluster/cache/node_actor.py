@@ -42,7 +42,7 @@ from typing import Any, Optional
 
 __all__ = ["NodeCache"]
 
-from ...data.storage import OpenFiles, with_retries
+from ...data.storage import OpenFiles, read_objects, with_retries
 from .peer_calls import ident, is_gone, this_node
 from .peer_units import PeerUnits
 from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, seal, sound, unlink, write_whole
@@ -510,6 +510,8 @@ class NodeCache(PeerUnits):
                         self._stats["retries"] += 1
 
                 def read() -> list:
+                    if isinstance(path, tuple):  # several whole objects (FileDataset): one GET each, in parallel
+                        return read_objects(fs, path)
                     return self._open_files.read_segments(fs, path, segs)  # NOTE [ raydl open storage files ]
 
                 parts = with_retries(read, f"reading {path}", on_retry)

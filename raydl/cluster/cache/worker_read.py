@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ...data.storage import with_retries
+from ...data.storage import read_objects, with_retries
 from .handles import _ensure_registered, _name, _registered, node_cache
 from .node_actor import ACQUIRE_SLICE_S, READ_TIMEOUT_S
 from .unit_file import unsealed
@@ -87,6 +87,8 @@ def _read_direct(dataset: Any, unit: int) -> bytes:
     path, _size, segs, _key = dataset.raydl_cache_units()[unit]
 
     def read() -> bytes:
+        if isinstance(path, tuple):  # several whole objects (FileDataset)
+            return b"".join(read_objects(dataset.filesystem, path))
         with dataset.filesystem.open_input_file(path) as f:
             return b"".join(f.read_at(n, off) for off, n in segs)
 
