@@ -317,3 +317,15 @@ def test_distributed_sampler_gives_each_rank_an_equal_share(ray_session, shards,
         got.append(_keys(_loader(ds, sampler=sampler, num_workers=1)))
     assert len(got[0]) == len(got[1]) == len(ds) // 2
     assert sorted(got[0] + got[1]) == sorted(_key_collate([ds[i] for i in range(len(ds))]))
+
+
+def test_a_shard_that_changes_size_mid_job_is_named(ray_session, tmp_path):
+    """A shard rewritten after the dataset indexed it: the batch that needs it fails naming the shard, never serves
+    other bytes (the node cache compares the object's size with the indexed one)."""
+    paths = write_shards(str(tmp_path / "data"), shards=2)
+    ds = raydl.TarDataset(paths, cache_dir=str(tmp_path / "cache"))
+    with open(paths[1], "ab") as f:
+        f.write(bytes(1024))  # two more zero blocks: the same samples, another size
+    loader = _loader(ds, num_workers=1)
+    with pytest.raises(OSError, match=r"train-001\.tar changed since it was indexed"):
+        list(loader)

@@ -54,7 +54,8 @@ class MemberDataset(UnitDataset):
 
     def _set_units(self, units: list, specs: list) -> None:
         """`units`: per unit, its samples [(key, url, [(field, offset in the unit, size), ...]), ...];
-        `specs`: per unit, (path or tuple of paths, bytes, segments, cache key) for the node cache."""
+        `specs`: per unit, (path or tuple of paths, file size or total bytes, segments, cache key) for the node
+        cache."""
         fields: dict = {}
         urls: dict = {}
         rows, keys, sample_url = [], [], []
@@ -80,7 +81,7 @@ class MemberDataset(UnitDataset):
         self._rows = np.asarray(rows, dtype=np.int64)
         self._starts = np.concatenate([[0], np.cumsum(self._rows)]).astype(np.int64)
         self._specs = specs
-        self._unit_bytes = np.asarray([nbytes for _, nbytes, _, _ in specs], dtype=np.int64)
+        self._unit_bytes = np.asarray([sum(n for _, n in segs) for _, _, segs, _ in specs], dtype=np.int64)
         self.token = hashlib.sha1("|".join(k for _, _, _, k in specs).encode()).hexdigest()[:16]
         self._kept: OrderedDict = OrderedDict()
         self._kept_bytes = 0
@@ -115,7 +116,7 @@ class MemberDataset(UnitDataset):
     # ------------------------------------------------------------------ what the loader and the cache ask
 
     def raydl_cache_units(self) -> list:
-        """Per unit: (path or paths, bytes, byte segments, key): what the node cache fetches."""
+        """Per unit: (path or paths, file size or total bytes, byte segments, key): what the node cache fetches."""
         return self._specs
 
     @property

@@ -24,7 +24,15 @@ logger = logging.getLogger(__name__)
 STORAGE_ATTEMPTS = 6  # tries per request on a transient error
 BACKOFF_S = 0.05  # first backoff; doubles per try, capped at BACKOFF_MAX_S, with jitter
 BACKOFF_MAX_S = 2.0
-_NOT_TRANSIENT = ("NO_SUCH_KEY", "NoSuchKey", "ACCESS_DENIED", "AccessDenied", "does not exist", "NoSuchBucket")
+_NOT_TRANSIENT = (
+    "NO_SUCH_KEY",
+    "NoSuchKey",
+    "ACCESS_DENIED",
+    "AccessDenied",
+    "does not exist",
+    "NoSuchBucket",
+    "changed since it was indexed",
+)
 
 
 def is_transient(e: BaseException) -> bool:
@@ -100,8 +108,9 @@ class OpenFiles:
         self._files: OrderedDict = OrderedDict()
         self._opening: dict = {}  # (id(fs), path) -> the lock of the thread opening it
 
-    def read_segments(self, fs: Any, path: str, segments: Any) -> list:
-        """The bytes of each (offset, length) of `path`, read through a kept handle (opened if none)."""
+    def read_segments(self, fs: Any, path: str, segments: Any, size: Optional[int] = None) -> list:
+        """The bytes of each (offset, length) of `path`, read through a kept handle (opened if none); with `size`,
+        a file of another size (changed since it was indexed) raises OSError naming it, never serves other bytes."""
         key = (id(fs), path)
         f = self._kept(key)
         if f is None:
@@ -122,6 +131,11 @@ class OpenFiles:
                     if self._opening.get(key) is gate:
                         del self._opening[key]
         try:
+            if size is not None and f.size() != size:
+                raise OSError(
+                    f"{path} changed since it was indexed: {f.size()} bytes, indexed at {size}; build the dataset "
+                    "again (its index is re-made for the changed file)"
+                )
             return [f.read_at(n, off) for off, n in segments]
         except BaseException:
             with self._lock:

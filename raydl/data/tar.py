@@ -106,7 +106,7 @@ class TarDataset(MemberDataset):
                 specs.append(
                     (
                         info.path,
-                        hi - lo,
+                        int(info.size),
                         ((lo, hi - lo),),
                         hashlib.sha1(f"tar|{ident}|{lo}|{hi}".encode()).hexdigest()[:24],
                     )

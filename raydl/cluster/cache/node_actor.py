@@ -512,7 +512,7 @@ class NodeCache(PeerUnits):
                 def read() -> list:
                     if isinstance(path, tuple):  # several whole objects (FileDataset): one GET each, in parallel
                         return read_objects(fs, path)
-                    return self._open_files.read_segments(fs, path, segs)  # NOTE [ raydl open storage files ]
+                    return self._open_files.read_segments(fs, path, segs, size)  # NOTE [ raydl open storage files ]
 
                 parts = with_retries(read, f"reading {path}", on_retry)
                 got, want = sum(len(p) for p in parts), nbytes - UNIT_TRAILER_BYTES
