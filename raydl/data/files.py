@@ -8,7 +8,7 @@ the next run or another rank does not list a million objects again (`relist=True
 Objects are grouped by WebDataset's key rule on their path below the common folder: `cat/0001.jpg`
 and `cat/0001.json` are one sample `{"__key__": "cat/0001", "jpg": ..., "json": ...}`, and an
 ImageFolder's class is the key's parent folder. Consecutive samples (in key order) form a unit of
-up to `RAYDL_FILE_UNIT_BYTES` (4 MiB) and `RAYDL_FILE_UNIT_OBJECTS` (64) objects: the node cache
+up to `RAYDL_FILE_UNIT_BYTES` (4 MiB, or a sixteenth of `cache_limit` if less) and `RAYDL_FILE_UNIT_OBJECTS` (64) objects: the node cache
 fetches a unit's objects with one GET each, 16 at a time, ahead of use in the epoch's known order,
 so a loader pays storage's latency once per unit, not once per `__getitem__`. The rest (CRC
 trailer, eviction, cooperative caches, shuffle, resume) is the node cache's and `MemberDataset`'s.
@@ -108,10 +108,11 @@ class FileDataset(MemberDataset):
         units, specs = [], []
         run: list = []
         run_bytes = run_objects = 0
+        most = self._unit_target(_UNIT_BYTES)
         for key in sorted(samples):
             members = samples[key]
             size = sum(objects[o][2] for _, o in members)
-            if run and (run_bytes + size > _UNIT_BYTES or run_objects + len(members) > _UNIT_OBJECTS):
+            if run and (run_bytes + size > most or run_objects + len(members) > _UNIT_OBJECTS):
                 units.append(run)
                 run, run_bytes, run_objects = [], 0, 0
             run.append((key, members))

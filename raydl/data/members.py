@@ -27,6 +27,7 @@ from .units import UnitDataset
 __all__ = ["MemberDataset"]
 
 _KEPT_BYTES = int(os.environ.get("RAYDL_MEMBER_KEPT_BYTES", str(256 << 20)))
+_UNITS_IN_CACHE = 16  # a unit spans at most this fraction of cache_limit
 
 
 class MemberDataset(UnitDataset):
@@ -86,6 +87,11 @@ class MemberDataset(UnitDataset):
         self._kept: OrderedDict = OrderedDict()
         self._kept_bytes = 0
         self._lock = threading.Lock()
+
+    def _unit_target(self, most: int) -> int:
+        """Bytes a unit spans at most: `most`, or a sixteenth of `cache_limit` if smaller, so that a window holds
+        several units even in a small cache (a sample larger than that is a unit alone)."""
+        return max(1, min(most, self.cache_limit // _UNITS_IN_CACHE))
 
     def _check_window(self, window: Optional[int]) -> int:
         """The shuffle window in units; refuses a cache_limit that cannot hold the largest unit twice."""

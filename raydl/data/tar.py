@@ -4,7 +4,8 @@ NOTE [ raydl tar shards ]
 The driver lists the shards (a brace pattern, a folder or prefix, or URLs: data/sources.py) and
 reads or builds their index (NOTE [ raydl tar index ] in data/tar_index.py): each sample's key and
 the byte range of each of its members. A shard's samples are cut, in order, into units of whole
-samples of up to `RAYDL_TAR_UNIT_BYTES` (8 MiB; a larger sample is a unit alone), each one byte
+samples of up to `RAYDL_TAR_UNIT_BYTES` (8 MiB, or a sixteenth of `cache_limit` if less; a larger
+sample is a unit alone), each one byte
 range of its shard: the node cache fetches a unit with one ranged request, checks it with its CRC
 trailer, prefetches and evicts by the epoch's known order, and cooperative caches fetch each unit
 once per epoch for the cluster, exactly as for a Parquet row group (NOTE [ raydl node cache ] in
@@ -101,7 +102,7 @@ class TarDataset(MemberDataset):
         units, specs, self._unit_range = [], [], []
         for s, ((url, info), samples) in enumerate(zip(shards, per_shard)):
             ident = f"{info.path}|{info.size}|{info.mtime_ns}"
-            for lo, hi, run in _runs(samples):
+            for lo, hi, run in _runs(samples, self._unit_target(_UNIT_BYTES)):
                 units.append([(key, url, [(f, off - lo, n) for f, off, n in members]) for key, members in run])
                 specs.append(
                     (
@@ -125,8 +126,8 @@ class TarDataset(MemberDataset):
         return f"TarDataset({len(self.files)} shards, {len(self)} samples, {self.num_units} units, {self.nbytes} bytes)"
 
 
-def _runs(samples: list) -> list:
-    """A shard's samples cut, in order, into runs of whole samples spanning up to `_UNIT_BYTES` (a larger sample
+def _runs(samples: list, most: int) -> list:
+    """A shard's samples cut, in order, into runs of whole samples spanning up to `most` bytes (a larger sample
     alone): [(first byte, end byte, samples), ...]."""
     out = []
     k = 0
@@ -135,7 +136,7 @@ def _runs(samples: list) -> list:
         hi, j = lo, k
         while j < len(samples):
             end = max(off + n for _, off, n in samples[j][1])
-            if j > k and end - lo > _UNIT_BYTES:
+            if j > k and end - lo > most:
                 break
             hi, j = max(hi, end), j + 1
         out.append((lo, hi, samples[k:j]))
