@@ -1,4 +1,4 @@
-"""Bytes a streamed ParquetDataset fetches from S3 per epoch, per node and for the cluster, at 1-4 data nodes.
+"""Bytes a streamed ParquetDataset (or TarDataset) fetches from S3 per epoch, per node and for the cluster, at 1-4 data nodes.
 
 Issue 38 item 3. Each data node is a node of the namespace cluster (cluster/netns_testbed.py, `private=True`): its
 own network namespace and address, its own tmpfs at the cache's folder. S3 is moto's server behind a proxy that counts
@@ -16,6 +16,7 @@ fallbacks to storage, whether the batches are torch's (its DataLoader over the s
 samples/s (a 2-core machine: the rate is the CPUs', not storage's). Needs root (network namespaces).
 
     .venv/bin/python -m benchmarks.bench_across_nodes [--nodes 1,2,3,4]
+    .venv/bin/python -m benchmarks.bench_across_nodes --format tar   # the same corpus as WebDataset tar shards
 """
 
 from __future__ import annotations
@@ -30,6 +31,37 @@ from benchmarks.common.clusters import run_in_netns_head
 from benchmarks.common.results import md_table, printed_report
 
 BATCH, SEED = 64, 11
+
+
+def write_tar_corpus(folder: str, files: int, groups: int, rows: int, payload: int) -> None:
+    """The same corpus as WebDataset tar shards (`--format tar`): `files` shards of `groups * rows` samples, each
+    key NNNNNNNN with fields `id` and `bin` (`payload` incompressible bytes)."""
+    import io
+    import tarfile
+
+    import numpy as np
+
+    rng = np.random.default_rng(3)
+    for f in range(files):
+        with tarfile.open(os.path.join(folder, f"part-{f:03d}.tar"), "w") as tar:
+            for i in range(f * groups * rows, (f + 1) * groups * rows):
+                for ext, data in (("id", str(i).encode()), ("bin", rng.bytes(payload))):
+                    info = tarfile.TarInfo(f"{i:08d}.{ext}")
+                    info.size = len(data)
+                    tar.addfile(info, io.BytesIO(data))
+
+
+def tar_row(sample: dict) -> dict:
+    """A tar sample as the Parquet corpus's row: {"id", "payload"} (what `_batches` reads)."""
+    return {"id": int(sample["id"]), "payload": sample["bin"]}
+
+
+def _dataset(args, source, **kw):
+    import raydl
+
+    if args.format == "tar":
+        return raydl.TarDataset(source, transform=tar_row, **kw)
+    return raydl.ParquetDataset(source, **kw)
 
 
 def _driver(args) -> dict:
@@ -53,16 +85,17 @@ def _driver(args) -> dict:
     corpus = tempfile.mkdtemp(prefix="raydl-bench-across-")
     moto = proxy = None
     try:
-        _write_corpus(corpus, args.files, args.groups, args.rows, args.payload)
+        write = write_tar_corpus if args.format == "tar" else _write_corpus
+        write(corpus, args.files, args.groups, args.rows, args.payload)
         moto = MotoServer(host=head)
         fs = moto.filesystem()
         fs.create_dir("corpus")
         upload_folder(corpus, fs, "corpus/data")
         proxy = FaultProxy(moto.port, host=head, upstream_host=head)
-        data = int(raydl.ParquetDataset(corpus).nbytes)
+        data = int(_dataset(args, corpus, cache_dir=os.path.join(corpus, "cache")).nbytes)
         limit = data // 4
         out["data_bytes"] = data
-        local = raydl.ParquetDataset(corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
+        local = _dataset(args, corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
         g = torch.Generator().manual_seed(SEED)
         reference = torch.utils.data.DataLoader(
             local, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(local, g), generator=g
@@ -74,7 +107,8 @@ def _driver(args) -> dict:
             modes.append(("cooperative, in_order=False", "1", False))
         for mode, peers, in_order in modes:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
-            ds = raydl.ParquetDataset(
+            ds = _dataset(
+                args,
                 "s3://corpus/data/",
                 filesystem=s3fs(proxy.port, attempts=3, host=head),
                 cache_dir=os.path.join(cluster.private_dir, mode.split(",")[0] + ("" if in_order else "-unordered")),
@@ -141,7 +175,7 @@ def _run_cluster(n: int, args) -> dict:
             "bench_across_nodes",
             "--driver",
             *("--files", str(args.files), "--groups", str(args.groups), "--rows", str(args.rows)),
-            *("--payload", str(args.payload), "--epochs", str(args.epochs)),
+            *("--payload", str(args.payload), "--epochs", str(args.epochs), "--format", args.format),
             *(["--unordered"] if args.unordered else []),
             timeout_s=1200,
             RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
@@ -158,6 +192,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=150)
     ap.add_argument("--payload", type=int, default=1024)
     ap.add_argument("--epochs", type=int, default=2)
+    ap.add_argument(
+        "--format", choices=("parquet", "tar"), default="parquet", help="the corpus as Parquet or tar shards"
+    )
     ap.add_argument("--unordered", action="store_true", help="also cooperative caches with in_order=False")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -188,7 +225,7 @@ def main() -> None:
                     ]
                 )
     print(
-        f"\ndata {data} B of row groups; cache_limit a quarter of it on each node; batch {BATCH}, one worker a node\n"
+        f"\n{args.format}: data {data} B of units; cache_limit a quarter of it on each node; batch {BATCH}, one worker a node\n"
     )
     header = ["data nodes", "caches", "epoch", "S3 bytes, cluster / data", "per node / data", "from peers / data"]
     print(md_table([*header, "fallbacks", "torch's batches", "samples/s"], rows))

@@ -9,7 +9,7 @@ request and counts the bytes of the GET responses (what storage sent). The work 
 decode, RandomResizedCrop(224), flip, normalize (examples/train_image_classifier.TrainTransform,
 as benchmarks/bench_images.py), batch 32, 2 epochs, 2 workers (or 2 processes / 2 threads).
 Rows, each run in this process one after the other (the fork-based loaders before Ray starts):
-  ceiling         the same decode + transform from memory, one process per core (no loader)
+  ceiling         the same decode + transform + collate from memory, one process per core (no loader)
   webdataset      wds.WebDataset(urls, shardshuffle=True).shuffle(256).map(decode).batched(32) through torch's
                   DataLoader(num_workers=2), each shard read through the proxy with curl (webdataset's pipe:)
   get-per-item    a Dataset doing one GET per __getitem__ (pyarrow's S3 client) through torch's DataLoader
@@ -17,7 +17,8 @@ Rows, each run in this process one after the other (the fork-based loaders befor
   raydl-files-1/4 raydl.FileDataset over the ImageFolder, the same limits
   raydata-wds     ray.data.read_webdataset(decoder=None) + map(decode) + iter_torch_batches
   raydata-images  ray.data.read_images + map(transform) + iter_torch_batches
-Each row: samples/s per epoch and the bytes storage sent per epoch as a multiple of the data's bytes.
+Each row: samples/s per epoch, the bytes storage sent per epoch as a multiple of the data's bytes, the
+requests of the last epoch, and the cores moto's process used meanwhile (storage shares this machine's cores).
 Outputs: Markdown on stdout and in benchmarks/results/bench_shards-<stamp>.md, JSON lines beside it, and
 benchmarks/figures/bench_shards.png.
 """
@@ -99,39 +100,59 @@ def upload(fs: Any, local: str, prefix: str) -> int:
 # ------------------------------------------------------------------ the rows
 
 
-def epochs_of(make: Callable[[], Iterable], epochs: int, proxy: FaultProxy, n: int, data_bytes: int) -> list:
-    """[{samples_per_s, storage_x}] per epoch of the loader `make()` returns (or of `make()` called per epoch)."""
+def epochs_of(
+    make: Callable[[], Iterable], epochs: int, proxy: FaultProxy, n: int, data_bytes: int, storage_pid: int
+) -> list:
+    """[{samples_per_s, storage_x, requests, storage_cpu_s}] per epoch of the loader `make()` returns; the
+    storage's CPU is moto's process's and the proxy's thread's share is left in this process."""
+    import psutil
+
+    storage = psutil.Process(storage_pid)
     out = []
     loader = make()
     for _ in range(epochs):
         proxy.reset_counts()
+        cpu0 = sum(storage.cpu_times()[:2])
         t0, seen = time.perf_counter(), 0
         for _, labels in loader:
             seen += len(labels)
         took = time.perf_counter() - t0
-        out.append({"samples": seen, "samples_per_s": seen / took, "storage_x": proxy.get_bytes / data_bytes})
+        out.append(
+            {
+                "samples": seen,
+                "samples_per_s": seen / took,
+                "storage_x": proxy.get_bytes / data_bytes,
+                "requests": proxy.requests,
+                "storage_cpu_share": (sum(storage.cpu_times()[:2]) - cpu0) / took,
+            }
+        )
         if seen != n:
             log(f"  note: {seen} samples in the epoch, {n} in the data")
     return out
 
 
+_CEILING_BATCH = 32
+
+
 def _ceiling_part(jpegs: list) -> int:
     torch.set_num_threads(1)
-    for j in jpegs:
-        decode(j)
+    for k in range(0, len(jpegs), _CEILING_BATCH):
+        collate([(decode(j), 0) for j in jpegs[k : k + _CEILING_BATCH]])  # decoded, augmented, collated
     return len(jpegs)
 
 
-def ceiling(image_dir: str, workers: int) -> list:
+def ceiling(image_dir: str, workers: int, batch_size: int) -> list:
     files = sorted(os.path.join(d, f) for d, _, fs in os.walk(image_dir) for f in fs if f.endswith(".jpg"))
     jpegs = [open(f, "rb").read() for f in files]
     parts = [jpegs[k::workers] for k in range(workers)]
+    global _CEILING_BATCH
+    _CEILING_BATCH = batch_size
     with multiprocessing.get_context("fork").Pool(workers) as pool:
         pool.map(_ceiling_part, [p[:8] for p in parts])  # warm
         t0 = time.perf_counter()
         done = sum(pool.map(_ceiling_part, parts))
         rate = done / (time.perf_counter() - t0)
-    return [{"samples": done, "samples_per_s": rate, "storage_x": 0.0}] * 2
+    return [{"samples": done, "samples_per_s": rate, "storage_x": 0.0, "requests": 0, "storage_cpu_share": 0.0}] * 2
 
 
 class GetPerItem(torch.utils.data.Dataset):
@@ -155,7 +176,7 @@ def webdataset_loader(urls: list, args: Any) -> Any:
     import webdataset as wds
 
     ds = (
-        wds.WebDataset(urls, shardshuffle=True, empty_check=False)
+        wds.WebDataset(urls, shardshuffle=len(urls), empty_check=False)
         .shuffle(256)
         .map(tar_sample)
         .batched(args.batch_size, collation_fn=collate)
@@ -203,12 +224,12 @@ def main() -> None:
             if name in args.skip:
                 return
             log(f"{name} ...")
-            rows[name] = epochs_of(make, args.epochs, proxy, n, data_bytes)
+            rows[name] = epochs_of(make, args.epochs, proxy, n, data_bytes, moto.proc.pid)
             log(f"  {name}: " + ", ".join(f"{e['samples_per_s']:.0f}/s {e['storage_x']:.2f}x" for e in rows[name]))
             res.write({"row": name, "epochs": rows[name]})
 
         if "ceiling" not in args.skip:
-            rows["ceiling"] = ceiling(image_dir, args.workers)
+            rows["ceiling"] = ceiling(image_dir, args.workers, args.batch_size)
             log(f"ceiling: {rows['ceiling'][0]['samples_per_s']:.0f}/s")
         run("webdataset", lambda: webdataset_loader(urls, args), tar_bytes)
         run(
@@ -296,9 +317,12 @@ def report(rows: dict, args: Any, res: Results, tar_bytes: int, file_bytes: int)
         for e in eps[: args.epochs]:
             line.append(f"{e['storage_x']:.2f}x")
         line.append(f"{eps[-1]['samples_per_s'] / ceiling_rate:.2f}" if ceiling_rate else "")
+        line.append(f"{eps[-1]['requests']}")
+        line.append(f"{eps[-1]['storage_cpu_share']:.2f}")
         table.append(line)
     header = ["row", *[f"epoch {k + 1} samples/s" for k in range(args.epochs)]]
     header += [*[f"epoch {k + 1} storage bytes" for k in range(args.epochs)], "last epoch / ceiling"]
+    header += ["last epoch requests", "last epoch storage cores"]
     quick = args.images < 768
     with printed_report("bench_shards", quick):
         print(

@@ -329,3 +329,48 @@ def test_a_shard_that_changes_size_mid_job_is_named(ray_session, tmp_path):
     loader = _loader(ds, num_workers=1)
     with pytest.raises(OSError, match=r"train-001\.tar changed since it was indexed"):
         list(loader)
+
+
+def _write_dali_index(shard: str) -> None:
+    """A `.idx` file beside the shard in DALI's wds2idx layout: `v1.2 N`, then `ext offset size name` per member."""
+    rows, last = [], None
+    with tarfile.open(shard) as tar:
+        for m in tar.getmembers():
+            if not m.isreg() or "." not in os.path.basename(m.name):
+                continue
+            folder, name = os.path.split(m.name)
+            stem, ext = name.split(".", 1)
+            base = os.path.join(folder, stem)
+            if base != last:
+                rows.append([])
+                last = base
+            rows[-1].append(f"{ext} {m.offset_data} {m.size} {m.name}")
+    with open(shard[: -len(".tar")] + ".idx", "w") as f:
+        f.write(f"v1.2 {len(rows)}\n" + "".join(" ".join(r) + "\n" for r in rows))
+
+
+def test_shipped_indexes_dali_and_wids(tmp_path):
+    """index='dali' reads the shards' `.idx` files instead of scanning them: the same samples; a stale one is named.
+    A wids shard index as the source names the shards and has its counts checked."""
+    import json
+
+    paths = write_shards(str(tmp_path / "data"), shards=2)
+    for p in paths:
+        _write_dali_index(p)
+    scanned = raydl.TarDataset(paths, cache_dir=str(tmp_path / "scan"))
+    shipped = raydl.TarDataset(paths, cache_dir=str(tmp_path / "dali"), index="dali")
+    assert shipped.index_bytes == 0
+    assert [shipped[i] for i in range(len(shipped))] == [scanned[i] for i in range(len(scanned))]
+    with open(paths[1][: -len(".tar")] + ".idx", "a") as f:
+        f.write("jpg 99999999 10 imgs/far.jpg\n")
+    with pytest.raises(ValueError, match=r"train-001\.idx"):
+        raydl.TarDataset(paths, cache_dir=str(tmp_path / "dali2"), index="dali")
+    counts = [sum(1 for _ in webdataset_samples([p])) for p in paths]
+    doc = {"wids_version": 1, "shardlist": [{"url": os.path.basename(p), "nsamples": n} for p, n in zip(paths, counts)]}
+    (tmp_path / "data" / "train.json").write_text(json.dumps(doc))
+    by_wids = raydl.TarDataset(str(tmp_path / "data" / "train.json"), cache_dir=str(tmp_path / "scan"))
+    assert by_wids.urls == paths and len(by_wids) == sum(counts)
+    doc["shardlist"][0]["nsamples"] += 1
+    (tmp_path / "data" / "bad.json").write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"says .*train-000\.tar holds \d+ samples; it holds"):
+        raydl.TarDataset(str(tmp_path / "data" / "bad.json"), cache_dir=str(tmp_path / "scan"))

@@ -24,6 +24,7 @@ import os
 from typing import Any, Callable, Optional, Sequence, Union
 
 from .members import MemberDataset
+from .shipped_index import dali_reader, is_wids, wids_shards
 from .sources import list_objects
 from .tar_index import index_shards
 
@@ -73,6 +74,10 @@ class TarDataset(MemberDataset):
             with the loader's default `collate_fn`; what it returns is the batch. Not with `transform`.
         shuffle_window (int, optional): units whose samples are shuffled together. Defaults to ``None``: as
             many as fit in half of `cache_limit` and in a worker's 256 MiB of kept units.
+        index (str, optional): ``"dali"`` reads DALI's ``wds2idx`` index (``<shard>.idx`` beside each shard)
+            instead of scanning the shards. Defaults to ``None``: raydl's own index, built once and kept. A
+            `source` ending in ``.json`` is a webdataset ``wids`` shard index: its shards, their sample counts
+            checked (NOTE [ raydl shipped indexes ] in data/shipped_index.py).
 
     Raises:
         FileNotFoundError: a named shard or folder does not exist.
@@ -93,12 +98,26 @@ class TarDataset(MemberDataset):
         transform: Optional[Callable[[dict], Any]] = None,
         batch_transform: Optional[Callable[[list], Any]] = None,
         shuffle_window: Optional[int] = None,
+        index: Optional[str] = None,
     ) -> None:
         self._configure(transform, batch_transform, cache_dir, cache_limit)
+        if index not in (None, "dali"):
+            raise ValueError(
+                f"TarDataset: index should be None (raydl's own) or 'dali' (<shard>.idx files), got {index!r}"
+            )
+        counts = None
+        if is_wids(source):  # NOTE [ raydl shipped indexes ]
+            fs, found = list_objects("TarDataset", source, filesystem, ())
+            listed = wids_shards(fs, str(source), found[0][1].path)
+            source, counts, filesystem = [u for u, _ in listed], [n for _, n in listed], fs
         self.filesystem, shards = list_objects("TarDataset", source, filesystem, (".tar",))
         self.urls = [u for u, _ in shards]
         self.files = [i.path for _, i in shards]
-        per_shard, self.index_s, self.index_bytes = index_shards(self.filesystem, shards, self.cache_dir)
+        shipped = dali_reader(self.filesystem) if index == "dali" else None
+        per_shard, self.index_s, self.index_bytes = index_shards(self.filesystem, shards, self.cache_dir, shipped)
+        for url, want, got in zip(self.urls, counts or [], per_shard):
+            if want != len(got):
+                raise ValueError(f"TarDataset: the wids index says {url} holds {want} samples; it holds {len(got)}")
         units, specs, self._unit_range = [], [], []
         for s, ((url, info), samples) in enumerate(zip(shards, per_shard)):
             ident = f"{info.path}|{info.size}|{info.mtime_ns}"

@@ -279,14 +279,16 @@ class _Progress:
                 logger.info("%s", self.line())
 
 
-def index_shards(fs: Any, shards: list, cache_dir: str) -> tuple:
+def index_shards(fs: Any, shards: list, cache_dir: str, shipped: Optional[Callable] = None) -> tuple:
     """([samples of each shard], seconds spent scanning, bytes scanned) for `shards` = [(url, FileInfo)]: stored
-    indexes read, the others scanned in parallel and stored (NOTE [ raydl tar index ])."""
+    indexes read, the others scanned in parallel and stored (NOTE [ raydl tar index ]); with `shipped(url, info)`,
+    each shard's samples come from the index the corpus ships (data/shipped_index.py) instead of a scan."""
     folder = os.path.join(cache_dir, "tar-index")
     out: list = [None] * len(shards)
     todo = []
     for k, (url, info) in enumerate(shards):
-        file = os.path.join(folder, _stored_name(info.path, int(info.size), info.mtime_ns))
+        name = _stored_name(info.path, int(info.size), info.mtime_ns)
+        file = os.path.join(folder, ("shipped-" if shipped is not None else "") + name)
         got = _load(file)
         if got is None:
             todo.append((k, url, info, file))
@@ -300,10 +302,13 @@ def index_shards(fs: Any, shards: list, cache_dir: str) -> tuple:
     def one(k: int, url: str, info: Any, file: str) -> None:
         from .storage import with_retries
 
-        samples = with_retries(lambda: scan_shard(fs, info.path, int(info.size), url), f"indexing {url}")
+        if shipped is not None:
+            samples = with_retries(lambda: shipped(url, info), f"reading the index of {url}")
+        else:
+            samples = with_retries(lambda: scan_shard(fs, info.path, int(info.size), url), f"indexing {url}")
         write_json(file, {"url": url, "size": int(info.size), "samples": samples})
         out[k] = samples
-        progress.done(int(info.size))
+        progress.done(0 if shipped is not None else int(info.size))
 
     pool = ThreadPoolExecutor(min(_INDEX_THREADS, len(todo)), thread_name_prefix="raydl_tar_index")
     futures = [pool.submit(one, *t) for t in todo]
