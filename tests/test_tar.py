@@ -6,6 +6,7 @@ import io
 import os
 import random
 import tarfile
+import time
 
 import pytest
 import torch
@@ -374,3 +375,49 @@ def test_shipped_indexes_dali_and_wids(tmp_path):
     (tmp_path / "data" / "bad.json").write_text(json.dumps(doc))
     with pytest.raises(ValueError, match=r"says .*train-000\.tar holds \d+ samples; it holds"):
         raydl.TarDataset(str(tmp_path / "data" / "bad.json"), cache_dir=str(tmp_path / "scan"))
+
+
+def test_resume_at_another_world_size(ray_session, shards, tmp_path):
+    """A state of 2 ranks (ParquetDistributedSampler over the shards) loaded at world size 1 gives exactly the samples
+    not yet read."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"))
+
+    def loader(world: int, rank: int):
+        sampler = raydl.ParquetDistributedSampler(ds, num_replicas=world, rank=rank, seed=11)
+        return _loader(ds, sampler=sampler, num_workers=1, ray_remote_args={"num_cpus": 0})
+
+    ranks = [loader(2, r) for r in range(2)]
+    its = [iter(lo) for lo in ranks]
+    read = [k for _ in range(2) for it in its for k in next(it)]  # lockstep, as DDP
+    state = _roundtrip(ranks[0].state_dict())
+    for lo in ranks:
+        lo.shutdown()
+    resumed = loader(1, 0)
+    resumed.load_state_dict(state)
+    rest = _keys(resumed)
+    assert len(read) == 16 and sorted(read + rest) == sorted(_key_collate([ds[i] for i in range(len(ds))]))
+
+
+def test_ctrl_c_while_indexing_keeps_what_was_indexed(tmp_path, monkeypatch):
+    """KeyboardInterrupt in the middle of indexing: it reaches the caller, and the shards indexed before it are not
+    scanned again by the next run."""
+    import raydl.data.tar_index as tar_index
+
+    paths = write_shards(str(tmp_path / "data"), shards=3)
+    real = tar_index.scan_shard
+    folder = tmp_path / "cache" / "tar-index"
+
+    def interrupted(fs, path, size, url, mode="auto"):
+        if path.endswith("train-002.tar"):
+            deadline = time.monotonic() + 30
+            while len(list(folder.glob("*.json"))) < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)  # the two others are written first
+            raise KeyboardInterrupt
+        return real(fs, path, size, url, mode)
+
+    monkeypatch.setattr(tar_index, "scan_shard", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        raydl.TarDataset(paths, cache_dir=str(tmp_path / "cache"))
+    monkeypatch.setattr(tar_index, "scan_shard", real)
+    again = raydl.TarDataset(paths, cache_dir=str(tmp_path / "cache"))
+    assert again.index_bytes == os.path.getsize(paths[2])

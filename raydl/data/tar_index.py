@@ -211,10 +211,12 @@ class _Forward:
         return bytes(self._buf[start : start + n])
 
 
-def scan_shard(fs: Any, path: str, size: int, url: str) -> list:
-    """One shard's samples (NOTE [ raydl tar index ]): positioned reads on a local disk, one stream elsewhere."""
-    local = type(fs).__name__ == "LocalFileSystem"
-    if local:
+def scan_shard(fs: Any, path: str, size: int, url: str, mode: str = "auto") -> list:
+    """One shard's samples (NOTE [ raydl tar index ]): positioned reads that hop over the data ("hop", the default on
+    a local disk) or one streamed read ("stream", the default elsewhere)."""
+    if mode == "auto":
+        mode = "hop" if type(fs).__name__ == "LocalFileSystem" else "stream"
+    if mode == "hop":
         with fs.open_input_file(path) as f:
             return group_samples(scan_members(lambda o, n: f.read_at(n, o), size, url), url)
     with fs.open_input_stream(path) as f:
