@@ -10,6 +10,7 @@ decode, RandomResizedCrop(224), flip, normalize (examples/train_image_classifier
 as benchmarks/bench_images.py), batch 32, 2 epochs, 2 workers (or 2 processes / 2 threads).
 Rows, each run in this process one after the other (the fork-based loaders before Ray starts):
   ceiling         the same decode + transform + collate from memory, one process per core (no loader)
+  torch-in-memory torch's DataLoader over the JPEGs' bytes held in memory: a loader with no storage at all
   webdataset      wds.WebDataset(urls, shardshuffle=True).shuffle(256).map(decode).batched(32) through torch's
                   DataLoader(num_workers=2), each shard read through the proxy with curl (webdataset's pipe:)
   get-per-item    a Dataset doing one GET per __getitem__ (pyarrow's S3 client) through torch's DataLoader
@@ -155,6 +156,21 @@ def ceiling(image_dir: str, workers: int, batch_size: int) -> list:
     return [{"samples": done, "samples_per_s": rate, "storage_x": 0.0, "requests": 0, "storage_cpu_share": 0.0}] * 2
 
 
+class InMemory(torch.utils.data.Dataset):
+    """The JPEGs' bytes in memory: torch's DataLoader over it is what a loader gets with no storage at all."""
+
+    def __init__(self, image_dir: str) -> None:
+        files = sorted(os.path.join(d, f) for d, _, fs in os.walk(image_dir) for f in fs if f.endswith(".jpg"))
+        self.items = [(open(f, "rb").read(), int(os.path.basename(os.path.dirname(f)).split("_")[1])) for f in files]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, i: int) -> tuple:
+        jpeg, label = self.items[i]
+        return decode(jpeg), label
+
+
 class GetPerItem(torch.utils.data.Dataset):
     """One GET per __getitem__: what a user writes first over files in S3."""
 
@@ -231,6 +247,18 @@ def main() -> None:
         if "ceiling" not in args.skip:
             rows["ceiling"] = ceiling(image_dir, args.workers, args.batch_size)
             log(f"ceiling: {rows['ceiling'][0]['samples_per_s']:.0f}/s")
+        run(
+            "torch-in-memory",
+            lambda: torch.utils.data.DataLoader(
+                InMemory(image_dir),
+                batch_size=args.batch_size,
+                shuffle=True,
+                num_workers=args.workers,
+                persistent_workers=True,
+                collate_fn=collate,
+            ),
+            file_bytes,
+        )
         run("webdataset", lambda: webdataset_loader(urls, args), tar_bytes)
         run(
             "get-per-item",

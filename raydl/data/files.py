@@ -9,7 +9,7 @@ Objects are grouped by WebDataset's key rule on their path below the common fold
 and `cat/0001.json` are one sample `{"__key__": "cat/0001", "jpg": ..., "json": ...}`, and an
 ImageFolder's class is the key's parent folder. Consecutive samples (in key order) form a unit of
 up to `RAYDL_FILE_UNIT_BYTES` (4 MiB, or a sixteenth of `cache_limit` if less) and `RAYDL_FILE_UNIT_OBJECTS` (64) objects: the node cache
-fetches a unit's objects with one GET each, 16 at a time, ahead of use in the epoch's known order,
+fetches a unit's objects with one GET each, 64 at a time (pyarrow adds a HEAD before each), ahead of use in the epoch's known order,
 so a loader pays storage's latency once per unit, not once per `__getitem__`. The rest (CRC
 trailer, eviction, cooperative caches, shuffle, resume) is the node cache's and `MemberDataset`'s.
 """

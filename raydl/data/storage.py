@@ -74,14 +74,14 @@ OPEN_FILE_TTL_S = 60.0
 OPEN_FILES_MAX = 64
 
 
-_OBJECT_THREADS = 16
+_OBJECT_THREADS = 64
 _object_pool: Optional[Any] = None
 _object_pool_lock = threading.Lock()
 
 
 def read_objects(fs: Any, paths: Sequence[str]) -> list:
     """The whole bytes of each object of a multi-object unit (`FileDataset`, NOTE [ raydl member samples ]): one
-    streamed GET each, up to 16 at once, so a unit of many small objects costs one request's latency, not many."""
+    streamed GET each, up to 64 at once, so a unit of many small objects costs about one request's latency."""
     global _object_pool
 
     def one(path: str) -> bytes:
