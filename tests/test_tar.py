@@ -426,3 +426,17 @@ def test_ctrl_c_while_indexing_keeps_what_was_indexed(tmp_path, monkeypatch):
     monkeypatch.setattr(tar_index, "scan_shard", real)
     again = raydl.TarDataset(paths, cache_dir=str(tmp_path / "cache"))
     assert again.index_bytes == os.path.getsize(paths[2])
+
+
+def test_streamed_and_hopping_scans_agree(tmp_path, monkeypatch):
+    """The two ways of reading a shard's headers (one stream, as for object storage; positioned reads, as on a local
+    disk) give the same index, with stream chunks smaller than the members so that data is hopped over."""
+    import pyarrow.fs as pafs
+
+    import raydl.data.tar_index as tar_index
+
+    monkeypatch.setattr(tar_index, "_STREAM_CHUNK", 1000)
+    paths = write_shards(str(tmp_path / "data"), shards=1, fmt=tarfile.GNU_FORMAT)
+    fs, size = pafs.LocalFileSystem(), os.path.getsize(paths[0])
+    hop = tar_index.scan_shard(fs, paths[0], size, paths[0], "hop")
+    assert tar_index.scan_shard(fs, paths[0], size, paths[0], "stream") == hop and len(hop) == PER_SHARD + 1

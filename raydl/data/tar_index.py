@@ -187,28 +187,37 @@ def group_samples(members: Iterator[tuple], shard: str) -> list:
 
 
 class _Forward:
-    """`read(offset, n)` over a stream read forward in large chunks (a remote shard's one request)."""
+    """`read(offset, n)` over a stream read forward in large chunks (a remote shard's one request). Offsets only grow;
+    data between headers is read and dropped in bounded chunks, never held whole (a 1 GB member costs 8 MiB)."""
 
     def __init__(self, stream: Any) -> None:
         self._stream = stream
         self._buf = b""
-        self._at = 0  # offset of _buf[0]
-        self.bytes_read = 0
+        self._at = 0  # the stream offset of _buf[0]
 
     def read(self, offset: int, n: int) -> bytes:
         if offset < self._at:
             raise RuntimeError("raydl bug: a tar scan read backwards")
-        end = offset + n
-        while self._at + len(self._buf) < end:
-            keep = self._buf[max(0, offset - self._at) :]
-            self._at = max(self._at, offset) if keep else self._at + len(self._buf)
-            chunk = self._stream.read(max(_STREAM_CHUNK, end - self._at - len(keep)))
-            if not chunk:
-                break
-            self.bytes_read += len(chunk)
-            self._buf = keep + chunk
+        held_end = self._at + len(self._buf)
+        if offset >= held_end:  # hop over bytes not held: read and drop them
+            pos = held_end
+            while pos < offset:
+                chunk = self._stream.read(min(_STREAM_CHUNK, offset - pos))
+                if not chunk:
+                    break
+                pos += len(chunk)
+            self._buf, self._at = b"", pos
         start = offset - self._at
-        return bytes(self._buf[start : start + n])
+        if start + n > len(self._buf):  # refill: one copy of what is kept, then whole chunks appended
+            parts, have = [self._buf[start:]], len(self._buf) - start
+            while have < n:
+                chunk = self._stream.read(max(_STREAM_CHUNK, n - have))
+                if not chunk:
+                    break
+                parts.append(chunk)
+                have += len(chunk)
+            self._buf, self._at, start = b"".join(parts), offset, 0
+        return self._buf[start : start + n]
 
 
 def scan_shard(fs: Any, path: str, size: int, url: str, mode: str = "auto") -> list:
