@@ -199,14 +199,17 @@ class _Forward:
         if offset < self._at:
             raise RuntimeError("raydl bug: a tar scan read backwards")
         held_end = self._at + len(self._buf)
-        if offset >= held_end:  # hop over bytes not held: read and drop them
-            pos = held_end
-            while pos < offset:
-                chunk = self._stream.read(min(_STREAM_CHUNK, offset - pos))
+        if offset >= held_end:  # hop over bytes not held: whole chunks read (each a request or more), dropped
+            pos, buf = held_end, b""
+            while True:
+                chunk = self._stream.read(_STREAM_CHUNK)
                 if not chunk:
                     break
+                if pos + len(chunk) > offset:
+                    buf = chunk
+                    break
                 pos += len(chunk)
-            self._buf, self._at = b"", pos
+            self._buf, self._at = buf, pos
         start = offset - self._at
         if start + n > len(self._buf):  # refill: one copy of what is kept, then whole chunks appended
             parts, have = [self._buf[start:]], len(self._buf) - start
