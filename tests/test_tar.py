@@ -440,3 +440,20 @@ def test_streamed_and_hopping_scans_agree(tmp_path, monkeypatch):
     fs, size = pafs.LocalFileSystem(), os.path.getsize(paths[0])
     hop = tar_index.scan_shard(fs, paths[0], size, paths[0], "hop")
     assert tar_index.scan_shard(fs, paths[0], size, paths[0], "stream") == hop and len(hop) == PER_SHARD + 1
+
+
+def test_a_state_saved_over_other_units_is_refused(ray_session, shards, tmp_path, small_units):
+    """The epoch's order depends on the units and the window, which follow cache_limit: a state saved with one
+    cache_limit does not silently resume another order under another one."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), cache_limit=60_000)
+    loader = _loader(ds, shuffle=True, num_workers=1)
+    it = iter(loader)
+    next(it)
+    state = _roundtrip(loader.state_dict())
+    del it
+    other = _loader(
+        raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), cache_limit=90_000), shuffle=True, num_workers=1
+    )
+    other.load_state_dict(state)
+    with pytest.raises(ValueError, match="cache_limit or shuffle_window changed"):
+        next(iter(other))

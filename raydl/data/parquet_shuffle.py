@@ -13,8 +13,9 @@ Every row comes once per epoch; the row-group permutation leaves no trace of sto
 rank correlation with it is about 1/sqrt(number of row groups)); a batch mixes the rows of a
 whole window, hence of several files. Each row group is used only inside its window, so with a
 window that fits in half the cache every byte is fetched once per epoch. The sampler's iterator
-has a state (`{"seed", "yielded"}`), recorded by raydl's checkpoint as torchdata's sampler
-iterator state: a resume rebuilds the epoch from its seed and skips what was handed out.
+has a state (`{"seed", "yielded", "layout"}`), recorded by raydl's checkpoint as torchdata's sampler
+iterator state: a resume rebuilds the epoch from its seed and skips what was handed out; `layout` names the units and
+the window, and a state saved over others (the files, `cache_limit` or `shuffle_window` changed) is refused.
 `ParquetDistributedSampler` is torch's DistributedSampler (seed + epoch, padding, rank r taking
 positions r, r + W, ...) over the same order, so ranks stay equal and share one node cache.
 """
@@ -83,15 +84,26 @@ class _ShuffleIter(Iterator[int]):
             self._begin(None)
         return self._order[self.yielded :]  # type: ignore[index]
 
+    def _layout(self) -> str:
+        """What the epoch's order depends on besides the seed: the dataset's units and the window."""
+        ds = self._sampler.dataset
+        return f"{getattr(ds, 'token', '')}:{ds.shuffle_window}"
+
     def state_dict(self) -> dict:
         if self._order is None:  # the base seed was drawn before: drawing the epoch's now keeps torch's order of draws
             self._begin(None)
-        return {"seed": self.seed, "yielded": self.yielded}
+        return {"seed": self.seed, "yielded": self.yielded, "layout": self._layout()}
 
     def load_state_dict(self, sd: dict) -> None:
         if "seed" not in sd:
             raise ValueError(
                 f"ParquetShuffleSampler: the state {sd!r} has no epoch seed: it was saved for another sampler"
+            )
+        if sd.get("layout") is not None and sd["layout"] != self._layout():
+            raise ValueError(
+                "the state was saved over other units or another shuffle window (layout "
+                f"{sd['layout']!r}, now {self._layout()!r}): the files, cache_limit or shuffle_window changed, and "
+                "the same seed would now give another order. Build the dataset as the saved run did to resume it."
             )
         self._begin(int(sd["seed"]))
         n = int(sd["yielded"])
