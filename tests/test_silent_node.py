@@ -131,6 +131,7 @@ def test_a_node_marked_silent_is_a_candidate_again_once_its_probe_runs():
     from raydl.cluster.placement import Placement
 
     node = ray.get_runtime_context().get_node_id()
+    held = None
     try:
         silent_nodes.mark_silent(node)
         assert node in silent_nodes.silent_nodes() or not silent_nodes.is_silent(node)  # the probe may be done
@@ -138,9 +139,25 @@ def test_a_node_marked_silent_is_a_candidate_again_once_its_probe_runs():
         while silent_nodes.is_silent(node) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not silent_nodes.is_silent(node)
-        silent_nodes.mark_silent(node)
+        # marked again, with a probe that cannot finish yet: a warm worker ran the second probe within the
+        # test's next statement on a loaded machine (the CI run beside two spinning processes failed here)
+        real = silent_nodes._probe_fn
+
+        @ray.remote(num_cpus=0, max_retries=0)
+        def held_probe() -> bool:
+            time.sleep(60)
+            return True
+
+        silent_nodes._probe_fn = lambda: held_probe
+        try:
+            silent_nodes.mark_silent(node)
+        finally:
+            silent_nodes._probe_fn = real
+        held = silent_nodes._probes.get(node)
         assert Placement("driver-of-a-job-elsewhere").candidates() == []
     finally:
+        if held is not None:
+            ray.cancel(held, force=True)
         silent_nodes._forget_all()
 
 
