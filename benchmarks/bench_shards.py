@@ -247,31 +247,20 @@ def main() -> None:
         if "ceiling" not in args.skip:
             rows["ceiling"] = ceiling(image_dir, args.workers, args.batch_size)
             log(f"ceiling: {rows['ceiling'][0]['samples_per_s']:.0f}/s")
-        run(
-            "torch-in-memory",
-            lambda: torch.utils.data.DataLoader(
-                InMemory(image_dir),
+
+        def torch_loader(ds: Any) -> Any:
+            return torch.utils.data.DataLoader(
+                ds,
                 batch_size=args.batch_size,
                 shuffle=True,
                 num_workers=args.workers,
                 persistent_workers=True,
                 collate_fn=collate,
-            ),
-            file_bytes,
-        )
+            )
+
+        run("torch-in-memory", lambda: torch_loader(InMemory(image_dir)), file_bytes)
         run("webdataset", lambda: webdataset_loader(urls, args), tar_bytes)
-        run(
-            "get-per-item",
-            lambda: torch.utils.data.DataLoader(
-                GetPerItem(proxy.port, file_keys),
-                batch_size=args.batch_size,
-                shuffle=True,
-                num_workers=args.workers,
-                persistent_workers=True,
-                collate_fn=collate,
-            ),
-            file_bytes,
-        )
+        run("get-per-item", lambda: torch_loader(GetPerItem(proxy.port, file_keys)), file_bytes)
 
         import raydl
 

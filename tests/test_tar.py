@@ -457,3 +457,27 @@ def test_a_state_saved_over_other_units_is_refused(ray_session, shards, tmp_path
     other.load_state_dict(state)
     with pytest.raises(ValueError, match="cache_limit or shuffle_window changed"):
         next(iter(other))
+
+
+def test_index_progress_is_logged_where_there_is_no_terminal(caplog):
+    """Off a terminal, indexing progress goes to log lines (shards, GB, time left), at most one every 10 s."""
+    import logging
+
+    import raydl.data.tar_index as tar_index
+
+    progress = tar_index._Progress(3, 3_000_000_000)
+    progress._tty = False
+    with caplog.at_level(logging.INFO, logger="raydl.data"):
+        progress.done(1_000_000_000)  # the first line comes 2 s after the start: none yet
+        progress._last -= 10.0
+        progress.done(1_000_000_000)
+        progress.done(1_000_000_000)  # within 10 s of the last line: none
+    lines = [r.getMessage() for r in caplog.records if "indexing tar shards" in r.getMessage()]
+    assert len(lines) == 1 and "2/3 shards, 2.00/3.00 GB" in lines[0] and "s left" in lines[0], lines
+
+
+def test_a_random_sampler_reads_every_sample_once(ray_session, shards, tmp_path, small_units):
+    """sampler=RandomSampler(ds) works over the shards (at the price of more fetches): every sample once an epoch."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), cache_limit=60_000)
+    sampler = torch.utils.data.RandomSampler(ds, generator=torch.Generator().manual_seed(4))
+    assert sorted(_keys(_loader(ds, sampler=sampler))) == sorted(_key_collate([ds[i] for i in range(len(ds))]))

@@ -8,9 +8,10 @@ the next run or another rank does not list a million objects again (`relist=True
 Objects are grouped by WebDataset's key rule on their path below the common folder: `cat/0001.jpg`
 and `cat/0001.json` are one sample `{"__key__": "cat/0001", "jpg": ..., "json": ...}`, and an
 ImageFolder's class is the key's parent folder. Consecutive samples (in key order) form a unit of
-up to `RAYDL_FILE_UNIT_BYTES` (4 MiB, or a sixteenth of `cache_limit` if less) and `RAYDL_FILE_UNIT_OBJECTS` (64) objects: the node cache
-fetches a unit's objects with one GET each, 64 at a time (pyarrow adds a HEAD before each), ahead of use in the epoch's known order,
-so a loader pays storage's latency once per unit, not once per `__getitem__`. The rest (CRC
+up to `RAYDL_FILE_UNIT_BYTES` (4 MiB, or a sixteenth of `cache_limit` if less) and
+`RAYDL_FILE_UNIT_OBJECTS` (64) objects: the node cache fetches a unit's objects with one GET each
+(pyarrow's S3 client sends a HEAD before it), 64 at a time, ahead of use in the epoch's known
+order, so a loader pays storage's latency once per unit, not once per `__getitem__`. The rest (CRC
 trailer, eviction, cooperative caches, shuffle, resume) is the node cache's and `MemberDataset`'s.
 """
 
@@ -18,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import logging
 import os
 import posixpath
 from typing import Any, Callable, Optional, Sequence, Union
@@ -28,8 +28,6 @@ from .sources import list_objects, path_of
 from .tar_index import sample_key, write_json
 
 __all__ = ["FileDataset"]
-
-logger = logging.getLogger("raydl.data")
 
 _UNIT_BYTES = int(os.environ.get("RAYDL_FILE_UNIT_BYTES", str(4 << 20)))
 _UNIT_OBJECTS = int(os.environ.get("RAYDL_FILE_UNIT_OBJECTS", "64"))

@@ -137,6 +137,8 @@ class ParquetDataset(UnitDataset):
             `transform` and `batch_transform`.
     """
 
+    _WHO = "ParquetDataset"
+
     def __init__(
         self,
         url_or_files: Union[str, os.PathLike, Sequence[Union[str, os.PathLike]]],
@@ -164,8 +166,6 @@ class ParquetDataset(UnitDataset):
         self._decoded: OrderedDict = OrderedDict()
         self._decoded_bytes = 0
         self._lock = threading.Lock()
-
-    _WHO = "ParquetDataset"
 
     # ------------------------------------------------------------------ the index
 

@@ -98,7 +98,7 @@ class _InProcessIter(Iterator[Any]):
             self._sampler_iter_yielded = int(state[SAMPLER_ITER_YIELDED])
             self._num_yielded = int(state[NUM_YIELDED])
             if state.get(DATASET_STATE) is not None and is_stateful(self._dataset):
-                self._dataset.load_state_dict(by_value(state[DATASET_STATE]))
+                self._dataset.load_state_dict(state[DATASET_STATE])
         if self._is_iterable:
             self._fetcher: Any = IterableFetcher(self._dataset, self._auto_collation, collate, spec.drop_last)
             if state is not None:
@@ -106,7 +106,7 @@ class _InProcessIter(Iterator[Any]):
                 fetcher_state = state.get(FETCHER_STATE) or {}
                 if is_stateful(self._dataset) or is_stateful(it):
                     if fetcher_state.get(DATASET_ITER_STATE) is not None and is_stateful(it):
-                        it.load_state_dict(by_value(fetcher_state[DATASET_ITER_STATE]))
+                        it.load_state_dict(fetcher_state[DATASET_ITER_STATE])
                     self._fetcher.ended = bool(fetcher_state.get(FETCHER_ENDED, False))
                 else:  # a stream without state: replay it, as torchdata does
                     replay, self._num_yielded = self._num_yielded, 0

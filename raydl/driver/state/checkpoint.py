@@ -211,7 +211,7 @@ class Tracker:
         self._restarts: dict[int, Any] = {}
         # the iterator's bounded wait for its workers' start (a weak method: None once it is gone)
         self.await_start: Optional[Callable[[], Optional[Callable[[], None]]]] = None
-        # what to call once every start snapshot is in (a weak method: NOTE [ raydl start hold ] in loader.py)
+        # what to call once every start snapshot is in (a weak method: NOTE [ raydl start hold ] in driver/lifecycle.py)
         self._when_started: Optional[Callable[[], Optional[Callable[[], None]]]] = None
         self.base_seed = 0
         # the iterator's epoch (persistent workers count them; ray_seed="batch" seeds from it)
@@ -244,7 +244,7 @@ class Tracker:
 
     def call_when_started(self, callback: Callable[[], Optional[Callable[[], None]]]) -> bool:
         """Call `callback()()` (a weak method) once every worker's start snapshot is in; False when all are already:
-        the loader then need not keep the iterator for them (NOTE [ raydl start hold ] in loader.py)."""
+        the loader then need not keep the iterator for them (NOTE [ raydl start hold ] in driver/lifecycle.py)."""
         if not self._unreported:
             return False
         self._when_started = callback
