@@ -4,16 +4,20 @@ Issue 38 item 3. Each data node is a node of the namespace cluster (cluster/netn
 own network namespace and address, its own tmpfs at the cache's folder. S3 is moto's server behind a proxy that counts
 the GET bytes it relays to each client address (tests/_s3.py), in the head's namespace, where the driver runs (no
 worker there). The data: `--files` Parquet files of `--groups` row groups of `--rows` rows with a `--payload`-byte
-incompressible column; `cache_limit` a quarter of the data on each node; `shuffle=True` (the window shuffle), batch
-64, one worker per data node, `--epochs` epochs. Each cluster size runs twice, each time in cache folders of its own:
-  * each node alone (`RAYDL_CACHE_PEERS=0`, as before issue 38 item 3): every node fetches its own units;
-  * cooperative caches (the default, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node, the
-    others take it from the owner's cache;
-  * with `--unordered`, also cooperative caches with `in_order=False`: a batch's worker is not known ahead, so each
-    batch is in every node's plan (NOTE [ raydl node cache ]); its batches are compared with torch's as a set.
-Prints, per cluster size, mode and epoch: S3 bytes / data for the cluster and for each node, bytes taken from peers,
-fallbacks to storage, whether the batches are torch's (its DataLoader over the same files, same generator), and
-samples/s (a 2-core machine: the rate is the CPUs', not storage's). Needs root (network namespaces).
+incompressible column; `cache_limit` a quarter of the data on each node; `shuffle=True` (the order over the dataset's
+node slots, NOTE [ raydl node slots ]), batch 64, one worker per data node, `--epochs` epochs. Each cluster size runs
+these, each in cache folders of its own:
+  * node slots (the default since issue 58): each batch made on the node its slot is dealt to;
+  * the same order by torch's round robin (`ray_seed="worker"`), each node alone (`RAYDL_CACHE_PEERS=0`): every node
+    fetches the units its workers read;
+  * the same, cooperative caches (issue 38, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node,
+    the others take it from the owner's cache;
+  * with `--unordered`, also node slots with `in_order=False` (its batches compared with torch's as a set).
+Prints, per cluster size, mode and epoch: S3 bytes / data for the cluster and for each node, bytes taken from peers
+(the caches' count), the bytes the bridge carried from a data node to another (its ports' counters:
+`NetnsCluster.count_links`), fallbacks to storage, whether the batches are torch's (its DataLoader over the same
+files, the dataset's sampler, same generator), and samples/s (a 2-core machine: the rate is the CPUs', not
+storage's). Needs root (network namespaces).
 
     .venv/bin/python -m benchmarks.bench_across_nodes [--nodes 1,2,3,4]
     .venv/bin/python -m benchmarks.bench_across_nodes --format tar   # the same corpus as WebDataset tar shards
@@ -98,20 +102,23 @@ def _driver(args) -> dict:
         local = _dataset(args, corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
         g = torch.Generator().manual_seed(SEED)
         reference = torch.utils.data.DataLoader(
-            local, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(local, g), generator=g
+            local, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(local, g, BATCH), generator=g
         )
         expected = [_batches(reference) for _ in range(args.epochs)]
         raydl.release_node_caches()
-        modes = [("alone", "0", True), ("cooperative", "1", True)]
+        # (mode, RAYDL_CACHE_PEERS, in_order, node_slots): node slots is the default since issue 58; the others
+        # are the same order by torch's round robin (node_slots=1 would change the order, not just the placement)
+        modes = [("node slots", "1", True, None), ("alone", "0", True, "rr"), ("cooperative", "1", True, "rr")]
         if args.unordered:
-            modes.append(("cooperative, in_order=False", "1", False))
-        for mode, peers, in_order in modes:
+            modes.append(("node slots, in_order=False", "1", False, None))
+        data_nodes = [n for n in cluster.nodes if n != 0]
+        for mode, peers, in_order, placement in modes:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
             ds = _dataset(
                 args,
                 "s3://corpus/data/",
                 filesystem=s3fs(proxy.port, attempts=3, host=head),
-                cache_dir=os.path.join(cluster.private_dir, mode.split(",")[0] + ("" if in_order else "-unordered")),
+                cache_dir=os.path.join(cluster.private_dir, mode.replace(" ", "-").replace(",", "").replace("=", "-")),
                 cache_limit=limit,
             )
             loader = raydl.DataLoader(
@@ -124,17 +131,27 @@ def _driver(args) -> dict:
                 in_order=in_order,
                 timeout=120,
                 ray_startup_timeout_s=300,
+                # torch's round robin over the same order: a batch's draws then depend on its worker
+                ray_seed="worker" if placement == "rr" else None,
             )
             epochs = []
             for e in range(args.epochs):
                 proxy.reset_counts()
+                links0 = cluster.link_bytes()
                 it = iter(loader)
                 t0 = time.perf_counter()
                 got = _batches(it)
                 dt = time.perf_counter() - t0
-                per_node = loader.stats().cache["per_node"]
+                links = cluster.link_bytes()
+                cache = loader.stats().cache
+                per_node = cache["per_node"]
                 epochs.append(
                     {
+                        # bytes the bridge carried from a data node to another, as counted there (count_links)
+                        "link_bytes_between": sum(
+                            links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
+                        ),
+                        "placement": cache.get("placement", {}).get("mode"),
                         "same_as_torch": got == expected[e] if in_order else sorted(got) == sorted(expected[e]),
                         "samples_s": round(len(local) / dt),
                         "s3_bytes": proxy.get_bytes,
@@ -170,6 +187,7 @@ def _run_cluster(n: int, args) -> dict:
 
     cluster = netns_testbed.NetnsCluster(workers=n, tag=f"b{os.getpid()}n{n}", private=True)
     with cluster:
+        cluster.count_links()  # the bytes between nodes, on the bridge's ports (read by the driver)
         res = run_in_netns_head(
             cluster,
             "bench_across_nodes",
@@ -195,7 +213,7 @@ def main() -> None:
     ap.add_argument(
         "--format", choices=("parquet", "tar"), default="parquet", help="the corpus as Parquet or tar shards"
     )
-    ap.add_argument("--unordered", action="store_true", help="also cooperative caches with in_order=False")
+    ap.add_argument("--unordered", action="store_true", help="also node slots with in_order=False")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:
@@ -219,6 +237,7 @@ def main() -> None:
                         f"{ep['s3_bytes'] / data:.2f}x",
                         " / ".join(f"{x:.2f}" for x in per_node),
                         f"{peers:.2f}x",
+                        f"{ep['link_bytes_between'] / data:.2f}x",
                         fallbacks,
                         "yes" if ep["same_as_torch"] else "NO",
                         ep["samples_s"],
@@ -227,8 +246,9 @@ def main() -> None:
     print(
         f"\n{args.format}: data {data} B of units; cache_limit a quarter of it on each node; batch {BATCH}, one worker a node\n"
     )
-    header = ["data nodes", "caches", "epoch", "S3 bytes, cluster / data", "per node / data", "from peers / data"]
-    print(md_table([*header, "fallbacks", "torch's batches", "samples/s"], rows))
+    header = ["data nodes", "batches by", "epoch", "S3 bytes, cluster / data", "per node / data", "from peers / data"]
+    header += ["between nodes on the links / data", "fallbacks", "torch's batches", "samples/s"]
+    print(md_table(header, rows))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ import argparse
 import atexit
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -389,6 +390,35 @@ class NetnsCluster:
 
     def link_up(self, node: int) -> None:
         _run("ip", "-n", self.bridge_ns, "link", "set", f"v{node}", "up")
+
+    def count_links(self) -> None:
+        """From now on count the bytes each node sends to each other one, on the bridge itself: each bridge port's cap
+        (a tbf) becomes an htb of the same rate with a class per sending node (a u32 match on its address), whose
+        counters `link_bytes` reads. The packets are the kernel's, headers included: what the cluster's links
+        carried, whatever sent it."""
+        br, rate = self.bridge_ns, self.rate
+        for dst in self.nodes:
+            tc = ["ip", "netns", "exec", br, "tc"]
+            dev = ["dev", f"v{dst}"]
+            _run(*tc, "qdisc", "replace", *dev, "root", "handle", "1:", "htb", "default", "999", "r2q", "100000")
+            _run(*tc, "class", "add", *dev, "parent", "1:", "classid", "1:1", "htb", "rate", rate, "ceil", rate)
+            for src in [*[n for n in self.nodes if n != dst], None]:
+                cls = f"1:{999 if src is None else 10 + src}"
+                _run(*tc, "class", "add", *dev, "parent", "1:1", "classid", cls, "htb", "rate", rate, "ceil", rate)
+                if src is not None:
+                    match = ["u32", "match", "ip", "src", f"{self.ip(src)}/32", "flowid", cls]
+                    _run(*tc, "filter", "add", *dev, "parent", "1:", "protocol", "ip", "prio", "1", *match)
+
+    def link_bytes(self) -> dict:
+        """{(from node, to node): bytes} the bridge carried since `count_links`."""
+        out = {}
+        for dst in self.nodes:
+            text = _run("ip", "netns", "exec", self.bridge_ns, "tc", "-s", "class", "show", "dev", f"v{dst}").stdout
+            for m in re.finditer(r"class htb 1:(\d+) parent 1:1 .*?\n\s*Sent (\d+) bytes", text):
+                src = int(m.group(1)) - 10
+                if src in self.nodes and src != dst:
+                    out[(src, dst)] = int(m.group(2))
+        return out
 
     def stop(self) -> None:
         """Tear everything down (idempotent; NOTE [ netns cluster teardown ])."""

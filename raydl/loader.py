@@ -238,8 +238,10 @@ class DataLoader(_TorchDataLoader[T_co]):
     ) -> None:
         if ray_job is False:
             ray_job = None
-        if ray_seed is None:  # torch's per-worker seeding, unless the ranks share the workers
-            ray_seed = "worker" if ray_job is None else "batch"
+        if ray_seed is None:  # torch's per-worker seeding, unless the ranks share the workers or batches go by node
+            by_node = shuffle and sampler is None and batch_sampler is None and batch_size is not None
+            by_node = by_node and getattr(dataset, "node_slots", 1) > 1  # NOTE [ raydl node slots ]
+            ray_seed = "worker" if ray_job is None and not by_node else "batch"
         options = RayOptions(
             address=ray_address,
             remote_args=ray_remote_args,
@@ -292,7 +294,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         torch_shuffle = shuffle
         if shuffle and sampler is None and batch_sampler is None and hasattr(dataset, "raydl_shuffle_sampler"):
             # the dataset supplies what shuffle=True means over it (NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py)
-            sampler, torch_shuffle = dataset.raydl_shuffle_sampler(generator), False
+            sampler, torch_shuffle = dataset.raydl_shuffle_sampler(generator, batch_size), False
         super().__init__(
             dataset,
             batch_size=batch_size,

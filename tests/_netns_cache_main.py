@@ -70,7 +70,7 @@ def cache(facts: dict) -> None:
         # the reference reads through a node cache of the head's in a folder of its own, ended before the run's
         local = raydl.ParquetDataset(corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
         g = torch.Generator().manual_seed(SEED)
-        sampler = raydl.ParquetShuffleSampler(local, g)
+        sampler = raydl.ParquetShuffleSampler(local, g, batch_size=BATCH)
         reference = torch.utils.data.DataLoader(local, batch_size=BATCH, sampler=sampler, generator=g)
         expected = [_batches(reference) for _ in range(EPOCHS)]
         facts["reference_caches_released"] = raydl.release_node_caches()
@@ -97,7 +97,8 @@ def cache(facts: dict) -> None:
             proxy.reset_counts()
             it = iter(loader)
             got = _batches(it)
-            per_node = loader.stats().cache["per_node"]
+            cache = loader.stats().cache
+            per_node = cache["per_node"]
             facts["epochs"].append(
                 {
                     "same_as_torch": got == expected[epoch],
@@ -107,6 +108,7 @@ def cache(facts: dict) -> None:
                     "cache_fetched_by_ip": {ip_of.get(n, n): st.get("bytes_fetched") for n, st in per_node.items()},
                     "from_peers_by_ip": {ip_of.get(n, n): st.get("bytes_from_peers") for n, st in per_node.items()},
                     "peer_fallbacks": sum(st.get("peer_fallbacks", 0) for st in per_node.values()),
+                    "placement": cache.get("placement", {}).get("mode"),
                     "worker_ips": sorted(r.node_ip for r in it.worker_records),
                 }
             )

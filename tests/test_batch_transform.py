@@ -173,7 +173,7 @@ def test_parquet_dataset_batches(tmp_path, ray_session):
     pq.write_table(TABLE, tmp_path / "t.parquet", row_group_size=16)
     ds = raydl.ParquetDataset(str(tmp_path / "t.parquet"), cache_dir=str(tmp_path / "cache"), batch_transform=prepare)
     g = torch.Generator().manual_seed(4)
-    want = reference(batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(ds, g), generator=g)
+    want = reference(batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(ds, g, BATCH), generator=g)
     g = torch.Generator().manual_seed(4)
     got = list(raydl.DataLoader(ds, batch_size=BATCH, shuffle=True, generator=g, num_workers=2, timeout=TIMEOUT_S))
     _assert_same(got, want)

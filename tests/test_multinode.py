@@ -107,9 +107,9 @@ def test_streamed_parquet_each_node_fetches_the_row_groups_its_worker_reads(fact
 
 
 def test_streamed_parquet_window_shuffle_is_read_once_by_the_cluster(facts):
-    """Issue 38 item 3 (NOTE [ raydl cooperative caches ]): the window shuffle with a worker on each data node, each
-    node its own cache folder of a quarter of the data: every batch is torch's, and the cluster fetches each byte
-    from storage about once per epoch (not once per node); each node takes the rest from its peer's cache."""
+    """Issues 38 and 58 (NOTE [ raydl node slots ]): `shuffle=True` with a worker on each data node, each node its own
+    cache folder of a quarter of the data: every batch is torch's, the cluster fetches each byte from storage about
+    once per epoch (not once per node), and the nodes' caches take at most 0.15x of it from each other."""
     run = facts["parquet_once"]
     data = run["data_bytes"]
     for e, epoch in enumerate(run["epochs"]):
@@ -120,7 +120,7 @@ def test_streamed_parquet_window_shuffle_is_read_once_by_the_cluster(facts):
         storage = sum(st["bytes_fetched"] for st in per_node.values())
         assert storage <= 1.15 * data, (e, storage / data, per_node)
         assert all(st["adopted"] == 0 for st in per_node.values()), per_node  # a folder of its own each
-        assert all(st["bytes_from_peers"] > 0 for st in per_node.values()), per_node
+        assert sum(st["bytes_from_peers"] for st in per_node.values()) <= 0.15 * data, per_node
     assert (
         run["epochs"][0]["per_node"]
         and sum(st["bytes_fetched"] for st in run["epochs"][0]["per_node"].values()) >= 0.9 * data
@@ -128,8 +128,8 @@ def test_streamed_parquet_window_shuffle_is_read_once_by_the_cluster(facts):
 
 
 def test_streamed_parquet_owner_node_lost_mid_epoch(facts):
-    """A third data node, owner of about a third of the units, removed mid-epoch: its workers' batches are made again
-    on the survivors, whose caches fetch what it owned from storage (or from each other): the epoch is torch's."""
+    """A third data node, dealt a third of the node slots, removed mid-epoch: its slots are dealt to the survivors, its
+    workers' batches made again there, their caches fetch its units from storage: the epoch is torch's."""
     run = facts["parquet_once"]
     lost = run["lost"]
     assert lost["same_as_torch"]

@@ -455,7 +455,7 @@ def test_a_state_saved_over_other_units_is_refused(ray_session, shards, tmp_path
         raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"), cache_limit=90_000), shuffle=True, num_workers=1
     )
     other.load_state_dict(state)
-    with pytest.raises(ValueError, match="cache_limit or shuffle_window changed"):
+    with pytest.raises(ValueError, match="cache_limit, shuffle_window or node_slots changed"):
         next(iter(other))
 
 

@@ -66,6 +66,8 @@ class FileDataset(MemberDataset):
             with the loader's default `collate_fn`. Not with `transform`.
         shuffle_window (int, optional): units whose samples are shuffled together. Defaults to ``None``: as
             many as fit in half of `cache_limit`.
+        node_slots (int, optional): the slots `shuffle=True`'s order deals the units to, each
+            node making its own slots' batches: as for `TarDataset` (NOTE [ raydl node slots ]).
         relist (bool): list the source again instead of reading the kept listing. Defaults to ``False``.
 
     Raises:
@@ -86,6 +88,7 @@ class FileDataset(MemberDataset):
         transform: Optional[Callable[[dict], Any]] = None,
         batch_transform: Optional[Callable[[list], Any]] = None,
         shuffle_window: Optional[int] = None,
+        node_slots: Optional[int] = None,
         relist: bool = False,
     ) -> None:
         self._configure(transform, batch_transform, cache_dir, cache_limit)
@@ -144,6 +147,7 @@ class FileDataset(MemberDataset):
             self._unit_first.append((run[0][0], run[-1][0], len(order)))
         self._set_units(unit_samples, specs)
         self.shuffle_window = self._check_window(shuffle_window)
+        self.node_slots = self._check_slots(node_slots)
 
     def describe_unit(self, unit: int) -> str:
         first, last, n = self._unit_first[unit]

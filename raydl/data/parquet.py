@@ -128,6 +128,13 @@ class ParquetDataset(UnitDataset):
         shuffle_window (int, optional): row groups whose rows are shuffled together. Defaults to
             ``None``: as many as fit in half of `cache_limit`, and whose decoded size fits in a
             worker's 256 MiB of decoded row groups (`RAYDL_PARQUET_DECODED_BYTES`).
+        node_slots (int, optional): the slots `shuffle=True`'s order deals the row groups to: each
+            batch comes from one slot's window of `shuffle_window // node_slots` row groups, the
+            slots taking turns batch by batch, and the loader makes a slot's batches on the node it
+            is dealt to, so a node's cache fetches only its own slots' row groups (NOTE [ raydl node
+            slots ]). The order depends on it, never on the nodes. ``1``: every batch mixes the
+            whole window, and the nodes' caches share row groups (cooperative caches). Defaults to
+            ``None``: the largest of 12, 6, 4, 3, 2 and 1 within `shuffle_window`.
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -150,6 +157,7 @@ class ParquetDataset(UnitDataset):
         cache_dir: Optional[str] = None,
         cache_limit: Union[int, str] = _DEFAULT_LIMIT,
         shuffle_window: Optional[int] = None,
+        node_slots: Optional[int] = None,
     ) -> None:
         columns = check_columns_and_transform("ParquetDataset", columns, transform, batch_transform)
         self._columns = columns
@@ -163,6 +171,7 @@ class ParquetDataset(UnitDataset):
         self._footers = _read_footers(self.filesystem, infos)
         self._build_units(infos)
         self.shuffle_window = self._check_window(shuffle_window)
+        self.node_slots = self._check_slots(node_slots)
         self._decoded: OrderedDict = OrderedDict()
         self._decoded_bytes = 0
         self._lock = threading.Lock()

@@ -16,6 +16,14 @@ window that fits in half the cache every byte is fetched once per epoch. The sam
 has a state (`{"seed", "yielded", "layout"}`), recorded by raydl's checkpoint as torchdata's sampler
 iterator state: a resume rebuilds the epoch from its seed and skips what was handed out; `layout` names the units and
 the window, and a state saved over others (the files, `cache_limit` or `shuffle_window` changed) is refused.
+With `node_slots` C > 1 and the loader's batch size B (NOTE [ raydl node slots ]), step 2 deals the
+permuted units to C slots (slot s takes every C-th: perm[s], perm[s + C], ...), each slot cuts its
+units into windows of `shuffle_window // C` and shuffles their rows as above, its rows are cut
+into batches of B, and the epoch takes one batch of each slot in turn (slot order, skipping a slot
+that has run out); what is left of each slot (under B rows, all of one unit: the one with the most
+rows among its last 4B, whose last rows move to the end) ends the epoch, slot after slot. A
+batch so comes from one slot's window, except the last few: the order depends on the seed, the
+units, the window, C and B, never on the nodes or workers that make it. C = 1 is the order above.
 `ParquetDistributedSampler` is torch's DistributedSampler (seed + epoch, padding, rank r taking
 positions r, r + W, ...) over the same order, so ranks stay equal and share one node cache.
 """
@@ -32,13 +40,23 @@ from torch.utils.data.distributed import DistributedSampler
 if TYPE_CHECKING:
     from .parquet import ParquetDataset
 
-__all__ = ["ParquetDistributedSampler", "ParquetShuffleSampler", "shard_aware_order"]
+__all__ = ["ParquetDistributedSampler", "ParquetShuffleSampler", "shard_aware_order", "slotted_order"]
 
 
-def shard_aware_order(starts: np.ndarray, rows: np.ndarray, window: int, seed: int) -> np.ndarray:
-    """The epoch's row order for `seed` (NOTE [ raydl parquet shuffle ]): row groups permuted, rows shuffled per window."""
-    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)
-    perm = rng.permutation(len(rows))
+def shard_aware_order(
+    starts: np.ndarray,
+    rows: np.ndarray,
+    window: int,
+    seed: int,
+    perm: Optional[np.ndarray] = None,
+    rng: Optional[np.random.Generator] = None,
+) -> np.ndarray:
+    """The epoch's row order for `seed` (NOTE [ raydl parquet shuffle ]): row groups permuted, rows shuffled per window.
+    `perm` and `rng` given: the units already permuted (one slot's) and the generator that shuffles their rows."""
+    if rng is None:
+        rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)
+    if perm is None:
+        perm = rng.permutation(len(rows))
     parts = []
     for w0 in range(0, len(perm), window):
         units = perm[w0 : w0 + window]
@@ -48,26 +66,84 @@ def shard_aware_order(starts: np.ndarray, rows: np.ndarray, window: int, seed: i
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def slotted_order(
+    starts: np.ndarray, rows: np.ndarray, window: int, slots: int, batch: int, seed: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """The epoch's row order over `slots` node slots for batches of `batch` rows, and the slot of each batch (NOTE [
+    raydl parquet shuffle ]); a last batch that mixes slots is given the slot most of its rows come from."""
+    slots, batch = max(1, min(int(slots), len(rows))), max(1, int(batch))
+    if slots == 1:
+        order = shard_aware_order(starts, rows, window, seed)
+        return order, np.zeros(-(-len(order) // batch), dtype=np.int32)
+    rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)
+    perm = rng.permutation(len(rows))
+    per_slot = max(1, window // slots)
+    full, rest = [], []
+    for s in range(slots):
+        stream = _one_unit_last(starts, shard_aware_order(starts, rows, per_slot, 0, perm[s::slots], rng), batch)
+        n = len(stream) // batch
+        full.append(stream[: n * batch].reshape(n, batch))
+        rest.append(stream[n * batch :])
+    counts = np.array([len(f) for f in full], dtype=np.int64)
+    slot_of = np.repeat(np.arange(slots, dtype=np.int32), counts)
+    round_of = np.concatenate([np.arange(c) for c in counts]) if counts.sum() else np.zeros(0, np.int64)
+    turn = np.lexsort((slot_of, round_of))  # round by round, each slot's batch in slot order
+    head = np.concatenate(full)[turn].reshape(-1) if counts.sum() else np.zeros(0, np.int64)
+    tail = np.concatenate(rest)
+    tail_slot = np.repeat(np.arange(slots, dtype=np.int32), [len(r) for r in rest])
+    tail_batches = [np.bincount(tail_slot[i : i + batch]).argmax() for i in range(0, len(tail), batch)]
+    return np.concatenate([head, tail]), np.concatenate([slot_of[turn], np.asarray(tail_batches, np.int32)])
+
+
+def _one_unit_last(starts: np.ndarray, stream: np.ndarray, batch: int) -> np.ndarray:
+    """A slot's rows with the `len % batch` left over at its end taken from one unit of its last rows' (the last rows
+    of the unit with the most of them among the last `batch`), so the last batches, which mix slots, need one unit of
+    each slot they take rows from (NOTE [ raydl parquet shuffle ])."""
+    r = len(stream) % batch
+    if not r:
+        return stream
+    lo = max(0, len(stream) - 4 * batch)  # within the last window's rows in practice: the rows shuffled together
+    units = np.searchsorted(starts, stream[lo:], side="right") - 1
+    values, counts = np.unique(units, return_counts=True)
+    if counts.max() < r:
+        return stream
+    at = np.flatnonzero(units == values[counts.argmax()])[-r:] + lo
+    keep = np.ones(len(stream), bool)
+    keep[at] = False
+    return np.concatenate([stream[keep], stream[at]])
+
+
 def _draw_seed(generator: Optional[torch.Generator]) -> int:
     """One int64 drawn as torch's RandomSampler draws its seed (from `generator`, else torch's global RNG)."""
     return int(torch.empty((), dtype=torch.int64).random_(generator=generator).item())
 
 
 class _ShuffleIter(Iterator[int]):
-    """One epoch of `ParquetShuffleSampler`; its state is `{"seed", "yielded"}` (NOTE [ raydl parquet shuffle ])."""
+    """One epoch of `ParquetShuffleSampler`; its state is `{"seed", "yielded", "layout"}` and, over node slots, the
+    batch size the order was made for (NOTE [ raydl parquet shuffle ])."""
 
     def __init__(self, sampler: ParquetShuffleSampler) -> None:
         self._sampler = sampler
         self.seed: Optional[int] = None  # drawn at the first step, when torch's RandomSampler draws its own
         self.yielded = 0
         self._order: Optional[np.ndarray] = None
+        self._slots: Optional[np.ndarray] = None  # the slot of each batch of the epoch (node slots only)
+        self._batch = sampler.batch_size if self._slotted else None  # what the epoch's order is cut for
+
+    @property
+    def _slotted(self) -> bool:
+        return self._sampler.batch_size is not None and getattr(self._sampler.dataset, "node_slots", 1) > 1
 
     def __iter__(self) -> _ShuffleIter:
         return self
 
     def _begin(self, seed: Optional[int]) -> None:
         self.seed = _draw_seed(self._sampler.generator) if seed is None else int(seed)
-        self._order = self._sampler.dataset.shuffled_order(self.seed)
+        ds = self._sampler.dataset
+        if self._batch is None:
+            self._order, self._slots = ds.shuffled_order(self.seed), None
+        else:
+            self._order, self._slots = ds.slotted_order(self.seed, self._batch)
 
     def __next__(self) -> int:
         if self._order is None:
@@ -84,15 +160,26 @@ class _ShuffleIter(Iterator[int]):
             self._begin(None)
         return self._order[self.yielded :]  # type: ignore[index]
 
+    def batch_slots(self, batch_size: Optional[int]) -> Optional[np.ndarray]:
+        """The node slot of each batch of the epoch (from its first), for batches of `batch_size`; None when the order
+        has no slots or was cut for another batch size (a state saved at another one)."""
+        if self._order is None:
+            self._begin(None)
+        return self._slots if self._slots is not None and batch_size == self._batch else None
+
     def _layout(self) -> str:
-        """What the epoch's order depends on besides the seed: the dataset's units and the window."""
+        """What the epoch's order depends on besides the seed (and the batch size): the units, window and slots."""
         ds = self._sampler.dataset
-        return f"{getattr(ds, 'token', '')}:{ds.shuffle_window}"
+        slots = getattr(ds, "node_slots", 1) if self._slotted else 1
+        return f"{getattr(ds, 'token', '')}:{ds.shuffle_window}" + (f":{slots}" if slots > 1 else "")
 
     def state_dict(self) -> dict:
         if self._order is None:  # the base seed was drawn before: drawing the epoch's now keeps torch's order of draws
             self._begin(None)
-        return {"seed": self.seed, "yielded": self.yielded, "layout": self._layout()}
+        sd = {"seed": self.seed, "yielded": self.yielded, "layout": self._layout()}
+        if self._batch is not None:
+            sd["batch"] = self._batch
+        return sd
 
     def load_state_dict(self, sd: dict) -> None:
         if "seed" not in sd:
@@ -101,10 +188,12 @@ class _ShuffleIter(Iterator[int]):
             )
         if sd.get("layout") is not None and sd["layout"] != self._layout():
             raise ValueError(
-                "the state was saved over other units or another shuffle window (layout "
-                f"{sd['layout']!r}, now {self._layout()!r}): the files, cache_limit or shuffle_window changed, and "
-                "the same seed would now give another order. Build the dataset as the saved run did to resume it."
+                "the state was saved over other units, another shuffle window or other node slots (layout "
+                f"{sd['layout']!r}, now {self._layout()!r}: token:shuffle_window[:node_slots]): the files, cache_limit, "
+                "shuffle_window or node_slots changed, and the same seed would now give another order. Build the "
+                "dataset as the saved run did to resume it."
             )
+        self._batch = int(sd["batch"]) if sd.get("batch") is not None and self._slotted else self._batch
         self._begin(int(sd["seed"]))
         n = int(sd["yielded"])
         if n > len(self._order):  # type: ignore[arg-type]
@@ -122,11 +211,18 @@ class ParquetShuffleSampler(Sampler[int]):
         dataset (ParquetDataset): the dataset.
         generator (torch.Generator, optional): each epoch draws its seed from it, as torch's
             RandomSampler does. Defaults to ``None`` (torch's global RNG).
+        batch_size (int, optional): the batches the order is cut for over the dataset's node
+            slots (NOTE [ raydl node slots ]): what `shuffle=True` passes, the loader's
+            `batch_size`. Defaults to ``None``: the order of one slot (every batch mixes the
+            whole window).
     """
 
-    def __init__(self, dataset: ParquetDataset, generator: Optional[torch.Generator] = None) -> None:
+    def __init__(
+        self, dataset: ParquetDataset, generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None
+    ) -> None:
         self.dataset = dataset
         self.generator = generator
+        self.batch_size = batch_size
 
     def __iter__(self) -> _ShuffleIter:
         return _ShuffleIter(self)

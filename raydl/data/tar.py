@@ -74,6 +74,13 @@ class TarDataset(MemberDataset):
             with the loader's default `collate_fn`; what it returns is the batch. Not with `transform`.
         shuffle_window (int, optional): units whose samples are shuffled together. Defaults to ``None``: as
             many as fit in half of `cache_limit` and in a worker's 256 MiB of kept units.
+        node_slots (int, optional): the slots `shuffle=True`'s order deals the units to: each
+            batch comes from one slot's window of `shuffle_window // node_slots` units, the
+            slots taking turns batch by batch, and the loader makes a slot's batches on the node it
+            is dealt to, so a node's cache fetches only its own slots' units (NOTE [ raydl node
+            slots ]). The order depends on it, never on the nodes. ``1``: every batch mixes the
+            whole window, and the nodes' caches share units (cooperative caches). Defaults to
+            ``None``: the largest of 12, 6, 4, 3, 2 and 1 within `shuffle_window`.
         index (str, optional): ``"dali"`` reads DALI's ``wds2idx`` index (``<shard>.idx`` beside each shard)
             instead of scanning the shards. Defaults to ``None``: raydl's own index, built once and kept. A
             `source` ending in ``.json`` is a webdataset ``wids`` shard index: its shards, their sample counts
@@ -98,6 +105,7 @@ class TarDataset(MemberDataset):
         transform: Optional[Callable[[dict], Any]] = None,
         batch_transform: Optional[Callable[[list], Any]] = None,
         shuffle_window: Optional[int] = None,
+        node_slots: Optional[int] = None,
         index: Optional[str] = None,
     ) -> None:
         self._configure(transform, batch_transform, cache_dir, cache_limit)
@@ -136,6 +144,7 @@ class TarDataset(MemberDataset):
             raise ValueError(f"TarDataset: the {len(shards)} shard(s) hold no sample (first: {shards[0][0]})")
         self._set_units(units, specs)
         self.shuffle_window = self._check_window(shuffle_window)
+        self.node_slots = self._check_slots(node_slots)
 
     def describe_unit(self, unit: int) -> str:
         s, lo, hi = self._unit_range[unit]

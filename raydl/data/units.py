@@ -14,7 +14,11 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .parquet_shuffle import ParquetShuffleSampler, _ShuffleIter, shard_aware_order
+from .parquet_shuffle import ParquetShuffleSampler, _ShuffleIter, shard_aware_order, slotted_order
+
+# NOTE [ raydl node slots ]: the default is the largest of these within the window: 12 slots are shared evenly by 1, 2,
+# 3, 4, 6 or 12 nodes, 6 by 1, 2, 3 or 6, 4 by 1, 2 or 4
+DEFAULT_NODE_SLOTS = (12, 6, 4, 3, 2, 1)
 
 __all__ = ["UnitDataset"]
 
@@ -27,6 +31,7 @@ class UnitDataset(Dataset):
     _rows: np.ndarray
     _unit_bytes: np.ndarray
     shuffle_window: int
+    node_slots: int = 1  # set by `_check_slots` (NOTE [ raydl node slots ])
 
     @property
     def num_units(self) -> int:
@@ -50,13 +55,45 @@ class UnitDataset(Dataset):
         """The epoch's order for `seed` (NOTE [ raydl parquet shuffle ])."""
         return shard_aware_order(self._starts, self._rows, self.shuffle_window, seed)
 
+    def slotted_order(self, seed: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+        """The epoch's order over the node slots for batches of `batch_size`, and each batch's slot (NOTE [ raydl
+        parquet shuffle ])."""
+        return slotted_order(self._starts, self._rows, self.shuffle_window, self.node_slots, batch_size, seed)
+
+    def _check_slots(self, slots: Optional[int]) -> int:
+        """`node_slots` as given (at most `shuffle_window`), or the default: the largest of DEFAULT_NODE_SLOTS within the
+        window."""
+        if slots is None:
+            return next(n for n in DEFAULT_NODE_SLOTS if n <= min(self.shuffle_window, self.num_units) or n == 1)
+        if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
+            raise ValueError(f"{self._WHO}: node_slots should be a positive int, got {slots!r}")
+        if slots > self.shuffle_window:
+            raise ValueError(
+                f"{self._WHO}: node_slots={slots} is more than shuffle_window={self.shuffle_window}: each slot shuffles "
+                f"at least one unit of the window at a time. Lower node_slots to {self.shuffle_window} or raise "
+                "shuffle_window (and cache_limit: one node making every slot's batches holds the whole window)."
+            )
+        return slots
+
     def units_of(self, indices: Any) -> np.ndarray:
         """The unit of each index."""
         return np.searchsorted(self._starts, np.asarray(indices, dtype=np.int64), side="right") - 1
 
-    def raydl_shuffle_sampler(self, generator: Optional[torch.Generator]) -> ParquetShuffleSampler:
-        """The sampler `shuffle=True` uses over this dataset (NOTE [ raydl parquet shuffle ])."""
-        return ParquetShuffleSampler(self, generator)  # type: ignore[arg-type]
+    def raydl_shuffle_sampler(
+        self, generator: Optional[torch.Generator], batch_size: Optional[int] = None
+    ) -> ParquetShuffleSampler:
+        """The sampler `shuffle=True` uses over this dataset, cut for the loader's batches (NOTE [ raydl parquet
+        shuffle ])."""
+        return ParquetShuffleSampler(self, generator, batch_size)  # type: ignore[arg-type]
+
+    @staticmethod
+    def raydl_batch_slots(sampler_iter: Any, batch_size: Optional[int]) -> Optional[np.ndarray]:
+        """The node slot of each batch of the epoch, when the sampler iterator's order was cut for these batches
+        (NOTE [ raydl node slots ]); else None."""
+        for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
+            if isinstance(it, _ShuffleIter):
+                return it.batch_slots(batch_size)
+        return None
 
     @staticmethod
     def raydl_order_ahead(sampler_iter: Any) -> Optional[np.ndarray]:

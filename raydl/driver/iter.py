@@ -65,6 +65,7 @@ from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
 from .lifecycle import IterState
+from .node_slots import SlotDeal, placement_reason
 from .pool_choice import make_elastic, make_pool, worker_payload
 from .receive import BatchError, Receiver, TaskHeld, failure
 from .recovery import Recovery
@@ -143,6 +144,8 @@ class _RayLoaderIter(Iterator[Any]):
             )
         self._epoch = self._ckpt.epoch
         self._seed_per_sample = options.seed == "sample"
+        self._seed_mode = options.seed
+        self._deal: Optional[SlotDeal] = None  # this epoch's batches by node slot (NOTE [ raydl node slots ])
 
         ensure_ray_initialized(options.address)
         wait_for_early_start()  # a raydl.start() in progress hands its workers over first (NOTE [ raydl early start ])
@@ -305,6 +308,7 @@ class _RayLoaderIter(Iterator[Any]):
         self._send_idx = start  # idx of the next task to be sent to workers
         self._rcvd_idx = start  # idx of the next task to be handed out in order
         self._sched.reset(first_worker, self._epoch)
+        self._deal = self._slot_deal()
         self._elastic.new_epoch()
         if self._feed is not None:  # the plan first: what the first batches may fetch is weighed too (`has_room`)
             self._feed.begin_epoch(self._sampler_iter, self._rcvd_idx, self._worker_nodes())
@@ -340,7 +344,7 @@ class _RayLoaderIter(Iterator[Any]):
             if not self._ckpt.skip(self._send_idx):
                 break
             self._send_idx += 1  # handed out before the state was taken (in_order=False): not made again
-        worker_id = self._sched.next_worker()
+        worker_id = self._next_worker()
         if worker_id is None:
             return False
         # An iterable worker only needs the batch length; its replica decides the items.
@@ -354,6 +358,31 @@ class _RayLoaderIter(Iterator[Any]):
         if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx
             self._feed.on_send(self._send_idx - 1, index, self._pool_node(worker_id))
         return True
+
+    def _slot_deal(self) -> Optional[SlotDeal]:
+        """This epoch's deal of batches to nodes by slot, or None where torch's round robin places them (NOTE [ raydl
+        node slots ]); the feed's figures say which, and why."""
+        if self._feed is None:
+            return None
+        has = callable(getattr(self._dataset, "raydl_batch_slots", None))
+        batch = getattr(self._index_sampler, "batch_size", None) if self._auto_collation else None
+        slots = self._dataset.raydl_batch_slots(self._sampler_iter, batch) if has and batch else None
+        why = placement_reason(seed=self._seed_mode, job=self._job_rank is not None, slots=slots, has_slots=has)
+        deal = None if why is not None else SlotDeal(slots, self._pool_node)  # type: ignore[arg-type]
+        self._feed.placement = deal.figures if deal is not None else (lambda: {"mode": "round robin", "why": why})
+        return deal
+
+    def _next_worker(self) -> Optional[int]:
+        """The worker of the next task: one on its slot's node (NOTE [ raydl node slots ]), else torch's rule."""
+        if self._deal is not None:
+            node = self._deal.node_at(self._send_idx, self._sched.active)
+            if node is not None:
+                worker_id = self._sched.least_busy([w for w in self._sched.active if self._pool_node(w) == node])
+                if worker_id is not None:
+                    self._deal.sent(node)
+                    return worker_id
+            self._deal.sent(None)
+        return self._sched.next_worker()
 
     def _abandon(self, tasks: list[Task]) -> None:
         """Forget these tasks' results (their worker must finish their calls before being reused)."""
@@ -499,6 +528,12 @@ class _RayLoaderIter(Iterator[Any]):
         node cache ]: the plan of such a batch goes to every node)."""
         workers = self._sched.workers_of(first, end, self._send_idx)
         nodes = {w: self._pool_node(w) for w in set(workers)}
+        if self._deal is not None:  # the batches not sent yet go to their slots' nodes
+            by_slot = self._deal.nodes(first, end, self._sched.active)
+            return [
+                nodes[w] if p < self._send_idx and w is not None else n
+                for p, w, n in zip(range(first, end), workers, by_slot)
+            ]
         return [nodes[w] for w in workers]
 
     def _await_start(self) -> None:

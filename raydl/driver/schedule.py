@@ -228,6 +228,18 @@ class Schedule:
                 return worker_id
         return None
 
+    def least_busy(self, candidates: list[int]) -> Optional[int]:
+        """Of these workers, an active one with the fewest tasks in flight (the next in the cycle on a tie), or None
+        (NOTE [ raydl node slots ]: a batch goes to a worker of its slot's node)."""
+        live = [w for w in candidates if self.workers_status[w]]
+        if not live:
+            return None
+        n = len(self.active)
+        rank = {w: (self.active.index(w) - self._pos) % n for w in live}
+        worker_id = min(live, key=lambda w: (self.workers_num_tasks[w], rank[w]))
+        self._pos = (self.active.index(worker_id) + 1) % n
+        return worker_id
+
     def predicted_cycle(self) -> Optional[list[int]]:
         """The workers the next tasks go to, in order and repeating, if the pool stays as it is: torch's round robin
         in order. None where the rule depends on timing (out of order, a job's balance) or a worker is inactive."""

@@ -95,6 +95,8 @@ class CacheFeed:
         self._open = False  # whether the stream is open (actors stay known for stats after it closes)
         self._session: Optional[str] = None  # the actors' Ray session (NOTE [ raydl no Ray behind the user's back ])
         self._guess: Optional[str] = None  # the node fed before the workers said where they run
+        # what placed this epoch's batches (NOTE [ raydl node slots ] in driver/node_slots.py), for stats
+        self.placement: Optional[Callable[[], dict]] = None
 
     @staticmethod
     def for_dataset(dataset: Any, batch_size: Optional[int], where: Any = None) -> Optional[CacheFeed]:
@@ -392,6 +394,8 @@ class CacheFeed:
         asked = out["hits"] + out["misses"]
         out["hit_rate"] = out["hits"] / asked if asked else 0.0
         out["storage_wait_share"] = min(1.0, out["wait_s"] / busy_s) if busy_s > 0 else 0.0
+        if self.placement is not None:
+            out["placement"] = self.placement()
         return out
 
 

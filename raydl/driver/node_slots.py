@@ -1,0 +1,94 @@
+"""Which node makes each batch of an order cut over node slots: the slots dealt to the nodes the workers run on.
+
+NOTE [ raydl node slots ]
+With the window shuffle every node's workers read nearly every unit when batches go to the workers
+by torch's round robin: the cooperative caches (NOTE [ raydl cooperative caches ]) read each unit
+from storage once, then send it to every other node, (N - 1)x the data between nodes an epoch.
+A streamed dataset's `shuffle=True` order is instead cut over `node_slots` slots (NOTE [ raydl
+parquet shuffle ]): each unit belongs to one slot in an epoch, and each batch but the last few
+takes its rows from one slot's units. The driver deals the slots to the nodes its workers run on
+and sends each batch to a worker of its slot's node (the least busy one there), so a node's cache
+is told, and fetches, only its own slots' units: nothing crosses between nodes but the units of
+the last batches that mix slots. The trainer still receives the batches in the sampler's order
+(the reorder buffer), the prefetch bound is the same, and the deal is made again whenever the
+nodes change (a node lost, workers added or retired): the caches' plan follows.
+  * The deal: the active workers sorted by (node, worker id); slot s goes to the node of worker
+    s * workers // slots, so nodes get slots in proportion to their workers, and 1, 2, 3, 4, 6 or
+    12 equal nodes share the default 12 slots evenly. Nodes beyond the slots get no batch.
+  * The batches do not depend on it: the order depends on the seed, units, window, slots and batch
+    size only, and a batch's random draws on its position (`ray_seed="batch"`, the default for such
+    a loader). With `ray_seed="worker"` a batch's draws depend on the worker torch's round robin
+    gives it, so raydl keeps that round robin, and the cooperative caches serve it; so too for a
+    sampler of the user's, `node_slots=1`, a `ray_job` (its ranks' batches go to the job's least
+    busy worker) and an order cut for another batch size (a state saved at another one).
+    `loader.stats().cache["placement"]` says which path an epoch took, and why.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional
+
+import numpy as np
+
+__all__ = ["SlotDeal", "placement_reason"]
+
+
+def placement_reason(*, seed: str, job: bool, slots: Optional[np.ndarray], has_slots: bool) -> Optional[str]:
+    """None when an epoch's batches may go to their slots' nodes; else why the round robin keeps them."""
+    if not has_slots:
+        return "the sampler is not the dataset's shuffle over node slots (shuffle=False, a sampler of the user's)"
+    if slots is None:
+        return "the order has one node slot (node_slots=1) or was cut for another batch size"
+    if job:
+        return "ray_job: the job's ranks share its workers, least busy first"
+    if seed == "worker":
+        return "ray_seed='worker': a batch's random draws depend on the worker torch's round robin gives it"
+    return None
+
+
+class SlotDeal:
+    """The slots of one epoch's batches and the node each slot is dealt to (NOTE [ raydl node slots ])."""
+
+    def __init__(self, batch_slots: np.ndarray, node_of: Callable[[int], Optional[str]]) -> None:
+        self._slots = np.asarray(batch_slots, dtype=np.int64)
+        self._count = int(self._slots.max()) + 1 if len(self._slots) else 1
+        self._node_of = node_of
+        self._key: tuple = ()
+        self._nodes: list = []  # slot -> node (None: no worker's node known)
+        self.batches_by_node: dict = {}  # node -> batches sent there this epoch
+
+    def deal(self, workers: list[int]) -> list:
+        """slot -> node for these active workers (made again only when their nodes changed)."""
+        key = tuple((w, self._node_of(w)) for w in workers)
+        if key != self._key:
+            self._key = key
+            known = sorted((n, w) for w, n in key if n is not None)
+            if not known:
+                self._nodes = [None] * self._count
+            else:
+                self._nodes = [known[s * len(known) // self._count][0] for s in range(self._count)]
+        return self._nodes
+
+    def node_at(self, position: int, workers: list[int]) -> Optional[str]:
+        """The node of the slot of the batch at `position` (None: not known: no slot, or no node known yet)."""
+        if not 0 <= position < len(self._slots):
+            return None
+        return self.deal(workers)[int(self._slots[position])]
+
+    def nodes(self, first: int, end: int, workers: list[int]) -> list:
+        """The node of each batch position in [first, end)."""
+        nodes = self.deal(workers)
+        return [nodes[int(self._slots[p])] if 0 <= p < len(self._slots) else None for p in range(first, end)]
+
+    def sent(self, node: Optional[str]) -> None:
+        """A batch went to `node` (None: to torch's round robin's worker, no node known yet)."""
+        key = "not placed" if node is None else node
+        self.batches_by_node[key] = self.batches_by_node.get(key, 0) + 1
+
+    def figures(self) -> dict:
+        """What `loader.stats().cache["placement"]` says of this epoch."""
+        return {
+            "mode": "node slots",
+            "node_slots": self._count,
+            "batches_by_node": dict(self.batches_by_node),
+        }
