@@ -8,10 +8,10 @@ incompressible column; `cache_limit` a quarter of the data on each node; `shuffl
 node slots, NOTE [ raydl node slots ]), batch 64, one worker per data node, `--epochs` epochs. Each cluster size runs
 these, each in cache folders of its own:
   * node slots (the default since issue 58): each batch made on the node its slot is dealt to;
-  * the same order by torch's round robin (`ray_seed="worker"`), each node alone (`RAYDL_CACHE_PEERS=0`): every node
-    fetches the units its workers read;
-  * the same, cooperative caches (issue 38, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node,
-    the others take it from the owner's cache;
+  * `node_slots=1`, the default before: the window shuffle by torch's round robin (other batches: its own reference),
+    cooperative caches (issue 38, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node, the others
+    take it from the owner's cache;
+  * with `--alone`, also `node_slots=1` with each node's cache alone (`RAYDL_CACHE_PEERS=0`);
   * with `--unordered`, also node slots with `in_order=False` (its batches compared with torch's as a set).
 Prints, per cluster size, mode and epoch: S3 bytes / data for the cluster and for each node, bytes taken from peers
 (the caches' count), the bytes the bridge carried from a data node to another (its ports' counters:
@@ -106,13 +106,24 @@ def _driver(args) -> dict:
         )
         expected = [_batches(reference) for _ in range(args.epochs)]
         raydl.release_node_caches()
-        # (mode, RAYDL_CACHE_PEERS, in_order, node_slots): node slots is the default since issue 58; the others
-        # are the same order by torch's round robin (node_slots=1 would change the order, not just the placement)
-        modes = [("node slots", "1", True, None), ("alone", "0", True, "rr"), ("cooperative", "1", True, "rr")]
+        # node_slots=1: the window shuffle by torch's round robin, the default before issue 58 (its own batches)
+        one = _dataset(args, corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit, node_slots=1)
+        g = torch.Generator().manual_seed(SEED)
+        reference = torch.utils.data.DataLoader(
+            one, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(one, g, BATCH), generator=g
+        )
+        expected_one = [_batches(reference) for _ in range(args.epochs)]
+        # one epoch unmeasured from the local folder: the workers' processes start here, not in the first mode's epoch
+        _batches(raydl.DataLoader(one, batch_size=BATCH, num_workers=len(cluster.nodes) - 1, timeout=120))
+        raydl.release_node_caches()
+        # (mode, RAYDL_CACHE_PEERS, in_order, node_slots)
+        modes = [("node slots", "1", True, None), ("node_slots=1, cooperative", "1", True, 1)]
+        if args.alone:
+            modes.append(("node_slots=1, each node alone", "0", True, 1))
         if args.unordered:
             modes.append(("node slots, in_order=False", "1", False, None))
         data_nodes = [n for n in cluster.nodes if n != 0]
-        for mode, peers, in_order, placement in modes:
+        for mode, peers, in_order, slots in modes:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
             ds = _dataset(
                 args,
@@ -120,7 +131,9 @@ def _driver(args) -> dict:
                 filesystem=s3fs(proxy.port, attempts=3, host=head),
                 cache_dir=os.path.join(cluster.private_dir, mode.replace(" ", "-").replace(",", "").replace("=", "-")),
                 cache_limit=limit,
+                node_slots=slots,
             )
+            want = expected if slots is None else expected_one
             loader = raydl.DataLoader(
                 ds,
                 batch_size=BATCH,
@@ -131,8 +144,6 @@ def _driver(args) -> dict:
                 in_order=in_order,
                 timeout=120,
                 ray_startup_timeout_s=300,
-                # torch's round robin over the same order: a batch's draws then depend on its worker
-                ray_seed="worker" if placement == "rr" else None,
             )
             epochs = []
             for e in range(args.epochs):
@@ -152,7 +163,7 @@ def _driver(args) -> dict:
                             links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
                         ),
                         "placement": cache.get("placement", {}).get("mode"),
-                        "same_as_torch": got == expected[e] if in_order else sorted(got) == sorted(expected[e]),
+                        "same_as_torch": got == want[e] if in_order else sorted(got) == sorted(want[e]),
                         "samples_s": round(len(local) / dt),
                         "s3_bytes": proxy.get_bytes,
                         "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
@@ -195,6 +206,7 @@ def _run_cluster(n: int, args) -> dict:
             *("--files", str(args.files), "--groups", str(args.groups), "--rows", str(args.rows)),
             *("--payload", str(args.payload), "--epochs", str(args.epochs), "--format", args.format),
             *(["--unordered"] if args.unordered else []),
+            *(["--alone"] if args.alone else []),
             timeout_s=1200,
             RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
         )
@@ -214,6 +226,7 @@ def main() -> None:
         "--format", choices=("parquet", "tar"), default="parquet", help="the corpus as Parquet or tar shards"
     )
     ap.add_argument("--unordered", action="store_true", help="also node slots with in_order=False")
+    ap.add_argument("--alone", action="store_true", help="also node_slots=1 with each node's cache alone")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:

@@ -173,6 +173,9 @@ class MemberDataset(UnitDataset):
             out.append(sample)
         return out
 
+    def _read_units(self, units: list) -> None:
+        self._units(units)
+
     def _units(self, units: list) -> dict:
         """{unit: its bytes}: from this process's kept units, else through the node cache (or storage without Ray)."""
         found, missing = {}, []
@@ -185,10 +188,10 @@ class MemberDataset(UnitDataset):
                     self._kept.move_to_end(u)
                     found[u] = b
         if missing:
-            from ..cluster.cache.worker_read import read_units
-
-            got = read_units(self, missing)
-            limit = min(_KEPT_BYTES, self.shuffle_window * int(self._unit_bytes.max()))
+            with self._lock:
+                kept = list(self._kept)
+            got = self._read(missing, kept)
+            limit = min(_KEPT_BYTES, self.units_in_use * int(self._unit_bytes.max()))
             with self._lock:
                 for u, b in got.items():  # whole: the cache and the direct read check each unit's length
                     found[u] = b = memoryview(b)
@@ -202,6 +205,7 @@ class MemberDataset(UnitDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_kept"], state["_kept_bytes"], state["_lock"] = OrderedDict(), 0, None
+        state.pop("_ahead", None)  # bytes read ahead are this process's
         return state
 
     def __setstate__(self, state: dict) -> None:

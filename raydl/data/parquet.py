@@ -134,7 +134,7 @@ class ParquetDataset(UnitDataset):
             is dealt to, so a node's cache fetches only its own slots' row groups (NOTE [ raydl node
             slots ]). The order depends on it, never on the nodes. ``1``: every batch mixes the
             whole window, and the nodes' caches share row groups (cooperative caches). Defaults to
-            ``None``: the largest of 12, 6, 4, 3, 2 and 1 within `shuffle_window`.
+            ``None``: the largest of 12, 8, 6, 4, 3, 2 and 1 within `shuffle_window`.
 
     Raises:
         FileNotFoundError: a path does not exist.
@@ -328,6 +328,9 @@ class ParquetDataset(UnitDataset):
         order[np.concatenate(places)] = np.arange(len(idx))  # output row k is row order[k] of the pieces
         return pa.concat_tables(pieces).combine_chunks().take(pa.array(order))
 
+    def _read_units(self, units: list) -> None:
+        self._tables(np.asarray(units, dtype=np.int64))
+
     def _tables(self, units: np.ndarray) -> dict:
         """{unit: RowGroupColumns} for these units: from this process's few, else read from the node cache and
         decoded (NOTE [ raydl gathered pieces ] in data/columnar.py)."""
@@ -341,14 +344,14 @@ class ParquetDataset(UnitDataset):
                     self._decoded.move_to_end(u)
                     found[u] = t
         if missing:
-            from ..cluster.cache.worker_read import read_units
-
-            for u, data in read_units(self, missing).items():
+            with self._lock:
+                kept = list(self._decoded)
+            for u, data in self._read(missing, kept).items():
                 found[u] = t = RowGroupColumns(self._decode(u, data))
                 with self._lock:
                     self._decoded[u] = t
                     self._decoded_bytes += t.nbytes
-                    limit = min(_DECODED_BYTES, self.shuffle_window * max(self._largest_decoded, 1))
+                    limit = min(_DECODED_BYTES, self.units_in_use * max(self._largest_decoded, 1))
                     while self._decoded_bytes > limit and len(self._decoded) > 1:
                         _, old = self._decoded.popitem(last=False)
                         self._decoded_bytes -= old.nbytes
@@ -379,6 +382,7 @@ class ParquetDataset(UnitDataset):
     def __getstate__(self) -> dict:
         state = dict(self.__dict__)
         state["_decoded"], state["_decoded_bytes"], state["_lock"] = OrderedDict(), 0, None
+        state.pop("_ahead", None)  # bytes read ahead are this process's
         return state
 
     def __setstate__(self, state: dict) -> None:

@@ -13,9 +13,12 @@ Every row comes once per epoch; the row-group permutation leaves no trace of sto
 rank correlation with it is about 1/sqrt(number of row groups)); a batch mixes the rows of a
 whole window, hence of several files. Each row group is used only inside its window, so with a
 window that fits in half the cache every byte is fetched once per epoch. The sampler's iterator
-has a state (`{"seed", "yielded", "layout"}`), recorded by raydl's checkpoint as torchdata's sampler
-iterator state: a resume rebuilds the epoch from its seed and skips what was handed out; `layout` names the units and
-the window, and a state saved over others (the files, `cache_limit` or `shuffle_window` changed) is refused.
+has a state (`{"seed", "yielded", "layout"}`, and `generator`: the state of the sampler's generator
+before the epoch's seed was drawn), recorded by raydl's checkpoint as torchdata's sampler iterator
+state: a resume rebuilds the epoch from its seed and skips what was handed out, and the generator
+goes on from where the epoch's draw left it, so the epochs after it are the saved run's too;
+`layout` names the units, the window and the node slots, and a state saved over others (the
+files, `cache_limit`, `shuffle_window` or `node_slots` changed) is refused.
 With `node_slots` C > 1 and the loader's batch size B (NOTE [ raydl node slots ]), step 2 deals the
 permuted units to C slots (slot s takes every C-th: perm[s], perm[s + C], ...), each slot cuts its
 units into windows of `shuffle_window // C` and shuffles their rows as above, its rows are cut
@@ -129,6 +132,7 @@ class _ShuffleIter(Iterator[int]):
         self._order: Optional[np.ndarray] = None
         self._slots: Optional[np.ndarray] = None  # the slot of each batch of the epoch (node slots only)
         self._batch = sampler.batch_size if self._slotted else None  # what the epoch's order is cut for
+        self._gen_state: Optional[torch.Tensor] = None  # the sampler's generator before the epoch's seed was drawn
 
     @property
     def _slotted(self) -> bool:
@@ -138,7 +142,11 @@ class _ShuffleIter(Iterator[int]):
         return self
 
     def _begin(self, seed: Optional[int]) -> None:
-        self.seed = _draw_seed(self._sampler.generator) if seed is None else int(seed)
+        if seed is None:  # the generator as the draw found it: a resume moves it on as this draw did
+            g = self._sampler.generator
+            self._gen_state = g.get_state() if g is not None else None
+            seed = _draw_seed(g)
+        self.seed = int(seed)
         ds = self._sampler.dataset
         if self._batch is None:
             self._order, self._slots = ds.shuffled_order(self.seed), None
@@ -179,6 +187,8 @@ class _ShuffleIter(Iterator[int]):
         sd = {"seed": self.seed, "yielded": self.yielded, "layout": self._layout()}
         if self._batch is not None:
             sd["batch"] = self._batch
+        if self._gen_state is not None:
+            sd["generator"] = self._gen_state
         return sd
 
     def load_state_dict(self, sd: dict) -> None:
@@ -194,6 +204,12 @@ class _ShuffleIter(Iterator[int]):
                 "dataset as the saved run did to resume it."
             )
         self._batch = int(sd["batch"]) if sd.get("batch") is not None and self._slotted else self._batch
+        g = self._sampler.generator
+        if sd.get("generator") is not None and g is not None:
+            # the epoch's draw made again: the generator goes on to the next epochs as the saved run's did
+            g.set_state(sd["generator"])
+            self._gen_state = sd["generator"]
+            _draw_seed(g)
         self._begin(int(sd["seed"]))
         n = int(sd["yielded"])
         if n > len(self._order):  # type: ignore[arg-type]

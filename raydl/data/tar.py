@@ -80,7 +80,7 @@ class TarDataset(MemberDataset):
             is dealt to, so a node's cache fetches only its own slots' units (NOTE [ raydl node
             slots ]). The order depends on it, never on the nodes. ``1``: every batch mixes the
             whole window, and the nodes' caches share units (cooperative caches). Defaults to
-            ``None``: the largest of 12, 6, 4, 3, 2 and 1 within `shuffle_window`.
+            ``None``: the largest of 12, 8, 6, 4, 3, 2 and 1 within `shuffle_window`.
         index (str, optional): ``"dali"`` reads DALI's ``wds2idx`` index (``<shard>.idx`` beside each shard)
             instead of scanning the shards. Defaults to ``None``: raydl's own index, built once and kept. A
             `source` ending in ``.json`` is a webdataset ``wids`` shard index: its shards, their sample counts

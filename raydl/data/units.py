@@ -8,6 +8,7 @@ time (`raydl_order_ahead`). A subclass sets `_starts`, `_rows`, `_unit_bytes`, `
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from typing import Any, Optional, Sequence
 
 import numpy as np
@@ -17,8 +18,8 @@ from torch.utils.data import Dataset
 from .parquet_shuffle import ParquetShuffleSampler, _ShuffleIter, shard_aware_order, slotted_order
 
 # NOTE [ raydl node slots ]: the default is the largest of these within the window: 12 slots are shared evenly by 1, 2,
-# 3, 4, 6 or 12 nodes, 6 by 1, 2, 3 or 6, 4 by 1, 2 or 4
-DEFAULT_NODE_SLOTS = (12, 6, 4, 3, 2, 1)
+# 3, 4, 6 or 12 nodes, 8 by 1, 2, 4 or 8, 6 by 1, 2, 3 or 6; more nodes than that want node_slots a multiple of theirs
+DEFAULT_NODE_SLOTS = (12, 8, 6, 4, 3, 2, 1)
 
 __all__ = ["UnitDataset"]
 
@@ -74,6 +75,58 @@ class UnitDataset(Dataset):
                 "shuffle_window (and cache_limit: one node making every slot's batches holds the whole window)."
             )
         return slots
+
+    @property
+    def units_in_use(self) -> int:
+        """Units one worker reads from at once: the window, and over node slots one more a slot (a batch that
+        straddles two of its windows), since the slots take turns batch by batch (NOTE [ raydl node slots ])."""
+        return self.shuffle_window + (self.node_slots if self.node_slots > 1 else 0)
+
+    def raydl_read_ahead(self, batches: list) -> None:
+        """A worker is about to make these batches (its call's, in order): the units they read that this process does
+        not keep, in one read from the node cache, as many as it keeps (`units_in_use`). Over node slots a batch
+        reads one or two units, so read one batch at a time they would cost a cache round trip each."""
+        try:
+            idx = [np.asarray(b, dtype=np.int64).reshape(-1) for b in batches]
+        except (TypeError, ValueError):
+            return  # indices NumPy cannot read: each batch reads its own (and names what is wrong)
+        if not idx:
+            return
+        flat = np.concatenate(idx)
+        n = len(self)
+        if not len(flat) or flat.min() < -n or flat.max() >= n:
+            return
+        units = list(dict.fromkeys(self.units_of(np.where(flat < 0, flat + n, flat)).tolist()))
+        self._read_units(units[: self.units_in_use])
+
+    def _read_units(self, units: list) -> None:
+        """Bring these units into this process (what a subclass keeps decoded or as bytes)."""
+
+    def _read(self, missing: list, kept: Sequence[int]) -> dict:
+        """{unit: its bytes} for these units, which this process does not keep (`kept`: those it does): from the bytes
+        read ahead, else from the node cache, which over node slots also hands over up to `units_in_use` units the
+        node's plan uses next, kept here as bytes until a batch reads them (NOTE [ raydl read ahead ] in
+        cluster/cache/worker_read.py). Called with no lock held."""
+        from ..cluster.cache.worker_read import read_units
+
+        lock = self._lock  # type: ignore[attr-defined]  # the subclass's, for what this process keeps
+        with lock:
+            ahead = self.__dict__.setdefault("_ahead", OrderedDict())  # unit -> bytes read ahead (a worker's own)
+            out = {u: ahead.pop(u) for u in missing if u in ahead}
+            have = (*kept, *ahead)
+        rest = [u for u in missing if u not in out]
+        if rest:
+            n = self.units_in_use - len(rest) if self.node_slots > 1 else 0
+            got = read_units(self, rest, ahead=max(0, n), have=have)
+            with lock:
+                for u, data in got.items():
+                    if u in rest:
+                        out[u] = data
+                    else:
+                        ahead[u] = data
+                while len(ahead) > self.units_in_use:
+                    ahead.popitem(last=False)
+        return out
 
     def units_of(self, indices: Any) -> np.ndarray:
         """The unit of each index."""

@@ -13,8 +13,14 @@ the last batches that mix slots. The trainer still receives the batches in the s
 (the reorder buffer), the prefetch bound is the same, and the deal is made again whenever the
 nodes change (a node lost, workers added or retired): the caches' plan follows.
   * The deal: the active workers sorted by (node, worker id); slot s goes to the node of worker
-    s * workers // slots, so nodes get slots in proportion to their workers, and 1, 2, 3, 4, 6 or
-    12 equal nodes share the default 12 slots evenly. Nodes beyond the slots get no batch.
+    (s + 1/2) * workers // slots, so nodes get slots in proportion to their workers, and 1, 2, 3, 4, 6 or
+    12 equal nodes share 12 slots evenly (the default within a window of 12 units or more; 8 within
+    8 to 11). When the nodes change, a slot stays on its node while that node is there; a lost
+    node's slots go to the nodes with the fewest slots per worker, and a node that joins takes
+    slots from the most loaded while that evens them out (`_dealt_again`). A node count that does not divide the slots gives some nodes a slot more (5 nodes over
+    12 slots: 3 and 2), and nodes beyond the slots get no batch: `node_slots` a multiple of the
+    node count balances them (benchmarks/sim_node_slots.py: 4 slots a node also spreads a lost
+    node's slots over 4 others).
   * The batches do not depend on it: the order depends on the seed, units, window, slots and batch
     size only, and a batch's random draws on its position (`ray_seed="batch"`, the default for such
     a loader). With `ray_seed="worker"` a batch's draws depend on the worker torch's round robin
@@ -26,6 +32,7 @@ nodes change (a node lost, workers added or retired): the caches' plan follows.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Callable, Optional
 
 import numpy as np
@@ -58,15 +65,18 @@ class SlotDeal:
         self.batches_by_node: dict = {}  # node -> batches sent there this epoch
 
     def deal(self, workers: list[int]) -> list:
-        """slot -> node for these active workers (made again only when their nodes changed)."""
+        """slot -> node for these active workers (made again only when their nodes changed: see the NOTE)."""
         key = tuple((w, self._node_of(w)) for w in workers)
         if key != self._key:
             self._key = key
             known = sorted((n, w) for w, n in key if n is not None)
             if not known:
                 self._nodes = [None] * self._count
+            elif all(n is None for n in self._nodes):
+                n = len(known)  # slot s: the worker at (s + 1/2) * workers / slots, rounded down
+                self._nodes = [known[(2 * s + 1) * n // (2 * self._count)][0] for s in range(self._count)]
             else:
-                self._nodes = [known[s * len(known) // self._count][0] for s in range(self._count)]
+                self._nodes = _dealt_again(self._nodes, Counter(n for n, _ in known))
         return self._nodes
 
     def node_at(self, position: int, workers: list[int]) -> Optional[str]:
@@ -92,3 +102,27 @@ class SlotDeal:
             "node_slots": self._count,
             "batches_by_node": dict(self.batches_by_node),
         }
+
+
+def _dealt_again(nodes: list, weight: Counter) -> list:
+    """The deal `nodes` (slot -> node) after the nodes changed to those of `weight` (node -> its workers): a slot keeps
+    its node while that node is there; a slot whose node is gone goes to the node with the fewest slots per worker;
+    then, while moving one slot from the node with the most slots per worker to the one with the fewest evens them
+    out, it moves (a node that joined takes its share; every slot moved is fetched there again)."""
+    out = [n if n in weight else None for n in nodes]
+    load = Counter({n: 0 for n in weight})
+    load.update(n for n in out if n is not None)
+    for s, n in enumerate(out):
+        if n is None:
+            n = min(weight, key=lambda m: ((load[m] + 1) / weight[m], m))
+            out[s] = n
+            load[n] += 1
+    while True:
+        most = max(weight, key=lambda m: (load[m] / weight[m], m))
+        least = min(weight, key=lambda m: (load[m] / weight[m], m))
+        if (load[most] - 1) / weight[most] < (load[least] + 1) / weight[least] or most == least:
+            return out
+        s = max(i for i, n in enumerate(out) if n == most)
+        out[s] = least
+        load[most] -= 1
+        load[least] += 1

@@ -344,6 +344,7 @@ class WorkerBody:
 
     def _fetch_many(self, epoch: int, tasks: list) -> tuple[list, list]:
         batches, metas = [], []
+        self._read_ahead(tasks)
         for idx, work in tasks:
             started_s, t0 = time.time(), time.perf_counter()
             try:
@@ -355,6 +356,21 @@ class WorkerBody:
             batches.append(batch)
             metas.append(meta)
         return batches, metas
+
+    def _read_ahead(self, tasks: list) -> None:
+        """A streamed dataset reads the units of a call's batches at once (`UnitDataset.raydl_read_ahead`); a failure
+        is left to the batch that reads the unit, which reports it as its own."""
+        p = self._payload
+        if p is None or p.is_iterable or len(tasks) < 2:
+            return
+        ahead = getattr(p.dataset, "raydl_read_ahead", None)
+        if ahead is None:
+            return
+        keyed = p.keyed_seeds
+        try:
+            ahead([work[1] if keyed else work for _, work in tasks])
+        except Exception:  # noqa: BLE001 - the batch's own read raises it again, with its index
+            pass
 
     def fetch(self, epoch: int, idx: int, index: Any) -> tuple[Any, BatchMeta]:
         """Task `idx`: one batch for `index` (a list of indices, one index, or for iterables the batch length).

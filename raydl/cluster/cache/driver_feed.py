@@ -18,7 +18,7 @@ import numpy as np
 from .handles import _ensure_registered, _name, node_cache
 from .unit_file import UNIT_TRAILER_BYTES
 
-__all__ = ["CacheFeed"]
+__all__ = ["CacheFeed", "plan_owners"]
 
 # NOTE [ raydl cache cursor ]
 # The caches learn the loop's cursor (the next batch to hand out) and the end of the batches in
@@ -30,7 +30,10 @@ __all__ = ["CacheFeed"]
 # position beyond the known plan counts as one), and otherwise at most every ADVANCE_INTERVAL_S:
 # within a shuffle window no unit is freed, and a cursor late by a few batches only keeps units the
 # next batches use anyway. A worker that waits for a unit never waits on this: its ask is urgent,
-# and an urgent fetch may evict any unit no worker holds.
+# and an urgent fetch may evict any unit no worker holds. Over node slots (NOTE [ raydl node slots ])
+# a unit is freed every batch or two, and telling each doubled the loop's Ray calls (69 against 19 an
+# epoch of 150 batches, one node): the caches are told once a quarter of the units a worker keeps
+# (`units_in_use`) were freed since the last telling, which a window shuffle's window end passes at once.
 ADVANCE_INTERVAL_S = 0.05
 
 
@@ -89,7 +92,9 @@ class CacheFeed:
         self._owners: dict = {}  # unit id -> the node whose cache fetches it from storage (several nodes only)
         self._first = 0
         self._last: tuple = (-1, -1)  # (cursor, end of the batches in flight) last reported
-        self._frees: list = []  # per position of `_steps`: a unit's last use (NOTE [ raydl cache cursor ])
+        self._frees: list = []  # per position of `_steps`: units last used there (NOTE [ raydl cache cursor ])
+        # units freed since the last telling that make the caches be told at once (NOTE [ raydl cache cursor ])
+        self._free_units = max(1, int(getattr(dataset, "units_in_use", 1)) // 4)
         self._told: tuple = (-1, -1)  # what the caches were last told, and when
         self._told_at = 0.0
         self._open = False  # whether the stream is open (actors stay known for stats after it closes)
@@ -171,27 +176,8 @@ class CacheFeed:
         if len(known) < 2 or os.environ.get("RAYDL_CACHE_PEERS", "1") == "0":  # "0": each node fetches its own
             return {}
         units, pos, node, _ = self._flat(known)
-        every = node == -1  # each node uses these
-        k = len(known)
-        units = np.concatenate([units[node >= 0], np.repeat(units[every], k)])
-        pos = np.concatenate([pos[node >= 0], np.repeat(pos[every], k)])
-        node = np.concatenate([node[node >= 0], np.tile(np.arange(k), int(every.sum()))])
-        order = np.lexsort((pos, node, units))  # each (unit, node) pair's first use first
-        units, pos, node = units[order], pos[order], node[order]
-        first = np.ones(len(units), bool)
-        first[1:] = (units[1:] != units[:-1]) | (node[1:] != node[:-1])
-        order = np.lexsort((node[first], pos[first]))
-        users: dict = {}  # unit -> the nodes that use it, in order of first use (units in order of first use)
-        for u, n in zip(units[first][order].tolist(), node[first][order].tolist()):
-            users.setdefault(u, []).append(n)
-        sizes = self._ds.unit_nbytes
-        owned = [0] * k
-        owners = {}
-        for u, lst in users.items():
-            n = min(lst, key=lambda i: (owned[i], lst.index(i)))
-            owners[u] = known[n]
-            owned[n] += int(sizes[u])
-        return owners
+        owner = plan_owners(units, pos, node, len(known), self._ds.unit_nbytes)
+        return {u: known[n] for u, n in owner.items()}
 
     def _plan_for(self, node: str) -> list:
         """The steps from the cursor on that `node`'s cache is told: all units of its own batches (and of those
@@ -268,7 +254,7 @@ class CacheFeed:
         units = np.unique(self._ds.units_of(index if isinstance(index, list) else [index])).tolist()
         self._steps.append(units)
         # a plan told batch by batch says nothing of later uses: each position may be a unit's last
-        self._frees.extend([True] * (len(self._steps) - len(self._frees)))  # (a list: appended once a batch)
+        self._frees.extend([self._free_units] * (len(self._steps) - len(self._frees)))  # (appended once a batch)
         target = node if node in self._actors and len(self._actors) > 1 else None
         self._nodes.append(target)
         for n, actor in self._actors.items():
@@ -310,13 +296,14 @@ class CacheFeed:
             actor.advance.remote(sid=self._sid, cursor=cursor, sent=sent)
 
     def _frees_in(self, start: int, end: int) -> bool:
-        """Whether a batch position in [start, end) is the last use of a unit (outside the known plan: yes)."""
+        """Whether the batch positions in [start, end) are the last uses of `_free_units` units or more (outside the
+        known plan: yes)."""
         if end <= start:
             return False
         lo, hi = start - self._first, end - self._first
         if lo < 0 or hi > len(self._frees):
             return True
-        return any(self._frees[lo:hi])
+        return sum(self._frees[lo:hi]) >= self._free_units
 
     def _live(self) -> bool:
         """Whether the actors' Ray session is still this process's: finalizers may run after ray.shutdown()."""
@@ -399,9 +386,34 @@ class CacheFeed:
         return out
 
 
+def plan_owners(units: np.ndarray, pos: np.ndarray, node: np.ndarray, k: int, sizes: np.ndarray) -> dict:
+    """{unit: owner node's index} for a plan given as (unit, batch position, node index; -1: every one of the `k`
+    nodes) entries (NOTE [ raydl cooperative caches ]): in the order of first use, each unit goes to the node using it
+    that owns the fewest bytes so far (the first user on a tie). Also what benchmarks/sim_node_slots.py plans with."""
+    every = node == -1  # each node uses these
+    units = np.concatenate([units[node >= 0], np.repeat(units[every], k)])
+    pos = np.concatenate([pos[node >= 0], np.repeat(pos[every], k)])
+    node = np.concatenate([node[node >= 0], np.tile(np.arange(k), int(every.sum()))])
+    order = np.lexsort((pos, node, units))  # each (unit, node) pair's first use first
+    units, pos, node = units[order], pos[order], node[order]
+    first = np.ones(len(units), bool)
+    first[1:] = (units[1:] != units[:-1]) | (node[1:] != node[:-1])
+    order = np.lexsort((node[first], pos[first]))
+    users: dict = {}  # unit -> the nodes that use it, in order of first use (units in order of first use)
+    for u, n in zip(units[first][order].tolist(), node[first][order].tolist()):
+        users.setdefault(u, []).append(n)
+    owned = [0] * k
+    owners = {}
+    for u, lst in users.items():
+        n = min(lst, key=lambda i: (owned[i], lst.index(i)))
+        owners[u] = n
+        owned[n] += int(sizes[u])
+    return owners
+
+
 def _last_uses(steps: list) -> np.ndarray:
-    """Per position of `steps` (the unit ids of each batch): whether it is the last position using some unit."""
-    frees = np.zeros(len(steps), bool)
+    """Per position of `steps` (the unit ids of each batch): how many units it is the last position to use."""
+    frees = np.zeros(len(steps), np.int64)
     if not steps:
         return frees
     lens = np.fromiter(map(len, steps), np.int64, len(steps))
@@ -411,5 +423,5 @@ def _last_uses(steps: list) -> np.ndarray:
     pos = np.repeat(np.arange(len(steps)), lens)
     last = np.full(int(units.max()) + 1, -1, np.int64)
     np.maximum.at(last, units, pos)
-    frees[last[last >= 0]] = True
+    np.add.at(frees, last[last >= 0], 1)
     return frees

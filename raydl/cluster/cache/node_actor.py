@@ -53,6 +53,7 @@ FETCH_PARALLEL = 8  # concurrent storage requests per node cache
 FETCH_SPANS_KEPT = 4096  # the last fetches kept for the loader's timeline
 ACQUIRE_SLICE_S = 5.0  # one acquire call waits at most this long
 READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a worker's wait for one batch's units
+READ_AHEAD_STEPS = 64  # NOTE [ raydl read ahead ]: how far past the cursor a worker's read-ahead looks
 IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
 STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
 INF = float("inf")
@@ -121,6 +122,7 @@ class NodeCache(PeerUnits):
         self._specs: dict[str, tuple] = {}  # key -> (fs token, path, file size, segments, nbytes)
         self._fs: dict[str, Any] = {}
         self._keys: dict[str, list] = {}  # dataset token -> unit keys by unit id
+        self._unit_ids: dict[str, dict] = {}  # dataset token -> {unit key: unit id}, made at a first read-ahead
         self._ready: dict[str, int] = {}  # key -> nbytes, whole on disk
         self._fetching: dict[str, int] = {}  # key -> nbytes reserved
         self._pins: dict[str, int] = {}
@@ -188,6 +190,7 @@ class NodeCache(PeerUnits):
                     else:  # left by an earlier cache beyond this one's limit: the folder stays within it
                         unlink(os.path.join(self._dir, key))
             self._keys[token] = keys
+            self._unit_ids.pop(token, None)
             self._peak()
 
     def plan(
@@ -249,13 +252,18 @@ class NodeCache(PeerUnits):
                 del self._closed[next(iter(self._closed))]
             self._cv.notify_all()
 
-    def acquire(self, token: str, units: list, timeout_s: float, count: bool = True) -> dict:
+    def acquire(
+        self, token: str, units: list, timeout_s: float, count: bool = True, ahead: int = 0, have: tuple = ()
+    ) -> dict:
         """Pin and return {unit id: local path} of the units present, waiting (bounded) until one is.
 
         Units absent are asked for at once (before any unit of a plan). `count`: this is the
-        batch's first call, whose units count as hits (present) or misses (absent).
+        batch's first call, whose units count as hits (present) or misses (absent). `ahead`: with
+        the units asked, up to this many more that are here and that the plans use next, the
+        worker's `have` excepted (NOTE [ raydl read ahead ]).
 
-        Returns {"ready": {...}, "errors": {unit id: message}, "unknown": dataset not registered}.
+        Returns {"ready": {...}, "ahead": {unit id: path} (pinned too), "errors": {unit id: message}, "unknown":
+        dataset not registered}.
         """
         t0 = time.monotonic()
         deadline = t0 + min(timeout_s, ACQUIRE_SLICE_S)
@@ -285,12 +293,13 @@ class NodeCache(PeerUnits):
                     elif k in self._asked and not self._asked[k][1]:  # asked ahead: now a worker waits for it
                         self._asked[k][:2] = [0.0, True]
                 if ready or errors:
-                    for u in ready:
+                    extra = self._next_ready(token, ahead, set(units) | set(have)) if ahead > 0 else {}
+                    for u in [*ready, *extra]:
                         k = keys[u]
                         self._pins[k] = self._pins.get(k, 0) + 1
                     if waited:
                         self._wait_s += time.monotonic() - t0
-                    return {"ready": ready, "errors": errors, "unknown": False}
+                    return {"ready": ready, "ahead": extra, "errors": errors, "unknown": False}
                 waited = True
                 self._cv.notify_all()
                 left = deadline - time.monotonic()
@@ -298,6 +307,26 @@ class NodeCache(PeerUnits):
                     self._wait_s += time.monotonic() - t0
                     return {"ready": {}, "errors": {}, "unknown": False}
                 self._cv.wait(left)
+
+    def _next_ready(self, token: str, n: int, skip: set) -> dict:
+        """{unit id: path} of up to `n` units here that `token`'s plans use next from their cursors, `skip` excepted
+        (NOTE [ raydl read ahead ]); called with `_cv` held."""
+        keys = self._keys[token]
+        unit_of = self._unit_ids.get(token)
+        if unit_of is None:
+            unit_of = self._unit_ids[token] = {k: u for u, k in enumerate(keys)}
+        out: dict = {}
+        for s in self._streams.values():
+            for step in range(s.cursor, s.last + 1):
+                for k in s.steps.get(step, ()):
+                    u = unit_of.get(k)
+                    if u is not None and u not in skip and u not in out and k in self._ready:
+                        out[u] = os.path.join(self._dir, k)
+                        if len(out) >= n:
+                            return out
+                if step - s.cursor > READ_AHEAD_STEPS:
+                    break
+        return out
 
     def release(self, token: str, units: list, lost: tuple = (), corrupt: tuple = ()) -> None:
         """Unpin units read; `lost`: units whose file had vanished (another cache evicted it): forget them;

@@ -21,8 +21,21 @@ from .unit_file import unsealed
 __all__ = ["read_units"]
 
 
-def read_units(dataset: Any, units: list) -> dict:
-    """{unit: its bytes}, read from this node's cache (in a worker), or from storage without Ray.
+# NOTE [ raydl read ahead ]
+# Over node slots (NOTE [ raydl node slots ] in driver/node_slots.py) the slots take turns batch by
+# batch and a batch reads one or two units, so a worker that reads a unit only when a batch needs it
+# calls its cache about once a batch: 7x the calls of the window shuffle, whose batches read a whole
+# window's units together, and 0.59x its samples/s on one node of tiny batches (bench_across_nodes).
+# So a worker that must call its cache anyway takes, with the units it asks for, up to `ahead` more
+# that the cache holds and the node's plan uses next (`NodeCache.acquire`), as bytes it keeps until
+# a batch needs them (`UnitDataset._read`): no decoding ahead, and never a wait for a unit that is
+# not there yet.
+
+
+def read_units(dataset: Any, units: list, ahead: int = 0, have: tuple = ()) -> dict:
+    """{unit: its bytes}, read from this node's cache (in a worker), or from storage without Ray; with `ahead`, also
+    up to that many units the node's plan uses next that the cache holds, `have` excepted (NOTE [ raydl read
+    ahead ]).
 
     Raises:
         OSError / FileNotFoundError: storage failed for good; names the file and row group.
@@ -52,7 +65,14 @@ def read_units(dataset: Any, units: list) -> dict:
         try:
             _ensure_registered(actor, dataset, name)
             got = ray.get(
-                actor.acquire.remote(token=dataset.token, units=todo, timeout_s=left, count=first),
+                actor.acquire.remote(
+                    token=dataset.token,
+                    units=todo,
+                    timeout_s=left,
+                    count=first,
+                    ahead=ahead if first else 0,
+                    have=tuple(have),
+                ),
                 timeout=ACQUIRE_SLICE_S + 30,
             )
             first = False
@@ -67,7 +87,8 @@ def read_units(dataset: Any, units: list) -> dict:
             kind = FileNotFoundError if msg.startswith("FileNotFoundError") else OSError
             raise kind(f"raydl cache: cannot fetch {dataset.describe_unit(u)}: {msg}")
         lost, corrupt = [], []
-        for u, path in got["ready"].items():
+        extra = got.get("ahead") or {}
+        for u, path in [*got["ready"].items(), *extra.items()]:
             try:
                 with open(path, "rb") as f:
                     body = unsealed(f.read())
@@ -78,7 +99,8 @@ def read_units(dataset: Any, units: list) -> dict:
                 corrupt.append(u)
             else:
                 out[u] = body
-        actor.release.remote(token=dataset.token, units=list(got["ready"]), lost=tuple(lost), corrupt=tuple(corrupt))
+        pinned = [*got["ready"], *extra]
+        actor.release.remote(token=dataset.token, units=pinned, lost=tuple(lost), corrupt=tuple(corrupt))
         todo = [u for u in todo if u not in out]
     return out
 
