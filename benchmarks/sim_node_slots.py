@@ -115,7 +115,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=256)
     ap.add_argument("--nodes", default="16,64,256")
     ap.add_argument("--slots-per-node", default="1,4")
-    ap.add_argument("--png", default=os.path.join("benchmarks", "results", "sim_node_slots.png"))
+    ap.add_argument("--png", default=os.path.join("benchmarks", "figures", "sim_node_slots.png"))
     args = ap.parse_args()
     units = int(args.tb * 1000 / args.unit_gb)
     rows = []
