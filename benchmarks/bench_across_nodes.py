@@ -123,13 +123,15 @@ def _driver(args) -> dict:
         if args.unordered:
             modes.append(("node slots, in_order=False", "1", False, None))
         data_nodes = [n for n in cluster.nodes if n != 0]
-        for mode, peers, in_order, slots in modes:
+        runs = [(rep, *m) for rep in range(args.reps) for m in modes]  # the modes in turn, rep after rep (paired)
+        for rep, mode, peers, in_order, slots in runs:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
+            folder = mode.replace(" ", "-").replace(",", "").replace("=", "-") + f"-{rep}"
             ds = _dataset(
                 args,
                 "s3://corpus/data/",
                 filesystem=s3fs(proxy.port, attempts=3, host=head),
-                cache_dir=os.path.join(cluster.private_dir, mode.replace(" ", "-").replace(",", "").replace("=", "-")),
+                cache_dir=os.path.join(cluster.private_dir, folder),
                 cache_limit=limit,
                 node_slots=slots,
             )
@@ -181,7 +183,7 @@ def _driver(args) -> dict:
             loader.shutdown()
             del loader
             raydl.release_node_caches()
-            out["modes"][mode] = epochs
+            out["modes"].setdefault(mode, []).append(epochs)
     finally:
         if proxy is not None:
             proxy.stop()
@@ -207,6 +209,7 @@ def _run_cluster(n: int, args) -> dict:
             *("--payload", str(args.payload), "--epochs", str(args.epochs), "--format", args.format),
             *(["--unordered"] if args.unordered else []),
             *(["--alone"] if args.alone else []),
+            *("--reps", str(args.reps)),
             timeout_s=1200,
             RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
         )
@@ -227,18 +230,25 @@ def main() -> None:
     )
     ap.add_argument("--unordered", action="store_true", help="also node slots with in_order=False")
     ap.add_argument("--alone", action="store_true", help="also node_slots=1 with each node's cache alone")
+    ap.add_argument("--reps", type=int, default=1, help="the modes in turn this many times on each cluster (paired)")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:
         print("RESULT " + json.dumps(_driver(args)), flush=True)
         return
-    rows = []
+    rows, ratios = [], []
     for n in [int(x) for x in args.nodes.split(",")]:
         res = _run_cluster(n, args)
         print(f"{n} data node(s): " + json.dumps(res), flush=True)
         data = res["data_bytes"]
-        for mode, epochs in res["modes"].items():
-            for e, ep in enumerate(epochs):
+        speeds = {mode: [[ep["samples_s"] for ep in rep] for rep in reps] for mode, reps in res["modes"].items()}
+        if "node slots" in speeds and "node_slots=1, cooperative" in speeds:  # paired: the same rep, the same epoch
+            for e in range(args.epochs):
+                pairs = zip(speeds["node slots"], speeds["node_slots=1, cooperative"])
+                r = sorted(a[e] / b[e] for a, b in pairs)
+                ratios.append([n, e, " / ".join(f"{x:.2f}" for x in r), f"{r[len(r) // 2]:.2f}"])
+        for mode, reps in res["modes"].items():
+            for rep, e, ep in ((r, e, ep) for r, eps in enumerate(reps) for e, ep in enumerate(eps)):
                 per_node = [ep["s3_bytes_by_ip"].get(ip, 0) / data for ip in res["worker_node_ips"]]
                 peers = sum(st["bytes_from_peers"] for st in ep["nodes"].values()) / data
                 fallbacks = sum(st["peer_fallbacks"] for st in ep["nodes"].values())
@@ -246,6 +256,7 @@ def main() -> None:
                     [
                         n,
                         mode,
+                        rep,
                         e,
                         f"{ep['s3_bytes'] / data:.2f}x",
                         " / ".join(f"{x:.2f}" for x in per_node),
@@ -259,9 +270,12 @@ def main() -> None:
     print(
         f"\n{args.format}: data {data} B of units; cache_limit a quarter of it on each node; batch {BATCH}, one worker a node\n"
     )
-    header = ["data nodes", "batches by", "epoch", "S3 bytes, cluster / data", "per node / data", "from peers / data"]
-    header += ["between nodes on the links / data", "fallbacks", "torch's batches", "samples/s"]
+    header = ["data nodes", "batches by", "rep", "epoch", "S3 bytes, cluster / data", "per node / data"]
+    header += ["from peers / data", "between nodes on the links / data", "fallbacks", "torch's batches", "samples/s"]
     print(md_table(header, rows))
+    if ratios:
+        print("\nsamples/s, node slots / node_slots=1 (cooperative), paired by rep:\n")
+        print(md_table(["data nodes", "epoch", "ratios, sorted", "median"], ratios))
 
 
 if __name__ == "__main__":

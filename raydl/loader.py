@@ -130,7 +130,10 @@ class DataLoader(_TorchDataLoader[T_co]):
             epoch being a `DistributedSampler`'s seed and epoch when there is one (else the base
             seed's and the iterator's): a sample's draws depend only on its index, not on its
             batch, worker, rank or the world size (8 us per sample; NOTE [ raydl sample
-            seeding ]). Defaults to ``"worker"``.
+            seeding ]). Defaults to ``"worker"``; ``"batch"`` with `ray_job`, and with
+            ``shuffle=True`` over a streamed dataset whose order is cut over node slots
+            (`ParquetDataset`, `TarDataset`, `FileDataset`: NOTE [ raydl node slots ]), whose
+            batches are made on the node that caches their units, whatever worker that is.
         ray_job (bool or str, optional): share one pool of `num_workers x world size` workers
             between every rank of a training job (NOTE [ raydl job pool ]): ``True`` names the
             job after the launcher (torchrun, Ray Train, MASTER_ADDR:MASTER_PORT), a str names it.
