@@ -118,6 +118,21 @@ def test_slot_deal_follows_workers_and_nodes():
     assert deal.deal([0]) == [None] * 6
 
 
+def test_more_nodes_than_slots_is_said_once_with_the_fix(caplog):
+    """Nodes beyond the slots make no batch: a warning names how many and the node_slots to give; said once."""
+    import raydl.driver.node_slots as node_slots
+
+    node_slots._WARNED.clear()
+    where = {0: "a", 1: "b", 2: "c"}
+    with caplog.at_level("WARNING", logger="raydl.driver.node_slots"):
+        deal = SlotDeal(np.array([0, 1] * 4), where.get)
+        assert deal.deal([0, 1, 2]) == ["a", "c"]  # the worker at (s + 1/2) x 3 / 2: a and c
+        SlotDeal(np.array([0, 1] * 4), where.get).deal([0, 1, 2])
+    said = [r.getMessage() for r in caplog.records if "make no batch" in r.getMessage()]
+    assert len(said) == 1 and "1 of the 3 nodes" in said[0] and "node_slots=3" in said[0], said
+    assert deal.figures()["nodes_without_slots"] == 1
+
+
 def test_defaults_batch_seeding_torch_parity_and_placement_reported(ray_session, corpus, tmp_path):
     """`shuffle=True` with defaults only (no generator): ray_seed is "batch", the epoch's batches come from the
     dataset's order over its slots, every sample once; with a generator they are torch's DataLoader's over the same

@@ -32,10 +32,14 @@ nodes change (a node lost, workers added or retired): the caches' plan follows.
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from typing import Callable, Optional
 
 import numpy as np
+
+logger = logging.getLogger(__name__)
+_WARNED: set = set()  # (slots, nodes) told once a process: nodes that make no batch
 
 __all__ = ["SlotDeal", "placement_reason"]
 
@@ -77,7 +81,24 @@ class SlotDeal:
                 self._nodes = [known[(2 * s + 1) * n // (2 * self._count)][0] for s in range(self._count)]
             else:
                 self._nodes = _dealt_again(self._nodes, Counter(n for n, _ in known))
+            self._warn_idle({n for n, _ in known})
         return self._nodes
+
+    def _warn_idle(self, nodes: set) -> None:
+        """Nodes with workers but no slot make no batch: said once, with the fix."""
+        idle = nodes - set(self._nodes)
+        if idle and (self._count, len(nodes)) not in _WARNED:
+            _WARNED.add((self._count, len(nodes)))
+            n = len(nodes)
+            logger.warning(
+                "raydl: %d of the %d nodes the workers run on make no batch: the dataset's shuffle order has %d node "
+                "slots (NOTE [ raydl node slots ]). Give the dataset node_slots=%d (a multiple of the node count; "
+                "shuffle_window at least that) to use them all.",
+                len(idle),
+                n,
+                self._count,
+                n * -(-self._count // n),
+            )
 
     def node_at(self, position: int, workers: list[int]) -> Optional[str]:
         """The node of the slot of the batch at `position` (None: not known: no slot, or no node known yet)."""
@@ -101,6 +122,7 @@ class SlotDeal:
             "mode": "node slots",
             "node_slots": self._count,
             "batches_by_node": dict(self.batches_by_node),
+            "nodes_without_slots": len({n for _, n in self._key if n is not None} - set(self._nodes)),
         }
 
 
