@@ -99,8 +99,8 @@ def slotted_order(
 
 
 def _one_unit_last(starts: np.ndarray, stream: np.ndarray, batch: int) -> np.ndarray:
-    """A slot's rows with the `len % batch` left over at its end taken from one unit of its last rows' (the last rows
-    of the unit with the most of them among the last `batch`), so the last batches, which mix slots, need one unit of
+    """A slot's rows with the `len % batch` left over at its end taken from one unit (the last rows of the unit with the
+    most rows among the last 4 x `batch`, when it has enough), so the last batches, which mix slots, need one unit of
     each slot they take rows from (NOTE [ raydl parquet shuffle ])."""
     r = len(stream) % batch
     if not r:

@@ -375,9 +375,9 @@ class _RayLoaderIter(Iterator[Any]):
     def _next_worker(self) -> Optional[int]:
         """The worker of the next task: one on its slot's node (NOTE [ raydl node slots ]), else torch's rule."""
         if self._deal is not None:
-            node = self._deal.node_at(self._send_idx, self._sched.active)
+            node, there = self._deal.place(self._send_idx, self._sched.active)
             if node is not None:
-                worker_id = self._sched.least_busy([w for w in self._sched.active if self._pool_node(w) == node])
+                worker_id = self._sched.least_busy(there)
                 if worker_id is not None:
                     self._deal.sent(node)
                     return worker_id

@@ -106,6 +106,11 @@ class SlotDeal:
             return None
         return self.deal(workers)[int(self._slots[position])]
 
+    def place(self, position: int, workers: list[int]) -> tuple[Optional[str], list[int]]:
+        """The node of the batch at `position` and those of `workers` that run there (the nodes looked up once)."""
+        node = self.node_at(position, workers)
+        return node, [w for w, n in self._key if n == node] if node is not None else []
+
     def nodes(self, first: int, end: int, workers: list[int]) -> list:
         """The node of each batch position in [first, end)."""
         nodes = self.deal(workers)

@@ -72,7 +72,7 @@ def read_units(dataset: Any, units: list, ahead: int = 0, have: tuple = ()) -> d
                     timeout_s=left,
                     count=first,
                     ahead=ahead if first else 0,
-                    have=tuple(have),
+                    have=tuple(have) if first and ahead else (),
                 ),
                 timeout=ACQUIRE_SLICE_S + 30,
             )
