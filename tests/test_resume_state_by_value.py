@@ -93,6 +93,35 @@ def test_live_sampler_state_resumes_exactly():
     assert [[x.tolist() for x in b] for b in dl2] == rest
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_default_shuffle_state_is_the_callers_own(num_workers):
+    """`shuffle=True`'s sampler records are kept per draw without a copy (samplers.py `fresh_state`): a state handed
+    out must still be the caller's. Writing into its generator state changes neither a later state nor the batches a
+    later state resumes."""
+    torch.manual_seed(11)
+    dl = _loader(range(96), num_workers, batch_size=4, shuffle=True)
+    it = iter(dl)
+    for _ in range(3):
+        next(it)
+    a = dl.state_dict()
+
+    def generator(state):  # torchdata's layouts: the main process's keys at the top without workers
+        main = state["_snapshot"]["_main_snapshot"] if num_workers else state
+        return main["_sampler_iter_state"]["sampler_iter_state"]["generator"]
+
+    want = generator(a).clone()
+    generator(a).zero_()
+    b = dl.state_dict()
+    assert torch.equal(generator(b), want)
+    rest = list(it)
+    dl.shutdown()
+    dl2 = _loader(range(96), num_workers, batch_size=4, shuffle=True)
+    dl2.load_state_dict(b)
+    got = list(dl2)
+    dl2.shutdown()
+    assert len(got) == len(rest) == 21 and all(torch.equal(x, y) for x, y in zip(got, rest))
+
+
 def test_in_process_state_is_not_changed_by_later_batches():
     """num_workers=0: a state held in memory (not saved) stays as it was taken, and loading it resumes the rest."""
     dl = raydl.DataLoader(RD.LiveFlips(20), batch_size=2)

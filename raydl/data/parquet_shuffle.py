@@ -125,6 +125,8 @@ class _ShuffleIter(Iterator[int]):
     """One epoch of `ParquetShuffleSampler`; its state is `{"seed", "yielded", "layout"}` and, over node slots, the
     batch size the order was made for (NOTE [ raydl parquet shuffle ])."""
 
+    raydl_fresh_state = True  # `state_dict` gives a new dict of ints, a str and `_gen_state`, replaced, never written
+
     def __init__(self, sampler: ParquetShuffleSampler) -> None:
         self._sampler = sampler
         self.seed: Optional[int] = None  # drawn at the first step, when torch's RandomSampler draws its own
@@ -208,7 +210,7 @@ class _ShuffleIter(Iterator[int]):
         if sd.get("generator") is not None and g is not None:
             # the epoch's draw made again: the generator goes on to the next epochs as the saved run's did
             g.set_state(sd["generator"])
-            self._gen_state = sd["generator"]
+            self._gen_state = sd["generator"].clone()  # the caller's tensor stays the caller's
             _draw_seed(g)
         self._begin(int(sd["seed"]))
         n = int(sd["yielded"])

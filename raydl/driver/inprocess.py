@@ -186,7 +186,7 @@ class _InProcessIter(Iterator[Any]):
 
     def state_dict(self) -> dict:
         """StatefulDataLoader's num_workers=0 state, plus raydl's `_raydl` section."""
-        it_state, idx_state = sampler_state(self._index_sampler, self._sampler_iter)
+        it_state, idx_state = by_value(sampler_state(self._index_sampler, self._sampler_iter))  # the caller's copy
         it_state, record = export_sampler_state(self._index_sampler, it_state, self._rng_for_td)
         if self._is_iterable:
             it = self._fetcher.dataset_iter

@@ -52,6 +52,7 @@ from ...worker.state import (
     FETCHER_STATE,
     RNG,
     WORKER_ID,
+    by_value,
     is_stateful,
 )
 from .draws import global_rng_record, next_epoch_draws_global, saved_base_seed
@@ -457,7 +458,8 @@ class Tracker:
                 wait()
         if self._restarts:
             self._take_restarts()
-        it_state, idx_state = self._sampler_at.get(self._frontier - 1, (None, None))
+        # the caller's copy: a record kept without one (`fresh_state`) shares its generator state with the iterator
+        it_state, idx_state = by_value(self._sampler_at.get(self._frontier - 1, (None, None)))
         it_state, record = export_sampler_state(self._index_sampler, it_state, self._rng_for_td)
         if self.is_iterable:
             it_state = iterable_sampler_state(self._index_sampler, self.num_yielded)

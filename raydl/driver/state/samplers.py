@@ -26,6 +26,7 @@ __all__ = [
     "BatchIter",
     "RngSamplerIter",
     "export_sampler_state",
+    "fresh_state",
     "import_sampler_state",
     "inexact_sampler",
     "iterable_sampler_state",
@@ -54,6 +55,7 @@ class RngSamplerIter(Iterator[int]):
     """
 
     YIELDED, GENERATOR = "yielded", "generator"  # torchdata's keys (_StatefulRandomSamplerIterator)
+    raydl_fresh_state = True  # `state_dict` gives a new dict; `start` is replaced at `_begin`, never written
 
     def __init__(self, sampler: Any) -> None:
         self.sampler = sampler
@@ -252,11 +254,29 @@ def new_sampler_iter(index_sampler: Any) -> Iterator:
     return sampler_iter(index_sampler)
 
 
+def fresh_state(obj: Any) -> bool:
+    """Whether `obj.state_dict()` (just called) gave new containers of values that later draws never change: raydl's
+    own samplers' iterators, whose states hold ints, strings and a generator state taken once an epoch and never
+    written, and torch's BatchSampler iterated over them or over a sampler without state."""
+    if type(obj) is BatchIter:
+        inner = obj._it
+        return (not is_stateful(obj.sampler) or fresh_state(obj.sampler)) and (
+            inner is None or not is_stateful(inner) or fresh_state(inner)
+        )
+    return getattr(type(obj), "raydl_fresh_state", False) is True
+
+
+def _kept(state_of: Any) -> Any:
+    """`state_of.state_dict()` as it is now, sharing nothing that changes later (NOTE [ raydl state by value ])."""
+    sd = state_of.state_dict()
+    return sd if fresh_state(state_of) else by_value(sd)
+
+
 def sampler_state(index_sampler: Any, it: Any) -> tuple:
     """(sampler iterator state, index sampler state) now; (None, None) for samplers without state."""
     return (  # by value: recorded at a draw, read at a later state_dict() (NOTE [ raydl state by value ])
-        by_value(it.state_dict()) if is_stateful(it) else None,
-        by_value(index_sampler.state_dict()) if is_stateful(index_sampler) else None,
+        _kept(it) if is_stateful(it) else None,
+        _kept(index_sampler) if is_stateful(index_sampler) else None,
     )
 
 
