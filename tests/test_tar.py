@@ -341,6 +341,44 @@ def test_distributed_sampler_gives_each_rank_an_equal_share(ray_session, shards,
     assert sorted(got[0] + got[1]) == sorted(_key_collate([ds[i] for i in range(len(ds))]))
 
 
+def test_one_job_pool_over_shards_and_a_killed_worker_costs_no_sample(ray_session, shards, tmp_path, monkeypatch):
+    """`ray_job` over a TarDataset (docs/shards.md): two ranks in lockstep, as DDP steps, each with
+    ParquetDistributedSampler, share one pool; a job worker SIGKILLed mid-epoch costs neither rank a sample. Each rank
+    gets exactly its private loader's batches, in order."""
+    ds = raydl.TarDataset(shards, cache_dir=str(tmp_path / "cache"))
+    world = 2
+
+    def rank_loader(rank: int, job):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", str(world))
+        sampler = raydl.ParquetDistributedSampler(ds, num_replicas=world, rank=rank, seed=7)
+        return _loader(ds, sampler=sampler, num_workers=1, ray_job=job, persistent_workers=True)
+
+    expected = [list(rank_loader(r, None)) for r in range(world)]  # batches of keys
+    loaders = [rank_loader(r, "tar-job") for r in range(world)]
+    try:
+        its = [iter(loader) for loader in loaders]  # each iter() reads RANK when its pool client starts
+        got: list = [[] for _ in range(world)]
+        killed = []
+        for step in range(len(expected[0])):
+            for r in range(world):
+                got[r].append(next(its[r]))
+            if step == 1:
+                pid = its[0]._pool.records[1].pid
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+        for r in range(world):
+            with pytest.raises(StopIteration):
+                next(its[r])
+        assert killed and [len(_keys(g)) for g in got] == [len(ds) // world] * world
+        assert got == expected, "a rank's batches differ from its private loader's"
+        assert sorted(_keys(got[0] + got[1])) == sorted(_key_collate([ds[i] for i in range(len(ds))]))
+        assert max(n for it in its for n in it._pool.restarts) == 1, "the killed worker replaced once for the job"
+    finally:
+        for loader in loaders:
+            loader.shutdown()
+
+
 def test_a_shard_that_changes_size_mid_job_is_named(ray_session, tmp_path):
     """A shard rewritten after the dataset indexed it: the batch that needs it fails naming the shard, never serves
     other bytes (the node cache compares the object's size with the indexed one)."""
@@ -490,6 +528,12 @@ def test_index_progress_is_logged_where_there_is_no_terminal(caplog):
         progress.done(1_000_000_000)  # within 10 s of the last line: none
     lines = [r.getMessage() for r in caplog.records if "indexing tar shards" in r.getMessage()]
     assert len(lines) == 1 and "2/3 shards, 2.00/3.00 GB" in lines[0] and "s left" in lines[0], lines
+    # shipped indexes (index="dali" / "wids") read no shard's bytes: the time left is counted in shards
+    shipped = tar_index._Progress(4, 0)
+    shipped.t0 -= 6.0
+    shipped.shards = 2
+    assert shipped.line().endswith("2/4 shards, 6 s, about 6 s left"), shipped.line()
+    assert "unknown" in tar_index._Progress(4, 0).line()
 
 
 def test_a_random_sampler_reads_every_sample_once(ray_session, shards, tmp_path, small_units):

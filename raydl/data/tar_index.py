@@ -270,13 +270,13 @@ class _Progress:
         self._lock = threading.Lock()
 
     def line(self) -> str:
+        """The time left at the rate so far: of bytes where shards are scanned, of shards where their shipped indexes
+        are read (`total_bytes` 0: no shard's bytes are read)."""
         took = time.monotonic() - self.t0
-        rate = self.bytes / took if took > 0 else 0.0
-        left = (self.total_bytes - self.bytes) / rate if rate > 0 else float("nan")
-        return (
-            f"raydl: indexing tar shards: {self.shards}/{self.total_shards} shards, "
-            f"{self.bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB, {took:.0f} s, about {left:.0f} s left"
-        )
+        done, total = (self.bytes, self.total_bytes) if self.total_bytes > 0 else (self.shards, self.total_shards)
+        left = f"about {(total - done) * took / done:.0f} s left" if done > 0 and took > 0 else "time left unknown yet"
+        size = f"{self.bytes / 1e9:.2f}/{self.total_bytes / 1e9:.2f} GB, " if self.total_bytes > 0 else ""
+        return f"raydl: indexing tar shards: {self.shards}/{self.total_shards} shards, {size}{took:.0f} s, {left}"
 
     def done(self, nbytes: int) -> None:
         with self._lock:
@@ -310,7 +310,7 @@ def index_shards(fs: Any, shards: list, cache_dir: str, shipped: Optional[Callab
             out[k] = got
     if not todo:
         return out, 0.0, 0
-    progress = _Progress(len(todo), sum(int(i.size) for _, _, i, _ in todo))
+    progress = _Progress(len(todo), 0 if shipped is not None else sum(int(i.size) for _, _, i, _ in todo))
     t0 = time.perf_counter()
 
     def one(k: int, url: str, info: Any, file: str) -> None:
