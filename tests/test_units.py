@@ -152,3 +152,26 @@ def test_device_copier_overlaps_and_synchronises():
         assert all(o["x"].is_cuda and float(o["x"][0, 0]) == 2 * i and int(o["y"]) == i for i, o in enumerate(out))
     finally:
         stage.shutdown()
+
+
+def test_kept_units_let_the_oldest_go_by_bytes_and_pickle_empty():
+    """The units a worker keeps between batches (data/units.py KeptUnits): least recently used out first once past
+    the byte limit, never the last one; a unit kept again counts its new size; a pickled copy keeps nothing."""
+    import pickle
+
+    from raydl.data.units import KeptUnits
+
+    kept = KeptUnits()
+    for u in range(3):
+        kept.put(u, f"u{u}", 10, limit=30)
+    assert kept.split([0, 5, 2]) == ({0: "u0", 2: "u2"}, [5])  # 0 and 2 now the most recent: 1 goes first
+    kept.put(3, "u3", 10, limit=30)
+    assert kept.keys() == [0, 2, 3]
+    kept.put(0, "u0 again", 25, limit=30)  # 0's size is now 25, not 35: only 2 and 3 go
+    assert kept.keys() == [0] and kept.split([0]) == ({0: "u0 again"}, [])
+    kept.put(9, "huge", 100, limit=30)
+    assert kept.keys() == [9], "one unit is kept even past the limit"
+    copy = pickle.loads(pickle.dumps(kept))
+    assert len(copy) == 0 and copy.split([9]) == ({}, [9]) and len(kept) == 1
+    with copy.lock:
+        pass

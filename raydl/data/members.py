@@ -15,14 +15,12 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-import threading
-from collections import OrderedDict
 from typing import Any, Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from .parquet import parse_size
-from .units import UnitDataset
+from .units import KeptUnits, UnitDataset
 
 __all__ = ["MemberDataset"]
 
@@ -84,9 +82,7 @@ class MemberDataset(UnitDataset):
         self._specs = specs
         self._unit_bytes = np.asarray([sum(n for _, n in segs) for _, _, segs, _ in specs], dtype=np.int64)
         self.token = hashlib.sha1("|".join(k for _, _, _, k in specs).encode()).hexdigest()[:16]
-        self._kept: OrderedDict = OrderedDict()
-        self._kept_bytes = 0
-        self._lock = threading.Lock()
+        self._kept = KeptUnits()  # {unit: its bytes}
 
     def _unit_target(self, most: int) -> int:
         """Bytes a unit spans at most: `most`, or a sixteenth of `cache_limit` if smaller, so that a window holds
@@ -178,36 +174,11 @@ class MemberDataset(UnitDataset):
 
     def _units(self, units: list) -> dict:
         """{unit: its bytes}: from this process's kept units, else through the node cache (or storage without Ray)."""
-        found, missing = {}, []
-        with self._lock:
-            for u in units:
-                b = self._kept.get(u)
-                if b is None:
-                    missing.append(u)
-                else:
-                    self._kept.move_to_end(u)
-                    found[u] = b
+        found, missing = self._kept.split(units)
         if missing:
-            with self._lock:
-                kept = list(self._kept)
-            got = self._read(missing, kept)
+            got = self._read(missing, self._kept.keys())
             limit = min(_KEPT_BYTES, self.units_in_use * int(self._unit_bytes.max()))
-            with self._lock:
-                for u, b in got.items():  # whole: the cache and the direct read check each unit's length
-                    found[u] = b = memoryview(b)
-                    self._kept[u] = b
-                    self._kept_bytes += len(b)
-                    while self._kept_bytes > limit and len(self._kept) > 1:
-                        _, old = self._kept.popitem(last=False)
-                        self._kept_bytes -= len(old)
+            for u, b in got.items():  # whole: the cache and the direct read check each unit's length
+                found[u] = b = memoryview(b)
+                self._kept.put(u, b, len(b), limit)
         return found
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_kept"], state["_kept_bytes"], state["_lock"] = OrderedDict(), 0, None
-        state.pop("_ahead", None)  # bytes read ahead are this process's
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()

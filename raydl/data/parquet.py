@@ -22,8 +22,6 @@ import hashlib
 import os
 import re
 import tempfile
-import threading
-from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Optional, Sequence, Union
 
@@ -41,7 +39,7 @@ from .columnar import (
 )
 from .parquet_shuffle import ParquetDistributedSampler, ParquetShuffleSampler, shard_aware_order
 from .segments import SegmentFile, merge_segments
-from .units import UnitDataset
+from .units import KeptUnits, UnitDataset
 
 __all__ = [
     "ParquetDataset",
@@ -172,9 +170,7 @@ class ParquetDataset(UnitDataset):
         self._build_units(infos)
         self.shuffle_window = self._check_window(shuffle_window)
         self.node_slots = self._check_slots(node_slots)
-        self._decoded: OrderedDict = OrderedDict()
-        self._decoded_bytes = 0
-        self._lock = threading.Lock()
+        self._kept = KeptUnits()  # {row group: RowGroupColumns}
 
     # ------------------------------------------------------------------ the index
 
@@ -334,27 +330,12 @@ class ParquetDataset(UnitDataset):
     def _tables(self, units: np.ndarray) -> dict:
         """{unit: RowGroupColumns} for these units: from this process's few, else read from the node cache and
         decoded (NOTE [ raydl gathered pieces ] in data/columnar.py)."""
-        found, missing = {}, []
-        with self._lock:
-            for u in units.tolist():
-                t = self._decoded.get(u)
-                if t is None:
-                    missing.append(u)
-                else:
-                    self._decoded.move_to_end(u)
-                    found[u] = t
+        found, missing = self._kept.split(units.tolist())
         if missing:
-            with self._lock:
-                kept = list(self._decoded)
-            for u, data in self._read(missing, kept).items():
+            limit = min(_DECODED_BYTES, self.units_in_use * max(self._largest_decoded, 1))
+            for u, data in self._read(missing, self._kept.keys()).items():
                 found[u] = t = RowGroupColumns(self._decode(u, data))
-                with self._lock:
-                    self._decoded[u] = t
-                    self._decoded_bytes += t.nbytes
-                    limit = min(_DECODED_BYTES, self.units_in_use * max(self._largest_decoded, 1))
-                    while self._decoded_bytes > limit and len(self._decoded) > 1:
-                        _, old = self._decoded.popitem(last=False)
-                        self._decoded_bytes -= old.nbytes
+                self._kept.put(u, t, t.nbytes, limit)
         return found
 
     def _decode(self, unit: int, data: bytes) -> Any:
@@ -378,16 +359,6 @@ class ParquetDataset(UnitDataset):
 
     def describe_unit(self, unit: int) -> str:
         return f"row group {self._unit_rg[unit]} of {self.files[self._unit_file[unit]]}"
-
-    def __getstate__(self) -> dict:
-        state = dict(self.__dict__)
-        state["_decoded"], state["_decoded_bytes"], state["_lock"] = OrderedDict(), 0, None
-        state.pop("_ahead", None)  # bytes read ahead are this process's
-        return state
-
-    def __setstate__(self, state: dict) -> None:
-        self.__dict__.update(state)
-        self._lock = threading.Lock()
 
     def __repr__(self) -> str:
         return f"ParquetDataset({len(self.files)} files, {len(self)} rows, {self.num_units} row groups, {self.nbytes} bytes)"

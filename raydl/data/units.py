@@ -8,8 +8,9 @@ time (`raydl_order_ahead`). A subclass sets `_starts`, `_rows`, `_unit_bytes`, `
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
-from typing import Any, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 import numpy as np
 import torch
@@ -21,7 +22,53 @@ from .parquet_shuffle import ParquetShuffleSampler, _ShuffleIter, shard_aware_or
 # 3, 4, 6 or 12 nodes, 8 by 1, 2, 4 or 8, 6 by 1, 2, 3 or 6; more nodes than that want node_slots a multiple of theirs
 DEFAULT_NODE_SLOTS = (12, 8, 6, 4, 3, 2, 1)
 
-__all__ = ["UnitDataset"]
+__all__ = ["KeptUnits", "UnitDataset"]
+
+
+class KeptUnits:
+    """The units one process keeps between batches (decoded row groups, or a unit's bytes), the least recently used
+    let go first once they pass a byte limit, one always kept. Each process starts with none: it pickles empty."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()  # also guards the subclass's bytes read ahead (`UnitDataset._read`)
+        self._units: OrderedDict = OrderedDict()  # unit -> (what is kept, its bytes)
+        self._nbytes = 0
+
+    def split(self, units: Iterable[int]) -> tuple[dict, list]:
+        """({unit: what is kept} for the units kept, now the most recent; [the others], in their order)."""
+        found, missing = {}, []
+        with self.lock:
+            for u in units:
+                got = self._units.get(u)
+                if got is None:
+                    missing.append(u)
+                else:
+                    self._units.move_to_end(u)
+                    found[u] = got[0]
+        return found, missing
+
+    def keys(self) -> list:
+        with self.lock:
+            return list(self._units)
+
+    def put(self, unit: int, value: Any, nbytes: int, limit: int) -> None:
+        """Keep `value` (`nbytes`) for `unit`; then let the oldest go while more than `limit` bytes are kept."""
+        with self.lock:
+            old = self._units.pop(unit, None)
+            self._nbytes += nbytes - (old[1] if old is not None else 0)
+            self._units[unit] = (value, nbytes)
+            while self._nbytes > limit and len(self._units) > 1:
+                _, (_, n) = self._units.popitem(last=False)
+                self._nbytes -= n
+
+    def __len__(self) -> int:
+        return len(self._units)
+
+    def __getstate__(self) -> dict:
+        return {}
+
+    def __setstate__(self, state: dict) -> None:
+        self.__init__()  # type: ignore[misc]
 
 
 class UnitDataset(Dataset):
@@ -33,6 +80,7 @@ class UnitDataset(Dataset):
     _unit_bytes: np.ndarray
     shuffle_window: int
     node_slots: int = 1  # set by `_check_slots` (NOTE [ raydl node slots ])
+    _kept: KeptUnits  # what this process keeps (the subclass decides what: decoded, or bytes)
 
     @property
     def num_units(self) -> int:
@@ -109,7 +157,7 @@ class UnitDataset(Dataset):
         cluster/cache/worker_read.py). Called with no lock held."""
         from ..cluster.cache.worker_read import read_units
 
-        lock = self._lock  # type: ignore[attr-defined]  # the subclass's, for what this process keeps
+        lock = self._kept.lock
         with lock:
             ahead = self.__dict__.setdefault("_ahead", OrderedDict())  # unit -> bytes read ahead (a worker's own)
             out = {u: ahead.pop(u) for u in missing if u in ahead}
@@ -127,6 +175,11 @@ class UnitDataset(Dataset):
                 while len(ahead) > self.units_in_use:
                     ahead.popitem(last=False)
         return out
+
+    def __getstate__(self) -> dict:
+        state = dict(self.__dict__)
+        state.pop("_ahead", None)  # bytes read ahead are this process's, as are the units kept (`KeptUnits`)
+        return state
 
     def units_of(self, indices: Any) -> np.ndarray:
         """The unit of each index."""
