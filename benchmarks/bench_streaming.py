@@ -3,8 +3,11 @@
 The store: moto's S3 server on loopback behind a proxy that adds `--latency-ms` (20) to every
 request (tests/_s3.py). The data: `--files` Parquet files of `--groups` row groups of `--rows`
 rows with a `--payload`-byte incompressible column, four times larger than raydl's cache_limit.
-Each reader runs `--epochs` (2) epochs of batches of `--batch-size` (64) with a shuffle, 2 workers; `--columns numeric`
-writes an id, a label and 16 float32 features instead of the payload (issue 38's streamed target is on numeric columns):
+Each reader runs `--epochs` (2) epochs of batches of `--batch-size` (64) with a shuffle, `--workers` (2) workers;
+`--columns numeric` writes an id, a label and 16 float32 features instead of the payload (issue 38's streamed target
+is on numeric columns); `--storage-cores 12-15` keeps moto's server and the proxy's threads on those cores and
+everything else (this process, the Ray it starts, the readers) on the others, so that on a machine with cores to
+spare the storage emulation does not take the loaders' cores (Linux):
   * raydl: `ParquetDataset(cache_limit=data/4)` + `raydl.DataLoader(shuffle=True, num_workers=2)`;
   * Ray Data: `read_parquet` + `iter_torch_batches(local_shuffle_buffer_size=<raydl's window in rows>)`;
   * naive: torch's DataLoader(num_workers=2, shuffle=True) over a map-style dataset whose
@@ -15,6 +18,7 @@ peak / limit, first batch), the cores each role used in the last epoch (storage,
 Linux) and a Markdown table.
 
     .venv/bin/python -m benchmarks.bench_streaming
+    python -m benchmarks.bench_streaming --columns numeric --workers 8 --storage-cores 12-15 --skip naive
 """
 
 from __future__ import annotations
@@ -104,6 +108,29 @@ def cpu_by_role(storage_pid: int) -> dict:
     return out
 
 
+def parse_cores(text: str) -> set:
+    """'12-15' or '1,3,5-6' as a set of CPU numbers, checked against this machine's."""
+    cores: set = set()
+    for part in filter(None, text.split(",")):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    have = os.sched_getaffinity(0)
+    if not cores or not cores < have:
+        raise SystemExit(f"--storage-cores {text!r}: name some, not all, of this machine's cores {sorted(have)}")
+    return cores
+
+
+def pin_storage(cores: set, moto_pid: int, proxy: FaultProxy) -> set:
+    """Moto's server (each thread it has; new ones inherit) and the proxy's serving thread (its request threads are
+    made by it, and inherit) on `cores`; this thread, and so the Ray and the workers it starts, on the others."""
+    for tid in os.listdir(f"/proc/{moto_pid}/task"):
+        os.sched_setaffinity(int(tid), cores)
+    os.sched_setaffinity(proxy.thread.native_id, cores)
+    rest = os.sched_getaffinity(0) - cores
+    os.sched_setaffinity(0, rest)
+    return rest
+
+
 def epochs_of(
     make_iter, epochs: int, proxy: FaultProxy, deadline_s: float = float("inf"), storage_pid: int = 0
 ) -> dict:
@@ -186,6 +213,8 @@ def main() -> None:
     p.add_argument("--payload", type=int, default=1024)
     p.add_argument("--columns", choices=("payload", "numeric"), default="payload", help="the table (write_corpus)")
     p.add_argument("--batch-size", type=int, default=64)
+    p.add_argument("--workers", type=int, default=2, help="each loader's workers")
+    p.add_argument("--storage-cores", default="", help="cores for moto and the proxy, e.g. 12-15 (Linux)")
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--epochs", type=int, default=2)
     p.add_argument("--naive-s", type=float, default=30.0)
@@ -218,9 +247,12 @@ def main() -> None:
         fs.create_dir("corpus")
         upload_folder(corpus, fs, "corpus/data")
         proxy = FaultProxy(moto.port)
+        if args.storage_cores:
+            rest = pin_storage(parse_cores(args.storage_cores), moto.proc.pid, proxy)
+            print(f"storage on cores {args.storage_cores}, the loaders on {len(rest)} others", file=sys.stderr)
         data_bytes = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus))
         files = sorted(f"corpus/data/{f}" for f in os.listdir(corpus))
-        ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=max(2, args.workers), include_dashboard=False, log_to_driver=False)
         proxy.latency_s = args.latency_ms / 1000
 
         probe = raydl.ParquetDataset("s3://corpus/data/", filesystem=s3fs(proxy.port))
@@ -241,7 +273,7 @@ def main() -> None:
                 ds,
                 batch_size=args.batch_size,
                 shuffle=True,
-                num_workers=2,
+                num_workers=args.workers,
                 persistent_workers=True,
                 generator=torch.Generator().manual_seed(0),
             )
@@ -289,7 +321,7 @@ def main() -> None:
                 naive,
                 batch_size=args.batch_size,
                 shuffle=True,
-                num_workers=2,
+                num_workers=args.workers,
                 generator=torch.Generator().manual_seed(0),
             )
             r = epochs_of(lambda: dl, 1, proxy, deadline_s=args.naive_s)
@@ -326,6 +358,8 @@ def main() -> None:
         cache_limit=limit,
         latency_ms=args.latency_ms,
         cpus=os.cpu_count(),
+        workers=args.workers,
+        storage_cores=args.storage_cores or None,
         columns=args.columns,
         batch_size=args.batch_size,
     )
