@@ -71,6 +71,7 @@ class WorkerPool:
         worker_states: Optional[list] = None,
         track_rng: bool = True,
         epoch: int = 0,
+        pipe_seed: Optional[int] = None,
     ) -> None:
         from .connect import ray_session
 
@@ -80,6 +81,7 @@ class WorkerPool:
         self._worker_states: list[Optional[dict]] = list(worker_states) if worker_states else [None] * num_workers
         self._track_rng = track_rng
         self.epoch = epoch  # the iterator's epoch, which a (re)started worker joins
+        self.pipe_seed = pipe_seed  # that epoch's shared seed of an IterDataPipe (NOTE [ raydl datapipes ])
         self.actor_options = dict(actor_options)
         self._payload_ref = payload_ref
         self._base_seed = base_seed
@@ -185,6 +187,7 @@ class WorkerPool:
             self._worker_states[worker_id],
             self._track_rng,
             self.epoch,
+            self.pipe_seed,
         )
 
     def _start_fresh(self, worker_id: int) -> None:
@@ -236,10 +239,10 @@ class WorkerPool:
         return self._alive
 
     def restart_streams(self, epoch: int) -> dict:
-        """Persistent iterable workers: each live worker restarts its stream for `epoch` now (`Worker.restart_stream`);
-        {worker id: the ref of its snapshot as of the restart}."""
+        """Persistent iterable workers: each live worker restarts its stream for `epoch` now (`Worker.restart_stream`,
+        with the epoch's `pipe_seed`); {worker id: the ref of its snapshot as of the restart}."""
         return {
-            w: actor.restart_stream.remote(epoch)
+            w: actor.restart_stream.remote(epoch, self.pipe_seed)
             for w, actor in enumerate(self.actors)
             if w not in self.released and w not in self._failed and w not in self.joining
         }

@@ -25,6 +25,7 @@ class DriverPool(Protocol):
     joining: dict[int, float]  # workers started and not yet reported started -> since when
     released: set[int]  # workers ended before the pool
     epoch: int  # the iterator's epoch, which a (re)started worker joins
+    pipe_seed: Optional[int]  # that epoch's shared seed of an IterDataPipe (NOTE [ raydl datapipes ])
     actor_options: dict  # Ray's options of every worker actor
 
     @property

@@ -61,6 +61,7 @@ from ..cluster.elastic import ElasticPool
 from ..cluster.locality import warn_if_workers_oversubscribe
 from ..cluster.startup import wait_for_early_start
 from ..worker.actor import BatchMeta
+from ..worker.datapipes import is_iter_datapipe
 from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
@@ -71,7 +72,7 @@ from .receive import BatchError, Receiver, TaskHeld, failure
 from .recovery import Recovery
 from .schedule import Schedule, Task
 from .state.checkpoint import Tracker
-from .state.draws import iterator_base_seed
+from .state.draws import draw_base_seed, iterator_base_seed
 from .stats.recorder import make_recorder
 from .transport.calls import CallSender
 from .waits import BatchWaits
@@ -134,9 +135,16 @@ class _RayLoaderIter(Iterator[Any]):
         # index: the generator is consumed in the same order here. A resumed iterator then takes
         # its sampler position, base seed and epoch from the state (NOTE [ raydl checkpoint ], draws).
         self._ckpt = Tracker(spec, self._index_sampler, state)
+        self._generator = spec.generator
+        # NOTE [ raydl datapipes ]: an IterDataPipe's shared seed, drawn first as torch's iterator draws it; the
+        # workers shuffle with it this epoch (and with the one `_reset` draws at each later epoch)
+        self._pipe = is_iter_datapipe(spec.dataset)
+        self._pipe_seed: Optional[int] = None
         if handover is not None:  # the sampler and base seed as the driver left them: nothing drawn again
             self._sampler_iter, self._base_seed = handover.take_main(self._ckpt)
         else:
+            if self._pipe:
+                self._pipe_seed = draw_base_seed(spec.generator)
             self._sampler_iter = self._ckpt.sampler_iter()
             base_seed = iterator_base_seed(spec.generator, state is not None)
             self._sampler_iter, self._base_seed = self._ckpt.resume_main(
@@ -162,7 +170,15 @@ class _RayLoaderIter(Iterator[Any]):
         self._pool: Any
         self._job_rank: Optional[int]
         self._pool, self._job_rank = make_pool(
-            spec, options, payload, self._base_seed, self._ckpt, self._driver_node_id, self._epoch, actor_options
+            spec,
+            options,
+            payload,
+            self._base_seed,
+            self._ckpt,
+            self._driver_node_id,
+            self._epoch,
+            actor_options,
+            self._pipe_seed,
         )
         self._calls = CallSender(  # NOTE [ raydl calls ]; a worker's lane: NOTE [ raydl lane, driver ]
             self._pool,
@@ -274,6 +290,9 @@ class _RayLoaderIter(Iterator[Any]):
         self._release_workers()
         logger.debug("raydl: iterator shut down")
 
+    # torch's private name for the same, which code outside torch calls on `loader._iterator` (torch's own tests do)
+    _shutdown_workers = shutdown
+
     def __getstate__(self):
         raise NotImplementedError(f"{type(self).__name__} cannot be pickled")
 
@@ -296,6 +315,10 @@ class _RayLoaderIter(Iterator[Any]):
             self._state = IterState.RUNNING
             if self._pinned is not None:
                 self._pinned.source_ended = False
+        if self._pipe:  # torch draws a shared seed at each reset, its first included; later epochs' go to the workers
+            seed = draw_base_seed(self._generator)
+            if not first_iter:
+                self._pipe_seed = self._pool.pipe_seed = seed
         if not epoch_begun:
             self.stats_recorder.begin_epoch()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
@@ -353,6 +376,8 @@ class _RayLoaderIter(Iterator[Any]):
             work = (("sample", *self._sample_key), work)
         elif self._job_rank is not None:  # a job's batch, keyed by its rank (NOTE [ raydl job pool ])
             work = (("batch", self._base_seed, self._epoch, self._send_idx, self._job_rank), work)
+        if self._pipe:  # the epoch's shared seed, outermost (NOTE [ raydl datapipes ])
+            work = (self._pipe_seed, work)
         self._sched.add(self._send_idx, worker_id, index, work)
         self._send_idx += 1
         if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx

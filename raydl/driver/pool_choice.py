@@ -23,6 +23,7 @@ from ..data.payload import put_payload
 from ..job.elastic import JobElastic
 from ..job.pool import JobPool, job_fingerprint, job_name, rank_and_world
 from ..worker.actor import WorkerPayload
+from ..worker.datapipes import is_datapipe, is_iter_datapipe
 from .state.checkpoint import Tracker
 from .state.draws import track_rng_enabled
 
@@ -47,7 +48,19 @@ def worker_payload(loader: Any, options: RayOptions, is_iterable: bool, auto_col
         seed_per_batch=options.seed == "batch",
         keyed_seeds=options.seed == "sample" or options.job is not None,
         stats_name=(options.name or type(loader.dataset).__name__) if options.stats else None,
+        pipe_world=_distributed_settings() if is_datapipe(loader.dataset) else None,
+        pipe_seeds=is_iter_datapipe(loader.dataset),
     )
+
+
+def _distributed_settings() -> tuple[int, int]:
+    """(world size, rank) of torch.distributed's default group, (1, 0) without one: what torch shards a DataPipe by
+    (NOTE [ raydl datapipes ] in worker/datapipes.py)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_world_size(), dist.get_rank()
+    return 1, 0
 
 
 def make_pool(
@@ -59,6 +72,7 @@ def make_pool(
     driver_node_id: str,
     epoch: int,
     actor_options: dict,
+    pipe_seed: Optional[int] = None,
 ) -> tuple[DriverPool, Optional[int]]:
     """(the pool, this process's rank in its job or None) for one iterator (NOTE [ raydl pool choice ])."""
     if options.job is not None:
@@ -87,6 +101,7 @@ def make_pool(
         worker_states=ckpt.worker_states,
         track_rng=track_rng_enabled(),
         epoch=epoch,
+        pipe_seed=pipe_seed,
     )
     return pool, None
 

@@ -155,6 +155,7 @@ class JobPool:
         self._session = ray_session()
         self._startup_timeout_s = startup_timeout_s
         self.epoch = 0
+        self.pipe_seed: Optional[int] = None  # a job takes no IterDataPipe (an iterable): never set
         self.joining: dict[int, float] = {}
         self.released: set[int] = set()
         self.restarts: list[int] = []

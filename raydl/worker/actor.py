@@ -42,6 +42,7 @@ from .._errors import TRACEBACK_ATTR, annotate_traceback
 from .._measures import batch_nbytes, observe_batch_time
 from ..data.share import open_payload
 from .collate import BatchBuffers
+from .datapipes import seed_pipe, shard_pipe
 from .fetch import IterableFetcher, MapFetcher, StartFailed, StreamEnd, _WorkerSignal
 from .lane import Turns, serve_lane
 from .seeding import seed_batch, seed_sample
@@ -83,6 +84,10 @@ class WorkerPayload:
     # seeding ]), ("batch", base seed, epoch, idx, rank) the batch for a rank of a job (NOTE [ raydl job pool ]).
     keyed_seeds: bool = False
     stats_name: Optional[str] = None  # the loader's name for Ray metrics; None: ray_stats=False
+    # A DataPipe dataset (NOTE [ raydl datapipes ] in worker/datapipes.py): torch's distributed (world size, rank) for
+    # its sharding; with `pipe_seeds` (an IterDataPipe) each task comes as (the epoch's shared seed, work).
+    pipe_world: Optional[tuple] = None
+    pipe_seeds: bool = False
 
 
 @dataclass(frozen=True)
@@ -236,6 +241,7 @@ class WorkerBody:
         worker_state: Optional[dict] = None,
         track_rng: bool = True,
         epoch: int = 0,
+        pipe_seed: Optional[int] = None,
     ) -> dict:
         """Become worker `worker_id` of a loader, as torch's worker process starts; returns where it runs
         (`pid`, `node_id`, `node_ip`) and its snapshot as it starts (`state`, None for a map-style dataset
@@ -246,7 +252,8 @@ class WorkerBody:
         and worker_init_fn, the dataset's state, then its iterator's, then the generators' are
         restored from it, in torchdata's order. `track_rng`: report the generators' state with
         each batch (off only to measure what tracking costs). `epoch`: the iterator's epoch
-        the worker joins (a resumed or replaced persistent worker).
+        the worker joins (a resumed or replaced persistent worker). `pipe_seed`: that epoch's
+        shared seed of an IterDataPipe (NOTE [ raydl datapipes ]).
 
         Raises the error of unpickling the payload, of `worker_init_fn` or of `iter(dataset)`.
         """
@@ -264,9 +271,12 @@ class WorkerBody:
             random.seed(seed)
             torch.manual_seed(seed)
             np.random.seed(numpy_seed_state(base_seed, worker_id))
+            seed_pipe(payload.dataset, pipe_seed)  # NOTE [ raydl datapipes ]: torch's order, seed then info
             _torch_worker._worker_info = _torch_worker.WorkerInfo(
                 id=worker_id, num_workers=num_workers, seed=seed, dataset=payload.dataset
             )
+            if payload.pipe_world is not None:
+                shard_pipe(payload.dataset, num_workers, worker_id, payload.pipe_world)
             if payload.worker_init_fn is not None:
                 payload.worker_init_fn(worker_id)
             self._track_rng = track_rng
@@ -380,7 +390,9 @@ class WorkerBody:
         stream, as torch's worker does when it is told to resume.
         """
         started_s, t0, c0 = time.time(), time.perf_counter(), time.process_time()
-        key = None
+        key = pipe_seed = None
+        if self._payload is not None and self._payload.pipe_seeds:  # NOTE [ raydl datapipes ]
+            pipe_seed, index = index
         if self._payload is not None and self._payload.keyed_seeds:
             key, index = index
             if key[0] == "batch":
@@ -388,7 +400,7 @@ class WorkerBody:
                 key = None
         elif self._payload is not None and self._payload.seed_per_batch:
             seed_batch(self._base_seed, epoch, idx)
-        batch = self._fetch(epoch, index, key)
+        batch = self._fetch(epoch, index, key, pipe_seed)
         fetch_s = time.perf_counter() - t0
         p = self._payload
         state = rng = None
@@ -421,27 +433,29 @@ class WorkerBody:
             return fetcher.last_count
         return len(index) if fetcher is not None and fetcher.auto_collation else 1
 
-    def restart_stream(self, epoch: int) -> Optional[dict]:
+    def restart_stream(self, epoch: int, pipe_seed: Optional[int] = None) -> Optional[dict]:
         """A persistent iterable worker joins `epoch`: its stream restarts now unless that epoch's first fetch
         restarted it already; returns its snapshot as of the restart, `iter(dataset)` included, with its generators
         (torchdata's worker acknowledges its next epoch with that state). A Ray call outside the count of fetch
         calls, made under the same lock (NOTE [ raydl lane ] in worker/lane.py); None for a worker that failed to
-        start."""
+        start; `pipe_seed`: the epoch's shared seed of an IterDataPipe (NOTE [ raydl datapipes ])."""
         with self._turns.cond:
             if self._init_error is not None or self._payload is None:
                 return None
-            self._enter_epoch(epoch)
+            self._enter_epoch(epoch, pipe_seed)
             return self._epoch_start
 
-    def _enter_epoch(self, epoch: int) -> None:
+    def _enter_epoch(self, epoch: int, pipe_seed: Optional[int] = None) -> None:
         """The first call of a new epoch (persistent workers): an iterable's stream restarts, as torch's worker does
-        when it is told to resume, and its snapshot at that point is kept for `restart_stream`."""
+        when it is told to resume, and its snapshot at that point is kept for `restart_stream`; an IterDataPipe is
+        seeded first with the epoch's shared seed (NOTE [ raydl datapipes ])."""
         if epoch <= self._epoch:
             return
         p = self._payload
         assert p is not None
         self._epoch = epoch
         self._rng.reset()
+        seed_pipe(p.dataset, pipe_seed)
         if p.is_iterable:
             self._fetcher = self._make_fetcher()
             start = make_worker_snapshot(self._worker_id, self._fetcher, p.dataset, p.is_iterable)
@@ -449,7 +463,7 @@ class WorkerBody:
                 start[RNG] = RngTracker().changed()  # a tracker of its own: the batches' reports stay complete
             self._epoch_start = start
 
-    def _fetch(self, epoch: int, index: Any, key: Optional[tuple] = None) -> Any:
+    def _fetch(self, epoch: int, index: Any, key: Optional[tuple] = None, pipe_seed: Optional[int] = None) -> Any:
         if self._init_error is not None:
             return StartFailed(self._worker_id)
         if self._payload is None:
@@ -458,7 +472,7 @@ class WorkerBody:
             if self._payload.is_iterable and epoch < self._epoch:
                 # a call of an epoch this stream has left (dropped by the driver): nothing of the new stream goes to it
                 return StreamEnd(self._worker_id)
-            self._enter_epoch(epoch)
+            self._enter_epoch(epoch, pipe_seed)
             assert self._fetcher is not None
             if key is not None:  # NOTE [ raydl sample seeding ]
                 _, base, key_epoch = key

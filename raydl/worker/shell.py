@@ -34,7 +34,7 @@ class Worker:
         return "raydl.Worker(id=-1)" if body is None else repr(body)
 
     def configure(self, *args: Any, **kwargs: Any) -> dict:
-        # (the body's parameters: payload, worker_id, num_workers, base_seed, worker_state, track_rng, epoch)
+        # (the body's parameters: payload, worker_id, num_workers, base_seed, worker_state, track_rng, epoch, pipe_seed)
         return self._body.configure(*args, **kwargs)
 
     def reset(self) -> None:
@@ -49,5 +49,5 @@ class Worker:
     def fetch(self, epoch: int, idx: int, index: Any) -> tuple:
         return self._body.fetch(epoch, idx, index)
 
-    def restart_stream(self, epoch: int) -> Optional[dict]:
-        return self._body.restart_stream(epoch)
+    def restart_stream(self, epoch: int, pipe_seed: Optional[int] = None) -> Optional[dict]:
+        return self._body.restart_stream(epoch, pipe_seed)

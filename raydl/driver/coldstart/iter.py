@@ -280,6 +280,9 @@ class ColdStartIter(Iterator[Any]):
         self._state = IterState.SHUT_DOWN
         _stop_all(self._makers)
 
+    # torch's private name for the same, which code outside torch calls on `loader._iterator` (torch's own tests do)
+    _shutdown_workers = shutdown
+
     def __next__(self) -> Any:
         if self._inner is None and self._state == IterState.RUNNING and self._time_to_hand_over():
             t0 = time.perf_counter()
