@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import pickle
+import warnings
 from collections import namedtuple
 
 import pytest
@@ -139,3 +140,37 @@ def test_large_copies_split_among_threads_keep_every_byte(monkeypatch, dtype, th
         assert batch["x"].data_ptr() != src.data_ptr()
     if threads > 1:
         assert transfer._copy_pool is not None and transfer._copy_pool._max_workers == threads - 1
+
+
+def _odd_tensors(i: int) -> dict:
+    base = torch.complex(torch.arange(4.0) + i, torch.arange(4.0) * 2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch.nested's prototype warning
+        nested = torch.nested.nested_tensor([torch.full((5,), float(i)), torch.arange(3.0)])
+        jagged = torch.nested.nested_tensor([torch.full((2,), float(i)), torch.arange(3.0)], layout=torch.jagged)
+    return {"nested": nested, "jagged": jagged, "conj": base.conj(), "neg": base.conj().imag}
+
+
+def _first(samples: list) -> dict:
+    return samples[0]
+
+
+@pytest.mark.usefixtures("ray_session")
+def test_tensors_numpy_cannot_read_travel_as_torch_pickles_them():
+    """Nested tensors (torch.nested's default layout says it is strided and contiguous), jagged ones, lazy conjugate
+    and negative views: numpy() refuses them, so a worker sends them pickled, as torch's workers do; each batch equals
+    what the dataset made. torchdata's test_dataloader.py found the nested case (test_nested_tensor_multiprocessing)."""
+    dataset = [_odd_tensors(i) for i in range(4)]
+    encoded = encode(dataset[0])
+    assert not any(isinstance(v, _TensorView) for v in encoded.values()), "a tensor numpy() cannot read became a view"
+    with raydl.DataLoader(dataset, batch_size=1, collate_fn=_first, num_workers=2, timeout=60) as loader:
+        got = list(loader)
+    assert len(got) == 4
+    for i, batch in enumerate(got):
+        want = dataset[i]
+        for key in ("nested", "jagged"):
+            assert batch[key].is_nested and all(
+                torch.equal(a, b) for a, b in zip(batch[key].unbind(), want[key].unbind())
+            )
+        assert batch["conj"].is_conj() and torch.equal(batch["conj"], want["conj"])
+        assert torch.equal(batch["neg"], want["neg"])

@@ -55,10 +55,13 @@ def _encode_tensor(t: torch.Tensor) -> Any:
         type(t) is not torch.Tensor
         or not t.is_cpu  # (half the cost of t.device.type: once per tensor of every batch)
         or t.layout is not torch.strided
+        or t.is_nested  # torch.nested's default layout reports itself strided and contiguous
         or t.is_quantized
         or t.requires_grad
         or t.dtype not in _NUMPY_DTYPES
         or not t.is_contiguous()  # keep torch's strides exactly: such tensors travel pickled
+        or t.is_conj()  # lazy conjugate / negative views: numpy() refuses them
+        or t.is_neg()
     ):
         return t
     return _TensorView(t.numpy(), t.dtype, tuple(t.shape))
