@@ -86,6 +86,12 @@ def test_bad_input_is_named(tmp_path):
     (clash / "a.jpg").write_bytes(b"2")
     with pytest.raises(ValueError, match=r"both field 'jpg' of sample 'a'"):
         raydl.FileDataset(str(clash), cache_dir=cache)
+    reserved = tmp_path / "reserved"
+    reserved.mkdir()
+    (reserved / "a.jpg").write_bytes(b"1")
+    (reserved / "a.__url__").write_bytes(b"2")  # would overwrite the sample's own __url__
+    with pytest.raises(ValueError, match=r"field '__url__' of sample 'a', which every sample has already"):
+        raydl.FileDataset(str(reserved), cache_dir=cache)
     big = tmp_path / "big"
     big.mkdir()
     (big / "x.bin").write_bytes(bytes(50_000))

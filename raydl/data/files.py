@@ -25,7 +25,7 @@ from typing import Any, Callable, Optional, Sequence, Union
 
 from .members import MemberDataset
 from .sources import list_objects, path_of
-from .tar_index import sample_key, write_json
+from .tar_index import RESERVED_FIELDS, sample_key, write_json
 
 __all__ = ["FileDataset"]
 
@@ -99,6 +99,11 @@ class FileDataset(MemberDataset):
             key, field = sample_key(posixpath.relpath(path, root) if root else path)
             if key is None:
                 continue
+            if field in RESERVED_FIELDS:
+                raise ValueError(
+                    f"FileDataset: {objects[k][0]} would be field {field!r} of sample {key!r}, which every sample has "
+                    "already (webdataset refuses such a member too): rename it"
+                )
             members = samples.setdefault(key, [])
             if any(f == field for f, _ in members):
                 other = objects[next(o for f, o in members if f == field)][0]

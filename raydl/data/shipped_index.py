@@ -17,7 +17,7 @@ import json
 import posixpath
 from typing import Any
 
-from .tar_index import TarFormatError, sample_key
+from .tar_index import RESERVED_FIELDS, TarFormatError, is_bad, sample_key
 
 __all__ = ["dali_reader", "wids_shards", "is_wids"]
 
@@ -64,13 +64,14 @@ def dali_reader(fs: Any) -> Any:
                 if k is None:
                     continue
                 if key is not None and k != key:  # a line holds one sample's members; keep the scan's rule anyway
-                    samples.append((key, fields))
+                    if not is_bad(fields):
+                        samples.append((key, fields))
                     fields = []
                 key = k
-                if any(f == field for f, _, _ in fields):
+                if field in RESERVED_FIELDS or any(f == field for f, _, _ in fields):
                     raise ValueError(f"{idx}: member {name!r} repeats field {field!r} of sample {key!r}")
                 fields.append((field, off, nbytes))
-            if fields:
+            if fields and not is_bad(fields):
                 samples.append((key, fields))
         if int(head[1]) != len(lines[1:]) - sum(1 for ln in lines[1:] if not ln.split()):
             raise TarFormatError(f"{idx}: says {head[1]} samples, lists {len(lines) - 1}")

@@ -83,9 +83,12 @@ def expand_braces(pattern: str) -> list:
 
 
 def path_of(src: str, fs: Any) -> str:
-    """The filesystem path of a URL: the scheme dropped (s3://bucket/key -> bucket/key), a local path made absolute."""
+    """The filesystem path of a URL: the scheme dropped (s3://bucket/key -> bucket/key), a local path made absolute
+    (`file:data/x.tar`, webdataset's relative file URL, included)."""
     if "://" in src:
         return src.split("://", 1)[1]
+    if src.startswith("file:"):
+        src = src[len("file:") :]
     return os.path.abspath(src) if type(fs).__name__ == "LocalFileSystem" else src
 
 
@@ -120,7 +123,7 @@ def list_objects(
     fs: Optional[Any] = filesystem
     if fs is None:
         first = urls[0]
-        fs, _ = pafs.FileSystem.from_uri(first if "://" in first else os.path.abspath(first))
+        fs, _ = pafs.FileSystem.from_uri(first if "://" in first else os.path.abspath(first.removeprefix("file:")))
     paths = [path_of(u, fs) for u in urls]
     infos = fs.get_file_info(paths)
     missing = [u for u, i in zip(urls, infos) if i.type == pafs.FileType.NotFound]
