@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import json
 import posixpath
-from typing import Any
+from typing import Any, Iterator
 
-from .tar_index import RESERVED_FIELDS, TarFormatError, is_bad, sample_key
+from .tar_index import TarFormatError, group_samples
 
 __all__ = ["dali_reader", "wids_shards", "is_wids"]
 
@@ -51,33 +51,26 @@ def dali_reader(fs: Any) -> Any:
                 continue
             if len(parts) % 4:
                 raise TarFormatError(f"{idx}: line {n} is not groups of 'ext offset size name'")
-            fields: list = []
-            key = None
-            for ext, off, nbytes, name in zip(parts[0::4], parts[1::4], parts[2::4], parts[3::4]):
-                off, nbytes = int(off), int(nbytes)
-                if off < 0 or off + nbytes > size:
-                    raise TarFormatError(
-                        f"{idx}: member {name} at bytes {off}-{off + nbytes} lies outside {url} ({size} bytes): the "
-                        "index does not belong to this shard (re-run wds2idx, or drop index='dali')"
-                    )
-                k, field = sample_key(name)
-                if k is None:
-                    continue
-                if key is not None and k != key:  # a line holds one sample's members; keep the scan's rule anyway
-                    if not is_bad(fields):
-                        samples.append((key, fields))
-                    fields = []
-                key = k
-                if field in RESERVED_FIELDS or any(f == field for f, _, _ in fields):
-                    raise ValueError(f"{idx}: member {name!r} repeats field {field!r} of sample {key!r}")
-                fields.append((field, off, nbytes))
-            if fields and not is_bad(fields):
-                samples.append((key, fields))
+            # a line holds one sample's members; grouped by the scan's own rule anyway (NOTE [ raydl tar index ])
+            samples.extend(group_samples(_line_members(parts, idx, url, size), idx))
         if int(head[1]) != len(lines[1:]) - sum(1 for ln in lines[1:] if not ln.split()):
             raise TarFormatError(f"{idx}: says {head[1]} samples, lists {len(lines) - 1}")
         return samples
 
     return read
+
+
+def _line_members(parts: list, idx: str, url: str, size: int) -> Iterator[tuple]:
+    """(name, offset, size) of each member a DALI index line lists ('ext offset size name' groups), checked to lie
+    within the shard's `size` bytes."""
+    for _ext, off, nbytes, name in zip(parts[0::4], parts[1::4], parts[2::4], parts[3::4]):
+        off, nbytes = int(off), int(nbytes)
+        if off < 0 or off + nbytes > size:
+            raise TarFormatError(
+                f"{idx}: member {name} at bytes {off}-{off + nbytes} lies outside {url} ({size} bytes): the "
+                "index does not belong to this shard (re-run wds2idx, or drop index='dali')"
+            )
+        yield name, off, nbytes
 
 
 def is_wids(source: Any) -> bool:

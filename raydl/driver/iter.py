@@ -139,12 +139,12 @@ class _RayLoaderIter(Iterator[Any]):
         # NOTE [ raydl datapipes ]: an IterDataPipe's shared seed, drawn first as torch's iterator draws it; the
         # workers shuffle with it this epoch (and with the one `_reset` draws at each later epoch)
         self._pipe = is_iter_datapipe(spec.dataset)
-        self._pipe_seed: Optional[int] = None
+        pipe_seed: Optional[int] = None  # then the pool's (`pipe_seed`), which each epoch's tasks carry
         if handover is not None:  # the sampler and base seed as the driver left them: nothing drawn again
             self._sampler_iter, self._base_seed = handover.take_main(self._ckpt)
         else:
             if self._pipe:
-                self._pipe_seed = draw_base_seed(spec.generator)
+                pipe_seed = draw_base_seed(spec.generator)
             self._sampler_iter = self._ckpt.sampler_iter()
             base_seed = iterator_base_seed(spec.generator, state is not None)
             self._sampler_iter, self._base_seed = self._ckpt.resume_main(
@@ -178,7 +178,7 @@ class _RayLoaderIter(Iterator[Any]):
             self._driver_node_id,
             self._epoch,
             actor_options,
-            self._pipe_seed,
+            pipe_seed,
         )
         self._calls = CallSender(  # NOTE [ raydl calls ]; a worker's lane: NOTE [ raydl lane, driver ]
             self._pool,
@@ -318,7 +318,7 @@ class _RayLoaderIter(Iterator[Any]):
         if self._pipe:  # torch draws a shared seed at each reset, its first included; later epochs' go to the workers
             seed = draw_base_seed(self._generator)
             if not first_iter:
-                self._pipe_seed = self._pool.pipe_seed = seed
+                self._pool.pipe_seed = seed
         if not epoch_begun:
             self.stats_recorder.begin_epoch()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
@@ -377,7 +377,7 @@ class _RayLoaderIter(Iterator[Any]):
         elif self._job_rank is not None:  # a job's batch, keyed by its rank (NOTE [ raydl job pool ])
             work = (("batch", self._base_seed, self._epoch, self._send_idx, self._job_rank), work)
         if self._pipe:  # the epoch's shared seed, outermost (NOTE [ raydl datapipes ])
-            work = (self._pipe_seed, work)
+            work = (self._pool.pipe_seed, work)
         self._sched.add(self._send_idx, worker_id, index, work)
         self._send_idx += 1
         if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx
