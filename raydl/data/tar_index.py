@@ -168,8 +168,7 @@ def scan_members(read: Callable[[int, int], bytes], size: int, shard: str) -> It
             if any(k.startswith("GNU.sparse.") for k in pax):
                 raise TarFormatError(
                     f"{shard}: the member {pax.get('GNU.sparse.name', name)!r} at byte {offset} is a GNU sparse file "
-                    "(pax format), which raydl "
-                    "cannot read: write the shard without tar's --sparse"
+                    "(pax format), which raydl cannot read: write the shard without tar's --sparse"
                 )
             if kind in _REGULAR and not (kind == b"\x00" and name.endswith("/")):
                 yield name, data_at, n
