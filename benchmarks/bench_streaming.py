@@ -228,6 +228,7 @@ def main() -> None:
     if args.checksum_only:
         return
     skip = set(filter(None, args.skip.split(",")))
+    storage_cores = parse_cores(args.storage_cores) if args.storage_cores else None  # checked before anything starts
 
     import ray
 
@@ -247,8 +248,8 @@ def main() -> None:
         fs.create_dir("corpus")
         upload_folder(corpus, fs, "corpus/data")
         proxy = FaultProxy(moto.port)
-        if args.storage_cores:
-            rest = pin_storage(parse_cores(args.storage_cores), moto.proc.pid, proxy)
+        if storage_cores is not None:
+            rest = pin_storage(storage_cores, moto.proc.pid, proxy)
             print(f"storage on cores {args.storage_cores}, the loaders on {len(rest)} others", file=sys.stderr)
         data_bytes = sum(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus))
         files = sorted(f"corpus/data/{f}" for f in os.listdir(corpus))
