@@ -3,7 +3,7 @@ shares of the work, and what one node's loss re-plans (issue 58 item 3, NOTE [ r
 
 A corpus of `--tb` TB in units of `--unit-gb` GB (`--rows` samples each, batches of `--batch`); each node's cache holds
 a quarter of its share of the units. The planner is raydl's own: the dataset's order over `slots` node slots
-(`slotted_order`, data/parquet_shuffle.py) with each slot's window half a node's cache over its slots, the driver's
+(`slotted_order`, data/unit_order.py) with each slot's window half a node's cache over its slots, the driver's
 deal of slots to nodes (`SlotDeal`, driver/node_slots.py, one worker a node), and the caches' owner rule (`plan_owners`,
 cluster/cache/driver_feed.py). Each node's cache is simulated as NodeCache evicts (Belady: the unit used farthest
 ahead goes first) over the batches its node makes; a unit used by several nodes is fetched by its owner and sent
@@ -53,7 +53,7 @@ def _belady_fetches(accesses: list, capacity: int) -> int:
 
 def simulate(units: int, rows: int, batch: int, nodes: int, slots_per_node: int, seed: int = 7) -> dict:
     from raydl.cluster.cache.driver_feed import plan_owners
-    from raydl.data.parquet_shuffle import slotted_order
+    from raydl.data.unit_order import slotted_order
     from raydl.driver.node_slots import SlotDeal
 
     cache = max(2, units // nodes // 4)  # units a node's cache holds: a quarter of its share

@@ -243,7 +243,8 @@ class DataLoader(_TorchDataLoader[T_co]):
             ray_job = None
         if ray_seed is None:  # torch's per-worker seeding, unless the ranks share the workers or batches go by node
             by_node = shuffle and sampler is None and batch_sampler is None and batch_size is not None
-            by_node = by_node and getattr(dataset, "node_slots", 1) > 1  # NOTE [ raydl node slots ]
+            slots = getattr(dataset, "node_slots", 1)  # None: one slot a node (NOTE [ raydl node slots ])
+            by_node = by_node and (slots > 1 if slots is not None else hasattr(dataset, "raydl_shuffle_sampler"))
             ray_seed = "worker" if ray_job is None and not by_node else "batch"
         options = RayOptions(
             address=ray_address,
@@ -296,7 +297,7 @@ class DataLoader(_TorchDataLoader[T_co]):
         self._start_hold: Optional[StartHold] = None  # NOTE [ raydl start hold ] in driver/lifecycle.py
         torch_shuffle = shuffle
         if shuffle and sampler is None and batch_sampler is None and hasattr(dataset, "raydl_shuffle_sampler"):
-            # the dataset supplies what shuffle=True means over it (NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py)
+            # the dataset supplies what shuffle=True means over it (NOTE [ raydl unit order ] in data/unit_order.py)
             sampler, torch_shuffle = dataset.raydl_shuffle_sampler(generator, batch_size), False
         super().__init__(
             dataset,

@@ -13,7 +13,7 @@ object that serves the original offsets from the cached ranges: no footer read, 
 and keeps a few decoded units in memory (a window shuffle reads each unit over several
 consecutive batches). Without Ray (plain `ds[i]` in a process with no Ray) it reads the ranges
 straight from storage.
-The shuffle over it: NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py.
+The shuffle over it: NOTE [ raydl unit order ] in data/unit_order.py.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ from .columnar import (
     transformed_row,
     transformed_rows,
 )
-from .parquet_shuffle import ParquetDistributedSampler, ParquetShuffleSampler, shard_aware_order
+from .unit_order import ParquetDistributedSampler, ParquetShuffleSampler, shard_aware_order
 from .segments import SegmentFile, merge_segments
 from .units import KeptUnits, UnitDataset
 
@@ -100,7 +100,7 @@ class ParquetDataset(UnitDataset):
 
     `len(ds)` is the number of rows (from the footers); `ds[i]` is row `i` as a dict
     {column: value}. With `shuffle=True` the loader uses the dataset's `ParquetShuffleSampler`
-    (NOTE [ raydl parquet shuffle ]); workers read row groups from their node's cache (NOTE [
+    (NOTE [ raydl unit order ]); workers read row groups from their node's cache (NOTE [
     raydl node cache ] in cluster/cache/node_actor.py).
 
     Args:

@@ -2,7 +2,7 @@
 
 A unit is what the node cache fetches and holds (a Parquet row group, a run of a tar shard's samples): sample `i`
 lives in unit `u` where `_starts[u] <= i < _starts[u + 1]`. `shuffle=True` gives the dataset's own sampler over
-`shuffled_order` (NOTE [ raydl parquet shuffle ] in data/parquet_shuffle.py), which the cache is told ahead of
+`shuffled_order` (NOTE [ raydl unit order ] in data/unit_order.py), which the cache is told ahead of
 time (`raydl_order_ahead`). A subclass sets `_starts`, `_rows`, `_unit_bytes`, `shuffle_window` and `_WHO`.
 """
 
@@ -16,11 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .parquet_shuffle import ParquetShuffleSampler, _ShuffleIter, shard_aware_order, slotted_order
-
-# NOTE [ raydl node slots ]: the default is the largest of these within the window: 12 slots are shared evenly by 1, 2,
-# 3, 4, 6 or 12 nodes, 8 by 1, 2, 4 or 8, 6 by 1, 2, 3 or 6; more nodes than that want node_slots a multiple of theirs
-DEFAULT_NODE_SLOTS = (12, 8, 6, 4, 3, 2, 1)
+from .unit_order import ParquetShuffleSampler, _ShuffleIter, shard_aware_order, slotted_order
 
 __all__ = ["KeptUnits", "UnitDataset"]
 
@@ -79,7 +75,7 @@ class UnitDataset(Dataset):
     _rows: np.ndarray
     _unit_bytes: np.ndarray
     shuffle_window: int
-    node_slots: int = 1  # set by `_check_slots` (NOTE [ raydl node slots ])
+    node_slots: Optional[int] = 1  # set by `_check_slots`; None: one slot a node (NOTE [ raydl node slots ])
     _kept: KeptUnits  # what this process keeps (the subclass decides what: decoded, or bytes)
 
     @property
@@ -101,19 +97,24 @@ class UnitDataset(Dataset):
         return int(self._starts[-1])
 
     def shuffled_order(self, seed: int) -> np.ndarray:
-        """The epoch's order for `seed` (NOTE [ raydl parquet shuffle ])."""
+        """The epoch's order for `seed` (NOTE [ raydl unit order ])."""
         return shard_aware_order(self._starts, self._rows, self.shuffle_window, seed)
 
-    def slotted_order(self, seed: int, batch_size: int) -> tuple[np.ndarray, np.ndarray]:
+    def slotted_order(
+        self, seed: int, batch_size: int, slots: Optional[int] = None
+    ) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's order over the node slots for batches of `batch_size`, and each batch's slot (NOTE [ raydl
-        parquet shuffle ])."""
-        return slotted_order(self._starts, self._rows, self.shuffle_window, self.node_slots, batch_size, seed)
+        unit order ]): the `node_slots` given, each a share of the window, or (the default) `slots` slots, one a
+        node, each a whole window."""
+        if self.node_slots is not None:
+            return slotted_order(self._starts, self._rows, self.shuffle_window, self.node_slots, batch_size, seed)
+        n = max(1, int(slots or 1))
+        return slotted_order(self._starts, self._rows, self.shuffle_window, n, batch_size, seed, self.shuffle_window)
 
-    def _check_slots(self, slots: Optional[int]) -> int:
-        """`node_slots` as given (at most `shuffle_window`), or the default: the largest of DEFAULT_NODE_SLOTS within the
-        window."""
+    def _check_slots(self, slots: Optional[int]) -> Optional[int]:
+        """`node_slots` as given (at most `shuffle_window`), or None: one slot a node (NOTE [ raydl node slots ])."""
         if slots is None:
-            return next(n for n in DEFAULT_NODE_SLOTS if n <= min(self.shuffle_window, self.num_units) or n == 1)
+            return None
         if isinstance(slots, bool) or not isinstance(slots, int) or slots < 1:
             raise ValueError(f"{self._WHO}: node_slots should be a positive int, got {slots!r}")
         if slots > self.shuffle_window:
@@ -127,8 +128,17 @@ class UnitDataset(Dataset):
     @property
     def units_in_use(self) -> int:
         """Units one worker reads from at once: the window, and over node slots one more a slot (a batch that
-        straddles two of its windows), since the slots take turns batch by batch (NOTE [ raydl node slots ])."""
+        straddles two of its windows), since the slots take turns batch by batch (NOTE [ raydl node slots ]); with
+        one slot a node, a node's workers read its slot's window and one more."""
+        if self.node_slots is None:
+            return self.shuffle_window + 1
         return self.shuffle_window + (self.node_slots if self.node_slots > 1 else 0)
+
+    @property
+    def _reads_ahead(self) -> bool:
+        """A worker's call to its cache also takes the units its node's plan uses next (NOTE [ raydl read ahead ]):
+        over node slots, where a batch reads one or two units."""
+        return self.node_slots is None or self.node_slots > 1
 
     def raydl_read_ahead(self, batches: list) -> None:
         """A worker is about to make these batches (its call's, in order): the units they read that this process does
@@ -164,7 +174,7 @@ class UnitDataset(Dataset):
             have = (*kept, *ahead)
         rest = [u for u in missing if u not in out]
         if rest:
-            n = self.units_in_use - len(rest) if self.node_slots > 1 else 0
+            n = self.units_in_use - len(rest) if self._reads_ahead else 0
             got = read_units(self, rest, ahead=max(0, n), have=have)
             with lock:
                 for u, data in got.items():
@@ -199,6 +209,18 @@ class UnitDataset(Dataset):
         for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
             if isinstance(it, _ShuffleIter):
                 return it.batch_slots(batch_size)
+        return None
+
+    @staticmethod
+    def raydl_settle_slots(sampler_iter: Any, nodes: int) -> Optional[int]:
+        """The loader's epoch starts over workers on `nodes` nodes: with slots per node (the default `node_slots`), a
+        run's first epoch makes that its slot count, kept for the run (NOTE [ raydl node slots ]). The run's count, or
+        None when the sampler iterator is not the dataset's own."""
+        for it in (sampler_iter, getattr(sampler_iter, "_it", None), getattr(sampler_iter, "sampler", None)):
+            if isinstance(it, _ShuffleIter):
+                return it._sampler.settle(nodes)
+            if isinstance(it, ParquetShuffleSampler):  # a batch iterator that has not made its sampler's iterator
+                return it.settle(nodes)
         return None
 
     @staticmethod

@@ -321,6 +321,7 @@ class _RayLoaderIter(Iterator[Any]):
                 self._pool.pipe_seed = seed
         if not epoch_begun:
             self.stats_recorder.begin_epoch()
+        self._settle_slots()
         # A resumed epoch starts at the position of its first batch not handed out (NOTE [ raydl checkpoint ]).
         start, first_worker = self._ckpt.start_epoch(self._sampler_iter, first_iter, self._epoch)
         if not first_iter and self._is_iterable and hasattr(self._pool, "restart_streams"):
@@ -383,6 +384,20 @@ class _RayLoaderIter(Iterator[Any]):
         if self._feed is not None:  # after the round robin moved on: the feed's look ahead starts at _send_idx
             self._feed.on_send(self._send_idx - 1, index, self._pool_node(worker_id))
         return True
+
+    def _settle_slots(self) -> None:
+        """Slots per node (a streamed dataset's default `node_slots`): the run's first epoch cuts its order over the
+        nodes its workers run on, one slot a node, kept for the run (NOTE [ raydl node slots ]). Where torch's round
+        robin will place the batches anyway, one slot: the window shuffle, which the cooperative caches serve."""
+        settle = getattr(self._dataset, "raydl_settle_slots", None)
+        if not callable(settle):
+            return
+        nodes = 1
+        if self._feed is not None and self._seed_mode != "worker" and self._job_rank is None:
+            if any(self._pool_node(w) is None for w in self._sched.active) and not self._pool.is_ready:
+                self._wait_workers_ready()  # the user's actor options place them: where they run is known once started
+            nodes = max(1, len(self._worker_nodes()))
+        settle(self._sampler_iter, nodes)
 
     def _slot_deal(self) -> Optional[SlotDeal]:
         """This epoch's deal of batches to nodes by slot, or None where torch's round robin places them (NOTE [ raydl

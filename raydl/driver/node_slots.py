@@ -5,7 +5,7 @@ With the window shuffle every node's workers read nearly every unit when batches
 by torch's round robin: the cooperative caches (NOTE [ raydl cooperative caches ]) read each unit
 from storage once, then send it to every other node, (N - 1)x the data between nodes an epoch.
 A streamed dataset's `shuffle=True` order is instead cut over `node_slots` slots (NOTE [ raydl
-parquet shuffle ]): each unit belongs to one slot in an epoch, and each batch but the last few
+unit order ]): each unit belongs to one slot in an epoch, and each batch but the last few
 takes its rows from one slot's units. The driver deals the slots to the nodes its workers run on
 and sends each batch to a worker of its slot's node (the least busy one there), so a node's cache
 is told, and fetches, only its own slots' units: nothing crosses between nodes but the units of
@@ -48,12 +48,15 @@ def placement_reason(*, seed: str, job: bool, slots: Optional[np.ndarray], has_s
     """None when an epoch's batches may go to their slots' nodes; else why the round robin keeps them."""
     if not has_slots:
         return "the sampler is not the dataset's shuffle over node slots (shuffle=False, a sampler of the user's)"
-    if slots is None:
-        return "the order has one node slot (node_slots=1) or was cut for another batch size"
     if job:
         return "ray_job: the job's ranks share its workers, least busy first"
     if seed == "worker":
         return "ray_seed='worker': a batch's random draws depend on the worker torch's round robin gives it"
+    if slots is None:
+        return (
+            "the order has one node slot (node_slots=1, or the default one slot a node with the workers on one node) "
+            "or was cut for another batch size"
+        )
     return None
 
 

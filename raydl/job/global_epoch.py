@@ -113,7 +113,7 @@ def redealt_indices(record: Mapping, sampler: DistributedSampler) -> list:
         drop_last=False,
     )
     whole.set_epoch(int(record["epoch"]))
-    if callable(getattr(sampler, "global_order", None)):  # a subclass with its own P (NOTE [ raydl parquet shuffle ])
+    if callable(getattr(sampler, "global_order", None)):  # a subclass with its own P (NOTE [ raydl unit order ])
         order = sampler.global_order(int(record["epoch"]), int(record["seed"]), bool(record["shuffle"]))
     else:
         order = list(iter(whole))  # torch's permutation P of the epoch

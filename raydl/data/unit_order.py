@@ -1,7 +1,7 @@
 """The order `shuffle=True` gives a `ParquetDataset` (data/parquet.py): a sampler a node cache can serve, and torch's
 DistributedSampler over the same order.
 
-NOTE [ raydl parquet shuffle ]
+NOTE [ raydl unit order ]
 `shuffle=True` over a ParquetDataset does not make torch's RandomSampler: the dataset supplies
 `ParquetShuffleSampler`, an order a cache can serve. Each epoch draws one seed exactly as
 RandomSampler draws its own (`torch.empty((), dtype=torch.int64).random_(generator=g)`, from the
@@ -18,15 +18,19 @@ before the epoch's seed was drawn), recorded by raydl's checkpoint as torchdata'
 state: a resume rebuilds the epoch from its seed and skips what was handed out, and the generator
 goes on from where the epoch's draw left it, so the epochs after it are the saved run's too;
 `layout` names the units, the window and the node slots, and a state saved over others (the
-files, `cache_limit`, `shuffle_window` or `node_slots` changed) is refused.
-With `node_slots` C > 1 and the loader's batch size B (NOTE [ raydl node slots ]), step 2 deals the
+files, `cache_limit`, `shuffle_window` or `node_slots` changed) is refused; with slots per node
+the state also has `slots`, the count its run settled, which a resume keeps.
+With C > 1 slots and the loader's batch size B (NOTE [ raydl node slots ]), step 2 deals the
 permuted units to C slots (slot s takes every C-th: perm[s], perm[s + C], ...), each slot cuts its
-units into windows of `shuffle_window // C` and shuffles their rows as above, its rows are cut
+units into windows of its own and shuffles their rows as above: `shuffle_window` units with the
+default, one slot a node (C is the nodes the loader's workers run on when its first epoch starts,
+and each node's cache holds a window), `shuffle_window // C` with `node_slots=C` given (the
+window shared out: the order then never depends on the nodes). Its rows are cut
 into batches of B, and the epoch takes one batch of each slot in turn (slot order, skipping a slot
 that has run out); what is left of each slot (under B rows, all of one unit: the one with the most
 rows among its last 4B, whose last rows move to the end) ends the epoch, slot after slot. A
 batch so comes from one slot's window, except the last few: the order depends on the seed, the
-units, the window, C and B, never on the nodes or workers that make it. C = 1 is the order above.
+units, the window, C and B, never on the workers that make it. C = 1 is the order above.
 `ParquetDistributedSampler` is torch's DistributedSampler (seed + epoch, padding, rank r taking
 positions r, r + W, ...) over the same order, so ranks stay equal and share one node cache.
 """
@@ -54,7 +58,7 @@ def shard_aware_order(
     perm: Optional[np.ndarray] = None,
     rng: Optional[np.random.Generator] = None,
 ) -> np.ndarray:
-    """The epoch's row order for `seed` (NOTE [ raydl parquet shuffle ]): row groups permuted, rows shuffled per window.
+    """The epoch's row order for `seed` (NOTE [ raydl unit order ]): row groups permuted, rows shuffled per window.
     `perm` and `rng` given: the units already permuted (one slot's) and the generator that shuffles their rows."""
     if rng is None:
         rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)
@@ -70,17 +74,25 @@ def shard_aware_order(
 
 
 def slotted_order(
-    starts: np.ndarray, rows: np.ndarray, window: int, slots: int, batch: int, seed: int
+    starts: np.ndarray,
+    rows: np.ndarray,
+    window: int,
+    slots: int,
+    batch: int,
+    seed: int,
+    slot_window: Optional[int] = None,
 ) -> tuple[np.ndarray, np.ndarray]:
     """The epoch's row order over `slots` node slots for batches of `batch` rows, and the slot of each batch (NOTE [
-    raydl parquet shuffle ]); a last batch that mixes slots is given the slot most of its rows come from."""
+    raydl unit order ]); a last batch that mixes slots is given the slot most of its rows come from. Each slot shuffles
+    windows of `slot_window` units, by default `window // slots` (slots given by the user: the cluster's window shared
+    out); slots per node pass the whole window, since each node's cache holds a window of its own."""
     slots, batch = max(1, min(int(slots), len(rows))), max(1, int(batch))
     if slots == 1:
         order = shard_aware_order(starts, rows, window, seed)
         return order, np.zeros(-(-len(order) // batch), dtype=np.int32)
     rng = np.random.default_rng(int(seed) & 0xFFFFFFFFFFFFFFFF)
     perm = rng.permutation(len(rows))
-    per_slot = max(1, window // slots)
+    per_slot = max(1, window // slots if slot_window is None else int(slot_window))
     full, rest = [], []
     for s in range(slots):
         stream = _one_unit_last(starts, shard_aware_order(starts, rows, per_slot, 0, perm[s::slots], rng), batch)
@@ -101,7 +113,7 @@ def slotted_order(
 def _one_unit_last(starts: np.ndarray, stream: np.ndarray, batch: int) -> np.ndarray:
     """A slot's rows with the `len % batch` left over at its end taken from one unit (the last rows of the unit with the
     most rows among the last 4 x `batch`, when it has enough), so the last batches, which mix slots, need one unit of
-    each slot they take rows from (NOTE [ raydl parquet shuffle ])."""
+    each slot they take rows from (NOTE [ raydl unit order ])."""
     r = len(stream) % batch
     if not r:
         return stream
@@ -123,7 +135,7 @@ def _draw_seed(generator: Optional[torch.Generator]) -> int:
 
 class _ShuffleIter(Iterator[int]):
     """One epoch of `ParquetShuffleSampler`; its state is `{"seed", "yielded", "layout"}` and, over node slots, the
-    batch size the order was made for (NOTE [ raydl parquet shuffle ])."""
+    batch size the order was made for (NOTE [ raydl unit order ])."""
 
     raydl_fresh_state = True  # `state_dict` gives a new dict of ints, a str and `_gen_state`, replaced, never written
 
@@ -133,12 +145,12 @@ class _ShuffleIter(Iterator[int]):
         self.yielded = 0
         self._order: Optional[np.ndarray] = None
         self._slots: Optional[np.ndarray] = None  # the slot of each batch of the epoch (node slots only)
-        self._batch = sampler.batch_size if self._slotted else None  # what the epoch's order is cut for
+        self._batch: Optional[int] = None  # what the epoch's order is cut for (node slots only; set at `_begin`)
         self._gen_state: Optional[torch.Tensor] = None  # the sampler's generator before the epoch's seed was drawn
 
     @property
     def _slotted(self) -> bool:
-        return self._sampler.batch_size is not None and getattr(self._sampler.dataset, "node_slots", 1) > 1
+        return self._sampler.batch_size is not None and self._sampler.slots > 1
 
     def __iter__(self) -> _ShuffleIter:
         return self
@@ -150,10 +162,12 @@ class _ShuffleIter(Iterator[int]):
             seed = _draw_seed(g)
         self.seed = int(seed)
         ds = self._sampler.dataset
+        if self._batch is None and self._slotted:
+            self._batch = self._sampler.batch_size
         if self._batch is None:
             self._order, self._slots = ds.shuffled_order(self.seed), None
         else:
-            self._order, self._slots = ds.slotted_order(self.seed, self._batch)
+            self._order, self._slots = ds.slotted_order(self.seed, self._batch, self._sampler.slots)
 
     def __next__(self) -> int:
         if self._order is None:
@@ -178,10 +192,14 @@ class _ShuffleIter(Iterator[int]):
         return self._slots if self._slots is not None and batch_size == self._batch else None
 
     def _layout(self) -> str:
-        """What the epoch's order depends on besides the seed (and the batch size): the units, window and slots."""
+        """What the epoch's order depends on besides the seed, the batch size and (slots per node) the slot count: the
+        units, the window and the slots given."""
         ds = self._sampler.dataset
-        slots = getattr(ds, "node_slots", 1) if self._slotted else 1
-        return f"{getattr(ds, 'token', '')}:{ds.shuffle_window}" + (f":{slots}" if slots > 1 else "")
+        head = f"{getattr(ds, 'token', '')}:{ds.shuffle_window}"
+        if getattr(ds, "node_slots", 1) is None:
+            return head + ":per-node"  # the count is the state's `slots`, dealt to whatever nodes a resume has
+        slots = ds.node_slots if self._slotted else 1
+        return head + (f":{slots}" if slots > 1 else "")
 
     def state_dict(self) -> dict:
         if self._order is None:  # the base seed was drawn before: drawing the epoch's now keeps torch's order of draws
@@ -189,6 +207,8 @@ class _ShuffleIter(Iterator[int]):
         sd = {"seed": self.seed, "yielded": self.yielded, "layout": self._layout()}
         if self._batch is not None:
             sd["batch"] = self._batch
+        if getattr(self._sampler.dataset, "node_slots", 1) is None:
+            sd["slots"] = self._sampler.slots
         if self._gen_state is not None:
             sd["generator"] = self._gen_state
         return sd
@@ -201,11 +221,15 @@ class _ShuffleIter(Iterator[int]):
         if sd.get("layout") is not None and sd["layout"] != self._layout():
             raise ValueError(
                 "the state was saved over other units, another shuffle window or other node slots (layout "
-                f"{sd['layout']!r}, now {self._layout()!r}: token:shuffle_window[:node_slots]): the files, cache_limit, "
-                "shuffle_window or node_slots changed, and the same seed would now give another order. Build the "
-                "dataset as the saved run did to resume it."
+                f"{sd['layout']!r}, now {self._layout()!r}: token:shuffle_window[:node_slots, or :per-node for the "
+                "default, one slot a node]): the files, cache_limit, shuffle_window or node_slots changed, and the "
+                "same seed would now give another order. Build the dataset as the saved run did to resume it (a state "
+                "saved with the default node_slots before slots per node resumes with node_slots=12, or the count its "
+                "layout ends with)."
             )
-        self._batch = int(sd["batch"]) if sd.get("batch") is not None and self._slotted else self._batch
+        if sd.get("slots") is not None and getattr(self._sampler.dataset, "node_slots", 1) is None:
+            self._sampler.slots = int(sd["slots"])  # the saved run's nodes, kept for this run (NOTE [ raydl node slots ])
+        self._batch = int(sd["batch"]) if sd.get("batch") is not None and self._slotted else None
         g = self._sampler.generator
         if sd.get("generator") is not None and g is not None:
             # the epoch's draw made again: the generator goes on to the next epochs as the saved run's did
@@ -233,14 +257,47 @@ class ParquetShuffleSampler(Sampler[int]):
             slots (NOTE [ raydl node slots ]): what `shuffle=True` passes, the loader's
             `batch_size`. Defaults to ``None``: the order of one slot (every batch mixes the
             whole window).
+        node_slots (int, optional): for a dataset built with the default ``node_slots=None``
+            (one slot a node): the slot count, as a loader over that many nodes settles it (what
+            to give torch's DataLoader to reproduce such a loader's order). Defaults to ``None``:
+            settled by the loader's first epoch; 1 when iterated without one.
     """
 
     def __init__(
-        self, dataset: ParquetDataset, generator: Optional[torch.Generator] = None, batch_size: Optional[int] = None
+        self,
+        dataset: ParquetDataset,
+        generator: Optional[torch.Generator] = None,
+        batch_size: Optional[int] = None,
+        node_slots: Optional[int] = None,
     ) -> None:
         self.dataset = dataset
         self.generator = generator
         self.batch_size = batch_size
+        given = getattr(dataset, "node_slots", 1)
+        if node_slots is not None and given is not None and int(node_slots) != given:
+            raise ValueError(
+                f"ParquetShuffleSampler: node_slots={node_slots}, but the dataset was built with node_slots={given}: "
+                "give it to one of them"
+            )
+        # the slots of this run: the dataset's, or (its default) one a node, settled when the loader's first epoch
+        # starts (`settle`) or by a resumed state, and kept for the run (NOTE [ raydl node slots ])
+        self._slots: Optional[int] = given if given is not None else node_slots
+
+    @property
+    def slots(self) -> int:
+        """The node slots this run's orders are cut over (1 until settled)."""
+        return self._slots or 1
+
+    @slots.setter
+    def slots(self, value: int) -> None:
+        self._slots = max(1, int(value))
+
+    def settle(self, nodes: int) -> int:
+        """Slots per node: the first epoch's node count becomes the run's slot count; later calls change nothing (an
+        order that follows the nodes would change under a resumed or elastic run). Returns the run's count."""
+        if self._slots is None:
+            self.slots = nodes
+        return self.slots
 
     def __iter__(self) -> _ShuffleIter:
         return _ShuffleIter(self)
@@ -250,7 +307,7 @@ class ParquetShuffleSampler(Sampler[int]):
 
 
 class ParquetDistributedSampler(DistributedSampler):
-    """torch's `DistributedSampler` over a `ParquetDataset`'s shard-aware order (NOTE [ raydl parquet shuffle ]).
+    """torch's `DistributedSampler` over a `ParquetDataset`'s shard-aware order (NOTE [ raydl unit order ]).
 
     Same arguments, `set_epoch` and split as torch's: the global order of epoch `e` is the
     dataset's order for seed `seed + e`, padded (or cut, `drop_last`) to the world size, rank `r`
