@@ -150,7 +150,9 @@ def test_defaults_one_node_is_the_window_shuffle_with_torch_parity(ray_session, 
 
     want = _torch_reference(ds, 7, epochs=2)
     g = torch.Generator().manual_seed(7)
-    seed = [torch.empty((), dtype=torch.int64).random_(generator=g).item() for _ in range(2)][1]  # after torch's base seed
+    seed = [torch.empty((), dtype=torch.int64).random_(generator=g).item() for _ in range(2)][
+        1
+    ]  # after torch's base seed
     assert [i for b in want[0] for i in b] == ds.shuffled_order(seed).tolist()  # the window shuffle itself
     loader = raydl.DataLoader(
         ds, batch_size=BATCH, shuffle=True, num_workers=2, generator=torch.Generator().manual_seed(7), timeout=60
@@ -232,7 +234,9 @@ def test_a_model_trained_through_the_default_shuffle_learns_as_through_the_windo
     limit = int(probe.unit_nbytes.max() + 64) * 16  # a window of 7 of the 40 row groups
 
     def accuracy(node_slots=None, nodes=1, seed=1) -> float:
-        ds = raydl.ParquetDataset(str(tmp_path), cache_dir=str(tmp_path / "c"), cache_limit=limit, node_slots=node_slots)
+        ds = raydl.ParquetDataset(
+            str(tmp_path), cache_dir=str(tmp_path / "c"), cache_limit=limit, node_slots=node_slots
+        )
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             torch.nn.Linear(dim, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, classes)

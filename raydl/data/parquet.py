@@ -37,8 +37,8 @@ from .columnar import (
     transformed_row,
     transformed_rows,
 )
-from .unit_order import ParquetDistributedSampler, ParquetShuffleSampler, shard_aware_order
 from .segments import SegmentFile, merge_segments
+from .unit_order import ParquetDistributedSampler, ParquetShuffleSampler, shard_aware_order
 from .units import KeptUnits, UnitDataset
 
 __all__ = [

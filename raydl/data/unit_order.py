@@ -228,7 +228,9 @@ class _ShuffleIter(Iterator[int]):
                 "layout ends with)."
             )
         if sd.get("slots") is not None and getattr(self._sampler.dataset, "node_slots", 1) is None:
-            self._sampler.slots = int(sd["slots"])  # the saved run's nodes, kept for this run (NOTE [ raydl node slots ])
+            self._sampler.slots = int(
+                sd["slots"]
+            )  # the saved run's nodes, kept for this run (NOTE [ raydl node slots ])
         self._batch = int(sd["batch"]) if sd.get("batch") is not None and self._slotted else None
         g = self._sampler.generator
         if sd.get("generator") is not None and g is not None:

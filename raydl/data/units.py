@@ -100,9 +100,7 @@ class UnitDataset(Dataset):
         """The epoch's order for `seed` (NOTE [ raydl unit order ])."""
         return shard_aware_order(self._starts, self._rows, self.shuffle_window, seed)
 
-    def slotted_order(
-        self, seed: int, batch_size: int, slots: Optional[int] = None
-    ) -> tuple[np.ndarray, np.ndarray]:
+    def slotted_order(self, seed: int, batch_size: int, slots: Optional[int] = None) -> tuple[np.ndarray, np.ndarray]:
         """The epoch's order over the node slots for batches of `batch_size`, and each batch's slot (NOTE [ raydl
         unit order ]): the `node_slots` given, each a share of the window, or (the default) `slots` slots, one a
         node, each a whole window."""
