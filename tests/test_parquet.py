@@ -687,8 +687,13 @@ def _cooperative_epoch(
         return nodes[1] if lost["at"] is not None and p >= lost["at"] and n == nodes[0] else n
 
     feed = CacheFeed(ds, 64, where=lambda first, end: [node_of(p) for p in range(first, end)])
-    it = iter(ParquetShuffleSampler(ds, generator=torch.Generator().manual_seed(5), batch_size=64 if by_slot else None))
-    deal = SlotDeal(ds.raydl_batch_slots(it, 64), lambda w: nodes[w % len(nodes)]) if by_slot else None
+    slots = len(nodes) if ds.node_slots is None else None  # the default: one slot a node, as the loader settles it
+    g = torch.Generator().manual_seed(5)
+    it = iter(ParquetShuffleSampler(ds, g, 64 if by_slot else None, node_slots=slots if by_slot else None))
+    batch_slots = ds.raydl_batch_slots(it, 64) if by_slot else None
+    if by_slot and batch_slots is None:  # one slot (one node, the default): every batch on it
+        batch_slots = np.zeros(-(-len(ds) // 64), dtype=np.int32)
+    deal = SlotDeal(batch_slots, lambda w: nodes[w % len(nodes)]) if by_slot else None
     order = ds.raydl_order_ahead(it)
     batches = [order[i : i + 64] for i in range(0, len(order), 64)]
     feed.begin_epoch(it, 0, node_ids=nodes)
@@ -794,13 +799,14 @@ def test_a_lost_owner_s_units_are_fetched_again_from_storage(folder, tmp_path, m
 
 @pytest.mark.parametrize("nodes", [1, 2, 3, 4])
 def test_batches_made_on_their_slots_nodes_cross_no_node_and_read_storage_once(folder, tmp_path, monkeypatch, nodes):
-    """Issue 58 (NOTE [ raydl node slots ]): the order cut over the dataset's node slots, each batch made on its slot's
-    node, one worker a node, caches of a quarter of the data: the cluster reads the data from storage about once
-    (<= 1.15x), and the units that cross between nodes are at most 0.15x of it (those of the last batches, which mix
-    slots); the batches are the same at every node count, every batch's bytes right, each cache within its limit.
-    By torch's round robin (the cooperative caches) the same epoch sends (N - 1)x the data between nodes."""
+    """Issues 58 and 64 (NOTE [ raydl node slots ]): the order cut over node slots, each batch made on its slot's node,
+    one worker a node, caches of a quarter of the data: the cluster reads the data from storage about once (<= 1.15x),
+    and the units that cross between nodes are at most 0.15x of it (those of the last batches, which mix slots); every
+    batch's bytes right, each cache within its limit. The default, one slot a node, each a whole window; node_slots=3
+    given, the same batches at every node count. By torch's round robin (the cooperative caches) the same epoch sends
+    (N - 1)x the data between nodes."""
     ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter())
-    assert ds.node_slots > 1
+    assert ds.node_slots is None
     names = [f"node{i}" for i in range(nodes)]
     stats, read, batches = _cooperative_epoch(ds, tmp_path / "slots", monkeypatch, names, nodes, by_slot=True)
     data = ds.nbytes
@@ -811,23 +817,29 @@ def test_batches_made_on_their_slots_nodes_cross_no_node_and_read_storage_once(f
     assert all(st["peak_bytes"] <= st["limit_bytes"] for st in stats.values()), stats
     truth = {u: _storage_bytes(ds, u) for u in range(ds.num_units)}
     assert all(got == {u: truth[u] for u in got} for got in read)
-    one, _, alone = _cooperative_epoch(ds, tmp_path / "one", monkeypatch, ["solo"], 1, by_slot=True)
-    assert batches == alone and one["solo"]["bytes_fetched"] <= 1.15 * data
+    four = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter(), node_slots=3)
+    given, _, at_n = _cooperative_epoch(four, tmp_path / "given", monkeypatch, names, nodes, by_slot=True)
+    one, _, alone = _cooperative_epoch(four, tmp_path / "one", monkeypatch, ["solo"], 1, by_slot=True)
+    assert at_n == alone and one["solo"]["bytes_fetched"] <= 1.15 * data
+    assert data <= sum(st["bytes_fetched"] for st in given.values()) <= 1.15 * data, given
     if nodes > 1:  # the same order by torch's round robin: the cooperative caches send most of it across
         rr, _, _ = _cooperative_epoch(ds, tmp_path / "rr", monkeypatch, names, nodes)
         assert sum(st["bytes_from_peers"] for st in rr.values()) >= 0.5 * (nodes - 1) * data, rr
 
 
-def test_a_lost_node_s_slots_go_to_the_others(folder, tmp_path, monkeypatch):
+@pytest.mark.parametrize("slots, most", [(None, 1.6), (3, 1.5)])
+def test_a_lost_node_s_slots_go_to_the_others(folder, tmp_path, monkeypatch, slots, most):
     """A node lost mid-epoch (NOTE [ raydl node slots ]): its slots are dealt to the two left, whose caches fetch its
-    units from storage (its cache answers nothing): every batch's bytes right, the data read at most 1.5 times."""
-    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter())
+    units from storage (its cache answers nothing): every batch's bytes right, the data read at most `most` times.
+    Measured: 1.50x with the default (one slot a node, each a whole window: the node that takes the lost slot holds
+    two windows, its whole cache, and evicts some), 1.3x with node_slots=3 given (a third of the window each)."""
+    ds = raydl.ParquetDataset(folder, cache_dir=str(tmp_path / "unused"), cache_limit=_quarter(), node_slots=slots)
     names = ["node0", "node1", "node2"]
     stats, read, _ = _cooperative_epoch(ds, tmp_path, monkeypatch, names, 3, lose_after=20, by_slot=True)
     truth = {u: _storage_bytes(ds, u) for u in range(ds.num_units)}
     assert all(got == {u: truth[u] for u in got} for got in read)
-    # what the lost node fetched and its slot still needed is read again: 1.3x the data in all, measured
-    assert sum(st["bytes_fetched"] for st in stats.values()) <= 1.5 * ds.nbytes, stats
+    # what the lost node fetched and its slot still needed is read again
+    assert sum(st["bytes_fetched"] for st in stats.values()) <= most * ds.nbytes, stats
     assert stats["node0"]["bytes_fetched"] < ds.nbytes / 2, stats  # the lost node read only its share until then
 
 
