@@ -127,12 +127,14 @@ class ParquetDataset(UnitDataset):
             ``None``: as many as fit in half of `cache_limit`, and whose decoded size fits in a
             worker's 256 MiB of decoded row groups (`RAYDL_PARQUET_DECODED_BYTES`).
         node_slots (int, optional): the slots `shuffle=True`'s order deals the row groups to: each
-            batch comes from one slot's window of `shuffle_window // node_slots` row groups, the
-            slots taking turns batch by batch, and the loader makes a slot's batches on the node it
-            is dealt to, so a node's cache fetches only its own slots' row groups (NOTE [ raydl node
-            slots ]). The order depends on it, never on the nodes. ``1``: every batch mixes the
-            whole window, and the nodes' caches share row groups (cooperative caches). Defaults to
-            ``None``: the largest of 12, 8, 6, 4, 3, 2 and 1 within `shuffle_window`.
+            batch comes from one slot's window, the slots taking turns batch by batch, and the
+            loader makes a slot's batches on the node it is dealt to, so a node's cache fetches
+            only its own slots' row groups (NOTE [ raydl node slots ]). Given: that many slots of
+            `shuffle_window // node_slots` row groups each, the order the same on any nodes (``1``:
+            every batch mixes the whole window, the nodes' caches share row groups). Defaults to
+            ``None``: one slot a node, each a whole window, the count settled by the nodes the
+            loader's workers run on when its first epoch starts and kept for the run (in its
+            state): one node is the window shuffle (docs/streaming.md).
 
     Raises:
         FileNotFoundError: a path does not exist.

@@ -75,12 +75,14 @@ class TarDataset(MemberDataset):
         shuffle_window (int, optional): units whose samples are shuffled together. Defaults to ``None``: as
             many as fit in half of `cache_limit` and in a worker's 256 MiB of kept units.
         node_slots (int, optional): the slots `shuffle=True`'s order deals the units to: each
-            batch comes from one slot's window of `shuffle_window // node_slots` units, the
-            slots taking turns batch by batch, and the loader makes a slot's batches on the node it
-            is dealt to, so a node's cache fetches only its own slots' units (NOTE [ raydl node
-            slots ]). The order depends on it, never on the nodes. ``1``: every batch mixes the
-            whole window, and the nodes' caches share units (cooperative caches). Defaults to
-            ``None``: the largest of 12, 8, 6, 4, 3, 2 and 1 within `shuffle_window`.
+            batch comes from one slot's window, the slots taking turns batch by batch, and the
+            loader makes a slot's batches on the node it is dealt to, so a node's cache fetches
+            only its own slots' units (NOTE [ raydl node slots ]). Given: that many slots of
+            `shuffle_window // node_slots` units each, the order the same on any nodes (``1``:
+            every batch mixes the whole window, the nodes' caches share units). Defaults to
+            ``None``: one slot a node, each a whole window, the count settled by the nodes the
+            loader's workers run on when its first epoch starts and kept for the run (in its
+            state): one node is the window shuffle (docs/streaming.md).
         index (str, optional): ``"dali"`` reads DALI's ``wds2idx`` index (``<shard>.idx`` beside each shard)
             instead of scanning the shards. Defaults to ``None``: raydl's own index, built once and kept. A
             `source` ending in ``.json`` is a webdataset ``wids`` shard index: its shards, their sample counts
