@@ -1,5 +1,7 @@
 """The node-slot plan at 16, 64 and 256 nodes, simulated without Ray: storage bytes, bytes between nodes, the nodes'
-shares of the work, and what one node's loss re-plans (issue 58 item 3, NOTE [ raydl node slots ]).
+shares of the work, what one node's loss re-plans (issue 58 item 3, NOTE [ raydl node slots ]), and how much a batch
+and 8 consecutive batches mix (units drawn from), against one node's window shuffle (issue 64). 1 slot a node is the
+default (each slot a whole window: half a node's cache); 4 slots a node is `node_slots=4 x nodes` given.
 
 A corpus of `--tb` TB in units of `--unit-gb` GB (`--rows` samples each, batches of `--batch`); each node's cache holds
 a quarter of its share of the units. The planner is raydl's own: the dataset's order over `slots` node slots
@@ -53,7 +55,7 @@ def _belady_fetches(accesses: list, capacity: int) -> int:
 
 def simulate(units: int, rows: int, batch: int, nodes: int, slots_per_node: int, seed: int = 7) -> dict:
     from raydl.cluster.cache.driver_feed import plan_owners
-    from raydl.data.unit_order import slotted_order
+    from raydl.data.unit_order import shard_aware_order, slotted_order
     from raydl.driver.node_slots import SlotDeal
 
     cache = max(2, units // nodes // 4)  # units a node's cache holds: a quarter of its share
@@ -65,6 +67,14 @@ def simulate(units: int, rows: int, batch: int, nodes: int, slots_per_node: int,
     n_batches = len(batch_slots)
     steps = [np.unique(unit_of[i * batch : (i + 1) * batch]) for i in range(n_batches)]
     half = n_batches // 2
+    # the mixing: units a batch draws from, and 8 consecutive batches, against one node's window shuffle (its whole
+    # cache's window of half of it), on the same units
+    alone = shard_aware_order(starts, np.full(units, rows), max(1, cache // 2), seed) // rows
+    mixing = {
+        "units_per_batch": _per_batch(unit_of, batch, 1),
+        "units_per_8_batches": _per_batch(unit_of, batch, 8),
+        "window_shuffle_units_per_batch": _per_batch(alone, batch, 1),
+    }
 
     def plan(workers: list, lost_at: int = -1) -> tuple:
         deal = SlotDeal(batch_slots, lambda w: w)
@@ -104,7 +114,15 @@ def simulate(units: int, rows: int, batch: int, nodes: int, slots_per_node: int,
         "min_share": float(whole["shares"].min()),
         "loss_max_share": float(after.max()),
         "loss_reread": len(gone_before & needed_after) / units,
+        **mixing,
     }
+
+
+def _per_batch(unit_of: np.ndarray, batch: int, span: int) -> float:
+    """Distinct units in each run of `span` consecutive batches, the mean (the first 2,000 runs: enough for a mean)."""
+    step = batch * span
+    runs = range(0, min(len(unit_of) - step + 1, 2000 * step), step)
+    return float(np.mean([len(np.unique(unit_of[i : i + step])) for i in runs]))
 
 
 def main() -> None:
@@ -136,6 +154,8 @@ def main() -> None:
                     f"{r['max_share']:.2f} / {r['min_share']:.2f}",
                     f"{r['loss_max_share']:.2f}",
                     f"{r['loss_reread']:.4f}x",
+                    f"{r['units_per_batch']:.1f} ({r['units_per_batch'] / r['window_shuffle_units_per_batch']:.2f}x)",
+                    f"{r['units_per_8_batches']:.1f}",
                 ]
             )
     print(
@@ -144,6 +164,7 @@ def main() -> None:
     )
     header = ["nodes", "node slots", "cache (units)", "window per slot", "storage / data", "between nodes / data"]
     header += ["largest / smallest share (1 = even)", "largest share after one loss", "re-read after the loss"]
+    header += ["units per batch (/ one node's window shuffle)", "units per 8 batches"]
     print(md_table(header, rows))
     _png(results, args.png)
 

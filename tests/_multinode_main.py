@@ -109,12 +109,13 @@ def _once_corpus() -> str:
     return root
 
 
-def _once_expected(root: str, limit: int, epochs: int) -> list:
-    """torch's DataLoader over the same folder with the same generator: each epoch's batches (ids, payload bytes)."""
+def _once_expected(root: str, limit: int, epochs: int, nodes: int) -> list:
+    """torch's DataLoader over the same folder with the same generator, the order of a loader over `nodes` nodes (one
+    slot a node, NOTE [ raydl node slots ]): each epoch's batches (ids, payload bytes)."""
     local = raydl.ParquetDataset(root, cache_dir=os.path.join(root, "reference-cache"), cache_limit=limit)
     g = torch.Generator().manual_seed(ONCE_SEED)
     ref = torch.utils.data.DataLoader(
-        local, batch_size=ONCE_BATCH, sampler=raydl.ParquetShuffleSampler(local, g, ONCE_BATCH), generator=g
+        local, batch_size=ONCE_BATCH, sampler=raydl.ParquetShuffleSampler(local, g, ONCE_BATCH, node_slots=nodes), generator=g
     )
     out = [[(b["id"].tolist(), list(b["payload"])) for b in ref] for _ in range(epochs)]
     raydl.release_node_caches()  # the head's cache of the reference
@@ -153,7 +154,7 @@ def _parquet_once_runs(cluster, name, names) -> dict:
         data = int(raydl.ParquetDataset(root).nbytes)
         limit = data // 4
         out["data_bytes"] = data
-        expected = _once_expected(root, limit, 3)
+        expected = _once_expected(root, limit, 2, nodes=2)
         ds = raydl.ParquetDataset(root, cache_dir=os.path.join(root, "cache-{node_id}"), cache_limit=limit)
 
         def loader(workers: int):
@@ -176,8 +177,9 @@ def _parquet_once_runs(cluster, name, names) -> dict:
         names[extra.node_id] = "extra"
         _wait_alive(4)
         _wait_cpus_free()
-        three = loader(3)
-        out["lost"] = _once_epoch(three, name, expected[0], remove=lambda: cluster.remove_node(extra))
+        three = loader(3)  # three nodes: three slots, a third of them on the node removed
+        lost_expected = _once_expected(root, limit, 1, nodes=3)[0]
+        out["lost"] = _once_epoch(three, name, lost_expected, remove=lambda: cluster.remove_node(extra))
         del three
         out["alive_after"] = _wait_alive(3)
         out["caches_released"] = raydl.release_node_caches()

@@ -5,7 +5,8 @@ namespace cluster started with `private=True` (cluster/netns_testbed.py: each wo
 Scenario `cache`: moto's S3 server and a byte-counting proxy in this process's namespace, the proxy listening on the
 head's bridge address (the worker nodes reach it across the bridge, each from its own address); a small Parquet
 corpus uploaded; a `raydl.ParquetDataset("s3://...", cache_dir=private_dir)` read by a loader with one worker on each
-worker node, two epochs, against torch's DataLoader over the same files in a local folder with the same generator.
+worker node, two epochs, against torch's DataLoader over the same files in a local folder with the same generator
+(and the 2 node slots the run settles).
 The facts: the batches, and the GET bytes the proxy relayed to each client address (per epoch).
 """
 
@@ -70,7 +71,8 @@ def cache(facts: dict) -> None:
         # the reference reads through a node cache of the head's in a folder of its own, ended before the run's
         local = raydl.ParquetDataset(corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
         g = torch.Generator().manual_seed(SEED)
-        sampler = raydl.ParquetShuffleSampler(local, g, batch_size=BATCH)
+        # the run's workers are on the 2 worker nodes: its order is that of 2 slots, one a node (NOTE [ raydl node slots ])
+        sampler = raydl.ParquetShuffleSampler(local, g, batch_size=BATCH, node_slots=2)
         reference = torch.utils.data.DataLoader(local, batch_size=BATCH, sampler=sampler, generator=g)
         expected = [_batches(reference) for _ in range(EPOCHS)]
         facts["reference_caches_released"] = raydl.release_node_caches()
