@@ -115,7 +115,10 @@ def _once_expected(root: str, limit: int, epochs: int, nodes: int) -> list:
     local = raydl.ParquetDataset(root, cache_dir=os.path.join(root, "reference-cache"), cache_limit=limit)
     g = torch.Generator().manual_seed(ONCE_SEED)
     ref = torch.utils.data.DataLoader(
-        local, batch_size=ONCE_BATCH, sampler=raydl.ParquetShuffleSampler(local, g, ONCE_BATCH, node_slots=nodes), generator=g
+        local,
+        batch_size=ONCE_BATCH,
+        sampler=raydl.ParquetShuffleSampler(local, g, ONCE_BATCH, node_slots=nodes),
+        generator=g,
     )
     out = [[(b["id"].tolist(), list(b["payload"])) for b in ref] for _ in range(epochs)]
     raydl.release_node_caches()  # the head's cache of the reference
