@@ -241,8 +241,14 @@ class DataLoader(_TorchDataLoader[T_co]):
     ) -> None:
         if ray_job is False:
             ray_job = None
+        if batch_size is not None and callable(getattr(sampler, "rank_batch_slots", None)):
+            if getattr(sampler, "batch_size", 0) is None:  # NOTE [ raydl distributed slots ]: dealt in our batches
+                sampler.batch_size = batch_size
         if ray_seed is None:  # torch's per-worker seeding, unless the ranks share the workers or batches go by node
-            by_node = shuffle and sampler is None and batch_sampler is None and batch_size is not None
+            ours = sampler is None or (
+                callable(getattr(sampler, "rank_batch_slots", None)) and bool(getattr(sampler, "shuffle", False))
+            )
+            by_node = (shuffle or sampler is not None) and ours and batch_sampler is None and batch_size is not None
             slots = getattr(dataset, "node_slots", 1)  # None: one slot a node (NOTE [ raydl node slots ])
             by_node = by_node and (slots > 1 if slots is not None else hasattr(dataset, "raydl_shuffle_sampler"))
             ray_seed = "worker" if ray_job is None and not by_node else "batch"

@@ -374,3 +374,111 @@ def test_tar_shards_take_the_same_path(ray_session, tmp_path):
     assert _ids(loader) == want[0]
     assert "one node slot" in loader.stats().cache["placement"]["why"]  # one node: the window shuffle
     loader.shutdown()
+
+
+# ---------------------------------------------------------------------- DDP (NOTE [ raydl distributed slots ])
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.lists(st.integers(1, 30), min_size=1, max_size=20),
+    slots=st.integers(2, 5),
+    batch=st.integers(1, 12),
+    world=st.integers(1, 4),
+    drop_last=st.booleans(),
+    seed=st.integers(0, 2**40),
+)
+def test_the_job_s_order_is_dealt_by_batch_with_torch_s_counts(rows, slots, batch, world, drop_last, seed):
+    """torch's DistributedSampler contract over the slotted order dealt by batch: equal counts per rank, every sample
+    once over the ranks (padding repeats the order's head, `drop_last` cuts), each rank's head batches one job batch of
+    one slot each, and after c samples a rank each the job has consumed the first W * c positions of its order."""
+    from raydl.data.unit_order import _dealt_by_batch
+
+    rows = np.array(rows)
+    starts = np.concatenate([[0], np.cumsum(rows)])
+    n = int(starts[-1])
+    order, batch_slots = slotted_order(starts, rows, 4, slots, batch, seed, slot_window=4)
+    total = (n // world) * world if drop_last else -(-n // world) * world
+    shares = [_dealt_by_batch(order, batch_slots, batch, world, r, total) for r in range(world)]
+    assert {len(m) for m, _ in shares} == {total // world}
+    got = sorted(i for m, _ in shares for i in m)
+    if drop_last:
+        assert len(set(got)) == len(got) and set(got) <= set(range(n))
+    else:
+        assert set(got) == set(range(n)) and len(got) - n == total - n
+    rounds = len(order) // batch // world
+    for r, (mine, mine_slots) in enumerate(shares):
+        assert len(mine_slots) == -(-len(mine) // batch)
+        for k in range(rounds):
+            assert (
+                mine[k * batch : (k + 1) * batch]
+                == order[(k * world + r) * batch : (k * world + r + 1) * batch].tolist()
+            )
+            assert mine_slots[k] == batch_slots[k * world + r]
+    for c in range(0, rounds * batch + 1, batch):  # the consumed prefix, as NOTE [ raydl global epoch ] counts it
+        assert sorted(i for m, _ in shares for i in m[:c]) == sorted(order[: world * c].tolist())
+
+
+def _lockstep(loaders, first=None):
+    """Batches of ranks stepping together, as DDP does (`first`: only that many steps)."""
+    its = [iter(lo) for lo in loaders]
+    out = [[] for _ in loaders]
+    step = 0
+    while first is None or step < first:
+        done = 0
+        for r, it in enumerate(its):
+            b = next(it, None)
+            if b is None:
+                done += 1
+            else:
+                out[r].append(b["id"].tolist())
+        if done == len(its):
+            break
+        step += 1
+    return out
+
+
+def test_ddp_ranks_batches_are_made_on_their_slots_nodes_and_resume_at_another_world_size(
+    ray_session, corpus, tmp_path
+):
+    """Two ranks, each its own pool, over a job order of 3 slots (as three nodes settle it): each rank's batches are
+    torch's DataLoader's over the same sampler, placed by node slot, every sample once over the ranks; a state taken
+    after 3 steps resumes at world size 2 with the same batches, and at 1 and 3 with exactly the samples not consumed."""
+    ds = _ds(corpus, tmp_path)
+
+    def sampler(world, rank, batch_size=None):
+        return raydl.ParquetDistributedSampler(
+            ds, num_replicas=world, rank=rank, seed=3, node_slots=3, batch_size=batch_size
+        )
+
+    def loader(world, rank):
+        return raydl.DataLoader(ds, batch_size=BATCH, sampler=sampler(world, rank), num_workers=2, timeout=60)
+
+    want = [_ids(torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler(2, r, BATCH))) for r in range(2)]
+    assert want[0] != want[1] and sorted(i for w in want for b in w for i in b) == list(range(len(ds)))
+    ranks = [loader(2, r) for r in range(2)]
+    assert all(lo.ray_seed == "batch" and lo.sampler.batch_size == BATCH for lo in ranks)
+    assert _lockstep(ranks) == want
+    for lo in ranks:
+        placement = lo.stats().cache["placement"]
+        assert placement["mode"] == "node slots" and placement["node_slots"] == 3, placement
+        lo.shutdown()
+
+    ranks = [loader(2, r) for r in range(2)]
+    head = _lockstep(ranks, first=3)
+    states = [lo.state_dict() for lo in ranks]
+    for lo in ranks:
+        lo.shutdown()
+    consumed = [i for h in head for b in h for i in b]
+    for world in (2, 1, 3):
+        again = [loader(world, r) for r in range(world)]
+        for r, lo in enumerate(again):
+            lo.load_state_dict(states[r % 2])
+        rest = _lockstep(again)
+        for lo in again:
+            lo.shutdown()
+        if world == 2:
+            assert [h + r for h, r in zip(head, rest)] == want
+        flat = [i for r in rest for b in r for i in b]
+        assert sorted(set(consumed + flat)) == list(range(len(ds))) and not set(consumed) & set(flat), world
+        assert len(flat) - len(set(flat)) < world, world  # padding, as torch pads, at most W - 1

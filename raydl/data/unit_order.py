@@ -31,13 +31,31 @@ that has run out); what is left of each slot (under B rows, all of one unit: the
 rows among its last 4B, whose last rows move to the end) ends the epoch, slot after slot. A
 batch so comes from one slot's window, except the last few: the order depends on the seed, the
 units, the window, C and B, never on the workers that make it. C = 1 is the order above.
-`ParquetDistributedSampler` is torch's DistributedSampler (seed + epoch, padding, rank r taking
-positions r, r + W, ...) over the same order, so ranks stay equal and share one node cache.
+
+NOTE [ raydl distributed slots ]
+`ParquetDistributedSampler` is torch's DistributedSampler (seed + epoch, padding or `drop_last`,
+`set_epoch`, equal counts) over the same order. Without slots rank r takes positions r, r + W, ...
+of it; then every rank's batch draws from every unit of the window, and every node's workers of
+every rank need nearly every unit (two ranks over three data nodes read 2.6-3.7x the data). Over
+node slots (issue 64; one a node by default, as for one process) the job's order is cut for the
+loader's batch size B (raydl's DataLoader sets the sampler's `batch_size` when it has none) and
+dealt by batch: the order's whole rounds of W batches go one a rank (rank r takes the job's
+batches r, r + W, ...), so each of a rank's batches comes from one slot and is made on that slot's
+node, whose cache serves every rank's batches of it; the rest (under W batches, and the slots'
+leftovers) is padded or cut as torch does and dealt by position. Counts stay torch's, and after
+each rank handed out c samples the job has consumed the first W * c positions of the order, as
+with torch's deal, so NOTE [ raydl global epoch ]'s record and re-deal at another world size hold;
+the record also keeps the slot count and B (`raydl_order_state`), which a resume takes before it
+fast-forwards or re-deals (a re-dealt epoch is dealt by position: exact, but not local, until the
+next epoch). Every rank must cut the same order: the slot count is rank 0's node count, sent to the
+ranks through torch.distributed at the first epoch (`agreed_slot_count`); with no process group of
+W ranks there are no slots unless `node_slots` is given (to the dataset or the sampler).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterator, Optional
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 import numpy as np
 import torch
@@ -275,15 +293,9 @@ class ParquetShuffleSampler(Sampler[int]):
         self.dataset = dataset
         self.generator = generator
         self.batch_size = batch_size
-        given = getattr(dataset, "node_slots", 1)
-        if node_slots is not None and given is not None and int(node_slots) != given:
-            raise ValueError(
-                f"ParquetShuffleSampler: node_slots={node_slots}, but the dataset was built with node_slots={given}: "
-                "give it to one of them"
-            )
         # the slots of this run: the dataset's, or (its default) one a node, settled when the loader's first epoch
         # starts (`settle`) or by a resumed state, and kept for the run (NOTE [ raydl node slots ])
-        self._slots: Optional[int] = given if given is not None else node_slots
+        self._slots: Optional[int] = _run_slots("ParquetShuffleSampler", dataset, node_slots)
 
     @property
     def slots(self) -> int:
@@ -311,26 +323,145 @@ class ParquetShuffleSampler(Sampler[int]):
 class ParquetDistributedSampler(DistributedSampler):
     """torch's `DistributedSampler` over a `ParquetDataset`'s shard-aware order (NOTE [ raydl unit order ]).
 
-    Same arguments, `set_epoch` and split as torch's: the global order of epoch `e` is the
-    dataset's order for seed `seed + e`, padded (or cut, `drop_last`) to the world size, rank `r`
-    taking positions r, r + W, r + 2W, ... . A state saved with it resumes at another world
-    size as torch's does (NOTE [ raydl global epoch ] in job/global_epoch.py).
+    Same arguments, `set_epoch`, counts per rank, padding and `drop_last` as torch's: the job's order of epoch `e` is
+    the dataset's order for seed `seed + e`. Over node slots (NOTE [ raydl distributed slots ]) it is cut into batches
+    of `batch_size`, each from one slot's window, and the ranks take them in turns, batch by batch, so each rank's
+    batches are made on the node whose cache holds their units; without slots (one node, `node_slots=1`,
+    `shuffle=False`, no batch size) rank `r` takes positions r, r + W, r + 2W, ... . A state saved with it resumes at
+    another world size as torch's does (NOTE [ raydl global epoch ] in job/global_epoch.py).
+
+    Args (beyond torch's):
+        batch_size (int, optional): the batches the order is dealt in. Defaults to ``None``: raydl's DataLoader
+            sets its own `batch_size` (torch's DataLoader deals positions).
+        node_slots (int, optional): for a dataset built with the default ``node_slots=None``: the slot count
+            (as a job over that many nodes settles it). Defaults to ``None``: settled by the loader's first epoch,
+            the same on every rank (NOTE [ raydl distributed slots ]).
     """
+
+    def __init__(
+        self,
+        dataset: Any,
+        num_replicas: Optional[int] = None,
+        rank: Optional[int] = None,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+        *,
+        batch_size: Optional[int] = None,
+        node_slots: Optional[int] = None,
+    ) -> None:
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
+        self.batch_size = batch_size
+        self._slots = _run_slots("ParquetDistributedSampler", dataset, node_slots)
+        self._dealt: Optional[tuple] = None  # (what the epoch's deal depends on, (this rank's indices, batch slots))
+
+    slots = ParquetShuffleSampler.slots
+    settle = ParquetShuffleSampler.settle
+
+    @property
+    def slotted(self) -> bool:
+        """Whether the job's order is cut over more than one slot, dealt to the ranks batch by batch."""
+        return bool(self.shuffle) and self.batch_size is not None and self.slots > 1
 
     def global_order(self, epoch: int, seed: Optional[int] = None, shuffle: Optional[bool] = None) -> list:
         """The job's order P of `epoch` before padding and dealing (what a resume at another world size re-deals)."""
         seed = self.seed if seed is None else seed
         shuffle = self.shuffle if shuffle is None else shuffle
+        if shuffle and self.slotted:
+            return self.dataset.slotted_order(seed + epoch, self.batch_size, self.slots)[0].tolist()
         if shuffle:
             return self.dataset.shuffled_order(seed + epoch).tolist()
         return list(range(len(self.dataset)))
 
-    def __iter__(self) -> Iterator[int]:
-        indices = self.global_order(self.epoch)
-        if not self.drop_last:
-            padding = self.total_size - len(indices)
-            if padding > 0 and indices:
-                indices += (indices * (padding // len(indices) + 1))[:padding]
+    def _deal(self) -> tuple:
+        """(this rank's indices of the epoch, the node slot of each of its batches or None)."""
+        key = (self.epoch, self.seed, self.shuffle, self.slots, self.batch_size, self.num_replicas, self.rank)
+        key += (self.drop_last,)
+        if self._dealt is not None and self._dealt[0] == key:
+            return self._dealt[1]
+        if not self.slotted:
+            indices = self.global_order(self.epoch)
+            if not self.drop_last:
+                padding = self.total_size - len(indices)
+                if padding > 0 and indices:
+                    indices += (indices * (padding // len(indices) + 1))[:padding]
+            else:
+                indices = indices[: self.total_size]
+            out: tuple = (indices[self.rank : self.total_size : self.num_replicas], None)
         else:
-            indices = indices[: self.total_size]
-        return iter(indices[self.rank : self.total_size : self.num_replicas])
+            order, batch_slots = self.dataset.slotted_order(self.seed + self.epoch, self.batch_size, self.slots)
+            out = _dealt_by_batch(order, batch_slots, self.batch_size, self.num_replicas, self.rank, self.total_size)
+        self._dealt = (key, out)
+        return out
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._deal()[0])
+
+    def rank_batch_slots(self, batch_size: Optional[int]) -> Optional[np.ndarray]:
+        """The node slot of each of this rank's batches this epoch, for batches of `batch_size`; None when its order
+        has no slots or was dealt for another batch size."""
+        if batch_size is None or batch_size != self.batch_size:
+            return None
+        return self._deal()[1]
+
+    def rank_order(self) -> np.ndarray:
+        """This rank's indices of the epoch, in order (what the node caches are told ahead)."""
+        return np.asarray(self._deal()[0], dtype=np.int64)
+
+    def raydl_order_state(self) -> dict:
+        """What the job's order depends on beyond torch's arguments: the slot count it settled and the batch size it
+        deals in; the loader's state keeps it beside the job's position (NOTE [ raydl global epoch ])."""
+        return {"slots": self.slots, "batch": self.batch_size, "per_node": self._per_node}
+
+    def raydl_load_order(self, sd: Mapping) -> None:
+        """A saved job's slot count and batch size, before its epoch is resumed (fast-forwarded or re-dealt): its order
+        at any node count and any batch size now (NOTE [ raydl distributed slots ])."""
+        if bool(sd.get("per_node")) != self._per_node:
+            raise ValueError(
+                "ParquetDistributedSampler: the state was saved with "
+                + ("the default node_slots (one slot a node)" if sd.get("per_node") else "node_slots given")
+                + " and this dataset has "
+                + ("the default" if self._per_node else f"node_slots={self.dataset.node_slots}")
+                + ": build the dataset as the saved run did to resume it"
+            )
+        if self._per_node and sd.get("slots") is not None:
+            self.slots = int(sd["slots"])
+        self.batch_size = int(sd["batch"]) if sd.get("batch") is not None else self.batch_size
+
+    @property
+    def _per_node(self) -> bool:
+        return getattr(self.dataset, "node_slots", 1) is None
+
+
+def _run_slots(who: str, dataset: Any, node_slots: Optional[int]) -> Optional[int]:
+    """A sampler's slot count: the dataset's `node_slots` when given, else `node_slots` (None: to be settled)."""
+    given = getattr(dataset, "node_slots", 1)
+    if node_slots is not None and given is not None and int(node_slots) != given:
+        raise ValueError(
+            f"{who}: node_slots={node_slots}, but the dataset was built with node_slots={given}: give it to one of them"
+        )
+    return given if given is not None else node_slots
+
+
+def _dealt_by_batch(
+    order: np.ndarray, batch_slots: np.ndarray, batch: int, world: int, rank: int, total: int
+) -> tuple[list, np.ndarray]:
+    """Rank `rank`'s share of a job's order cut into batches (NOTE [ raydl distributed slots ]): the whole rounds of
+    `world` batches dealt one a rank, then the rest (under `world` batches, and the slots' leftovers) by position as
+    torch deals it, padded from the order's head or cut to `total` (torch's total size); with the node slot of each
+    of the rank's batches (the tail's: the slot of the job's batch it starts in)."""
+    rounds = len(order) // batch // world
+    head_len = rounds * world * batch
+    mine = order[:head_len].reshape(rounds, world, batch)[:, rank, :].reshape(-1).tolist()
+    tail = order[head_len:].tolist()
+    need = total - head_len
+    if len(tail) < need:
+        whole = order.tolist()
+        tail += (whole * ((need - len(tail)) // max(1, len(whole)) + 1))[: need - len(tail)]
+    tail = tail[:need]
+    mine_tail = tail[rank::world]
+    slots = batch_slots[rank : rounds * world : world].tolist() if rounds else []
+    for j in range(-(-len(mine_tail) // batch)):
+        at = (head_len + rank + j * batch * world) // batch
+        slots.append(int(batch_slots[min(at, len(batch_slots) - 1)]) if len(batch_slots) else 0)
+    return mine + mine_tail, np.asarray(slots, dtype=np.int32)

@@ -16,7 +16,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from .unit_order import ParquetShuffleSampler, _ShuffleIter, shard_aware_order, slotted_order
+from .unit_order import ParquetDistributedSampler, ParquetShuffleSampler, _ShuffleIter, shard_aware_order, slotted_order
 
 __all__ = ["KeptUnits", "UnitDataset"]
 
@@ -207,7 +207,8 @@ class UnitDataset(Dataset):
         for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
             if isinstance(it, _ShuffleIter):
                 return it.batch_slots(batch_size)
-        return None
+        dist = UnitDataset.raydl_distributed(sampler_iter)
+        return dist.rank_batch_slots(batch_size) if dist is not None else None
 
     @staticmethod
     def raydl_settle_slots(sampler_iter: Any, nodes: int) -> Optional[int]:
@@ -217,9 +218,16 @@ class UnitDataset(Dataset):
         for it in (sampler_iter, getattr(sampler_iter, "_it", None), getattr(sampler_iter, "sampler", None)):
             if isinstance(it, _ShuffleIter):
                 return it._sampler.settle(nodes)
-            if isinstance(it, ParquetShuffleSampler):  # a batch iterator that has not made its sampler's iterator
+            if isinstance(it, (ParquetShuffleSampler, ParquetDistributedSampler)):  # a batch iterator's sampler
                 return it.settle(nodes)
         return None
+
+    @staticmethod
+    def raydl_distributed(sampler_iter: Any) -> Optional[ParquetDistributedSampler]:
+        """The ParquetDistributedSampler a batch iterator draws from, while it deals the sampler's own epoch (not an
+        epoch re-dealt at another world size: NOTE [ raydl global epoch ])."""
+        sampler = getattr(sampler_iter, "sampler", None)
+        return sampler if isinstance(sampler, ParquetDistributedSampler) else None
 
     @staticmethod
     def raydl_order_ahead(sampler_iter: Any) -> Optional[np.ndarray]:
@@ -227,6 +235,9 @@ class UnitDataset(Dataset):
         for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
             if isinstance(it, _ShuffleIter):
                 return it.remaining_order()
+        dist = UnitDataset.raydl_distributed(sampler_iter)
+        if dist is not None:  # this rank's indices from the batch iterator's position on
+            return dist.rank_order()[int(getattr(sampler_iter, "samples_yielded", 0)) :]
         return None
 
     def _wrapped(self, indices: Sequence[int], what: str = "rows") -> np.ndarray:

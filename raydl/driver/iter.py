@@ -66,7 +66,7 @@ from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
 from .lifecycle import IterState
-from .node_slots import SlotDeal, placement_reason
+from .node_slots import SlotDeal, agreed_slot_count, placement_reason
 from .pool_choice import make_elastic, make_pool, worker_payload
 from .receive import BatchError, Receiver, TaskHeld, failure
 from .recovery import Recovery
@@ -397,6 +397,9 @@ class _RayLoaderIter(Iterator[Any]):
             if any(self._pool_node(w) is None for w in self._sched.active) and not self._pool.is_ready:
                 self._wait_workers_ready()  # the user's actor options place them: where they run is known once started
             nodes = max(1, len(self._worker_nodes()))
+            distributed = getattr(self._dataset, "raydl_distributed", None)
+            if callable(distributed) and distributed(self._sampler_iter) is not None:
+                nodes = agreed_slot_count(nodes, distributed(self._sampler_iter).num_replicas)
         settle(self._sampler_iter, nodes)
 
     def _slot_deal(self) -> Optional[SlotDeal]:

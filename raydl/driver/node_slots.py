@@ -48,7 +48,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 _WARNED: set = set()  # (slots, nodes) told once a process: nodes that make no batch
 
-__all__ = ["SlotDeal", "placement_reason"]
+__all__ = ["SlotDeal", "agreed_slot_count", "placement_reason"]
 
 
 def placement_reason(*, seed: str, job: bool, slots: Optional[np.ndarray], has_slots: bool) -> Optional[str]:
@@ -65,6 +65,26 @@ def placement_reason(*, seed: str, job: bool, slots: Optional[np.ndarray], has_s
             "or was cut for another batch size"
         )
     return None
+
+
+def agreed_slot_count(nodes: int, world: int) -> int:
+    """The slot count of a DDP job's order (NOTE [ raydl distributed slots ]): every rank must cut the same order, so
+    rank 0's node count goes to every rank through torch.distributed (each rank settles at its loader's first epoch,
+    which DDP ranks reach together). Without a process group of `world` ranks the ranks cannot agree: one slot, the
+    position deal, whose order needs no agreement (give `node_slots` to have slots then)."""
+    if world <= 1:
+        return nodes
+    try:
+        import torch.distributed as dist
+
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() != world:
+            return 1
+        box = [nodes]
+        dist.broadcast_object_list(box, src=0)
+        return int(box[0])
+    except (RuntimeError, ValueError) as e:  # a backend that cannot send objects: no slots, said
+        logger.warning("raydl: the ranks' node slot counts could not be agreed through torch.distributed (%s)", e)
+        return 1
 
 
 class SlotDeal:

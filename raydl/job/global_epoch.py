@@ -34,7 +34,15 @@ from typing import Any, Iterator, Optional
 from torch.utils.data import BatchSampler
 from torch.utils.data.distributed import DistributedSampler
 
-__all__ = ["GLOBAL_EPOCH", "distributed_sampler", "epoch_record", "needs_redeal", "redealt_iter", "check_record"]
+__all__ = [
+    "GLOBAL_EPOCH",
+    "check_record",
+    "distributed_sampler",
+    "epoch_record",
+    "load_order",
+    "needs_redeal",
+    "redealt_iter",
+]
 
 GLOBAL_EPOCH = "global_epoch"  # the key in the state's `_raydl` section
 
@@ -70,7 +78,16 @@ def epoch_record(sampler: DistributedSampler, start: int, consumed: int, epoch: 
         "num_replicas": int(sampler.num_replicas),
         "position": min(n, start + sampler.num_replicas * consumed),
         "start": start,
+        **({"order": sampler.raydl_order_state()} if callable(getattr(sampler, "raydl_order_state", None)) else {}),
     }
+
+
+def load_order(record: Optional[Mapping], sampler: Optional[DistributedSampler]) -> None:
+    """A sampler whose order depends on more than torch's arguments (ParquetDistributedSampler's node slots and batch)
+    takes the saved job's, before the epoch is fast-forwarded or re-dealt."""
+    load = getattr(sampler, "raydl_load_order", None)
+    if isinstance(record, Mapping) and isinstance(record.get("order"), Mapping) and callable(load):
+        load(record["order"])
 
 
 def check_record(record: Any, sampler: Optional[DistributedSampler]) -> None:

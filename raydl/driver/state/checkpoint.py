@@ -42,6 +42,7 @@ from ...job.global_epoch import (
     GLOBAL_EPOCH,
     distributed_sampler,
     epoch_record,
+    load_order,
     rank_length,
     redealt_iter,
 )
@@ -146,6 +147,9 @@ class Deal:
         self.rank_total: Optional[int] = None  # samples of this rank's deal (None: the sampler's own epoch)
         self._epoch: Optional[int] = None  # the re-dealt epoch (None: the sampler's)
         self._record = (loaded.get(RAYDL) or {}).get(GLOBAL_EPOCH) if loaded is not None else None
+        load_order(
+            self._record, self.sampler
+        )  # the saved job's node slots and batch (NOTE [ raydl distributed slots ])
         self.redeal = loaded is not None and redeals(loaded, loader, self.sampler)
 
     def iterator(self) -> Iterator:
