@@ -7,7 +7,8 @@ worker there). The data: `--files` Parquet files of `--groups` row groups of `--
 incompressible column; `cache_limit` a quarter of the data on each node; `shuffle=True` (the order over the dataset's
 node slots, NOTE [ raydl node slots ]), batch 64, one worker per data node, `--epochs` epochs. Each cluster size runs
 these, each in cache folders of its own:
-  * node slots (the default since issue 58): each batch made on the node its slot is dealt to;
+  * node slots (the default since issue 58; one slot a node since issue 64): each batch made on the node its slot
+    is dealt to;
   * `node_slots=1`, the default before: the window shuffle by torch's round robin (other batches: its own reference),
     cooperative caches (issue 38, NOTE [ raydl cooperative caches ]): each unit fetched by one owner node, the others
     take it from the owner's cache;
@@ -21,6 +22,7 @@ storage's). Needs root (network namespaces).
 
     .venv/bin/python -m benchmarks.bench_across_nodes [--nodes 1,2,3,4]
     .venv/bin/python -m benchmarks.bench_across_nodes --format tar   # the same corpus as WebDataset tar shards
+    .venv/bin/python -m benchmarks.bench_across_nodes --nodes 3 --ddp 2   # two DDP ranks over three data nodes
 """
 
 from __future__ import annotations
@@ -100,10 +102,11 @@ def _driver(args) -> dict:
         limit = data // 4
         out["data_bytes"] = data
         local = _dataset(args, corpus, cache_dir=os.path.join(corpus, "cache"), cache_limit=limit)
+        data_nodes = [n for n in cluster.nodes if n != 0]
         g = torch.Generator().manual_seed(SEED)
-        reference = torch.utils.data.DataLoader(
-            local, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(local, g, BATCH), generator=g
-        )
+        # the default: one slot a node, the order of a loader over the data nodes (issue 64)
+        sampler = raydl.ParquetShuffleSampler(local, g, BATCH, node_slots=len(data_nodes))
+        reference = torch.utils.data.DataLoader(local, batch_size=BATCH, sampler=sampler, generator=g)
         expected = [_batches(reference) for _ in range(args.epochs)]
         raydl.release_node_caches()
         # node_slots=1: the window shuffle by torch's round robin, the default before issue 58 (its own batches)
@@ -116,13 +119,15 @@ def _driver(args) -> dict:
         # one epoch unmeasured from the local folder: the workers' processes start here, not in the first mode's epoch
         _batches(raydl.DataLoader(one, batch_size=BATCH, num_workers=len(cluster.nodes) - 1, timeout=120))
         raydl.release_node_caches()
+        if args.ddp:
+            out["ddp"] = _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of)
+            return out
         # (mode, RAYDL_CACHE_PEERS, in_order, node_slots)
         modes = [("node slots", "1", True, None), ("node_slots=1, cooperative", "1", True, 1)]
         if args.alone:
             modes.append(("node_slots=1, each node alone", "0", True, 1))
         if args.unordered:
             modes.append(("node slots, in_order=False", "1", False, None))
-        data_nodes = [n for n in cluster.nodes if n != 0]
         runs = [(rep, *m) for rep in range(args.reps) for m in modes]  # the modes in turn, rep after rep (paired)
         for rep, mode, peers, in_order, slots in runs:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
@@ -167,6 +172,7 @@ def _driver(args) -> dict:
                         "placement": cache.get("placement", {}).get("mode"),
                         "same_as_torch": got == want[e] if in_order else sorted(got) == sorted(want[e]),
                         "samples_s": round(len(local) / dt),
+                        "units_per_batch": _units_per_batch(local, [ids for ids, _ in got]),
                         "s3_bytes": proxy.get_bytes,
                         "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
                         "nodes": {
@@ -195,10 +201,130 @@ def _driver(args) -> dict:
     return out
 
 
+def _units_per_batch(local, batches: list) -> float:
+    """Distinct units (row groups, shard runs) a batch draws from, the mean over the full batches."""
+    import numpy as np
+
+    full = [b for b in batches if len(b) == BATCH]
+    return round(float(np.mean([len(set(local.units_of(b).tolist())) for b in full])), 2) if full else 0.0
+
+
+def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> dict:
+    """`--ddp W`: W ranks in this process, stepping together as DDP does, each its own loader and pool of one worker
+    a data node, each `sampler=ParquetDistributedSampler(ds, num_replicas=W, rank=r)`: dealt by batch over one slot a
+    data node (the count rank 0's node count gives every rank through torch.distributed; given to the sampler here,
+    where the ranks share one process), then by position (`node_slots=1`, the deal before issue 64). Per mode and
+    epoch: S3 bytes, bytes between data nodes, every sample once over the ranks, units per batch."""
+
+    import raydl
+    from tests._s3 import s3fs
+
+    n = len(data_nodes)
+    modes = [("DDP, dealt by batch over node slots", n), ("DDP, dealt by position (before)", 1)]
+    out: dict = {}
+    for rep in range(args.reps):
+        for mode, slots in modes:
+            folder = f"ddp-{slots}-{rep}"
+            ds = _dataset(
+                args,
+                "s3://corpus/data/",
+                filesystem=s3fs(proxy.port, attempts=3, host=head),
+                cache_dir=os.path.join(cluster.private_dir, folder),
+                cache_limit=limit,
+            )
+            samplers = [
+                raydl.ParquetDistributedSampler(ds, num_replicas=args.ddp, rank=r, seed=SEED, node_slots=slots)
+                for r in range(args.ddp)
+            ]
+            loaders = [
+                raydl.DataLoader(
+                    ds, batch_size=BATCH, sampler=sm, num_workers=n, timeout=120, ray_startup_timeout_s=300
+                )
+                for sm in samplers
+            ]
+            epochs = []
+            for e in range(args.epochs):
+                for sm in samplers:
+                    sm.set_epoch(e)
+                proxy.reset_counts()
+                links0 = cluster.link_bytes()
+                its = [iter(lo) for lo in loaders]
+                t0 = time.perf_counter()
+                got: list = [[] for _ in its]
+                live = list(range(len(its)))
+                while live:
+                    for r in list(live):
+                        b = next(its[r], None)
+                        if b is None:
+                            live.remove(r)
+                        else:
+                            got[r].append(b["id"].tolist())
+                dt = time.perf_counter() - t0
+                links = cluster.link_bytes()
+                ids = [i for rank in got for b in rank for i in b]
+                per_node: dict = {}
+                for lo in loaders:
+                    for node, st in lo.stats().cache["per_node"].items():
+                        mine = per_node.setdefault(ip_of.get(node, node), {"bytes_fetched": 0, "bytes_from_peers": 0})
+                        mine["bytes_fetched"] = max(mine["bytes_fetched"], st.get("bytes_fetched", 0))
+                        mine["bytes_from_peers"] = max(mine["bytes_from_peers"], st.get("bytes_from_peers", 0))
+                epochs.append(
+                    {
+                        "link_bytes_between": sum(
+                            links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
+                        ),
+                        "placement": loaders[0].stats().cache.get("placement", {}).get("mode"),
+                        "every_sample_once": sorted(set(ids)) == list(range(len(local)))
+                        and len(ids) - len(local) < args.ddp,
+                        "equal_counts": len({sum(len(b) for b in rank) for rank in got}) == 1,
+                        "samples_s": round(len(local) / dt),
+                        "s3_bytes": proxy.get_bytes,
+                        "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
+                        "nodes": per_node,
+                        "units_per_batch": _units_per_batch(local, [b for rank in got for b in rank]),
+                    }
+                )
+                del its
+            for lo in loaders:
+                lo.shutdown()
+            del loaders
+            raydl.release_node_caches()
+            out.setdefault(mode, []).append(epochs)
+    return out
+
+
+def _ddp_table(res: dict, args, n: int) -> list:
+    data = res["data_bytes"]
+    rows = []
+    for mode, reps in res["ddp"].items():
+        for rep, e, ep in ((r, e, ep) for r, eps in enumerate(reps) for e, ep in enumerate(eps)):
+            per_node = [ep["s3_bytes_by_ip"].get(ip, 0) / data for ip in res["worker_node_ips"]]
+            rows.append(
+                [
+                    n,
+                    args.ddp,
+                    mode,
+                    rep,
+                    e,
+                    f"{ep['s3_bytes'] / data:.2f}x",
+                    " / ".join(f"{x:.2f}" for x in per_node),
+                    f"{ep['link_bytes_between'] / data:.2f}x",
+                    ep["units_per_batch"],
+                    "yes" if ep["every_sample_once"] and ep["equal_counts"] else "NO",
+                    ep["placement"],
+                    ep["samples_s"],
+                ]
+            )
+    return rows
+
+
 def _run_cluster(n: int, args) -> dict:
     from cluster import netns_testbed
 
-    cluster = netns_testbed.NetnsCluster(workers=n, tag=f"b{os.getpid()}n{n}", private=True)
+    cpus = max(1, args.ddp)  # a worker of each rank on each data node
+    cluster = netns_testbed.NetnsCluster(
+        workers=n, tag=f"b{os.getpid()}n{n}", private=True, worker_cpus=cpus, subnet=args.subnet
+    )
     with cluster:
         cluster.count_links()  # the bytes between nodes, on the bridge's ports (read by the driver)
         res = run_in_netns_head(
@@ -209,7 +335,7 @@ def _run_cluster(n: int, args) -> dict:
             *("--payload", str(args.payload), "--epochs", str(args.epochs), "--format", args.format),
             *(["--unordered"] if args.unordered else []),
             *(["--alone"] if args.alone else []),
-            *("--reps", str(args.reps)),
+            *("--reps", str(args.reps), "--ddp", str(args.ddp)),
             timeout_s=1200,
             RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
         )
@@ -231,16 +357,21 @@ def main() -> None:
     ap.add_argument("--unordered", action="store_true", help="also node slots with in_order=False")
     ap.add_argument("--alone", action="store_true", help="also node_slots=1 with each node's cache alone")
     ap.add_argument("--reps", type=int, default=1, help="the modes in turn this many times on each cluster (paired)")
+    ap.add_argument("--subnet", default="10.237.0", help="the cluster's /24 (another one beside a running test suite)")
+    ap.add_argument("--ddp", type=int, default=0, help="W > 0: W DDP ranks (ParquetDistributedSampler) instead")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:
         print("RESULT " + json.dumps(_driver(args)), flush=True)
         return
-    rows, ratios = [], []
+    rows, ratios, ddp_rows = [], [], []
     for n in [int(x) for x in args.nodes.split(",")]:
         res = _run_cluster(n, args)
         print(f"{n} data node(s): " + json.dumps(res), flush=True)
         data = res["data_bytes"]
+        if args.ddp:
+            ddp_rows += _ddp_table(res, args, n)
+            continue
         speeds = {mode: [[ep["samples_s"] for ep in rep] for rep in reps] for mode, reps in res["modes"].items()}
         if "node slots" in speeds and "node_slots=1, cooperative" in speeds:  # paired: the same rep, the same epoch
             for e in range(args.epochs):
@@ -263,6 +394,7 @@ def main() -> None:
                         f"{peers:.2f}x",
                         f"{ep['link_bytes_between'] / data:.2f}x",
                         fallbacks,
+                        ep.get("units_per_batch", ""),
                         "yes" if ep["same_as_torch"] else "NO",
                         ep["samples_s"],
                     ]
@@ -271,7 +403,15 @@ def main() -> None:
         f"\n{args.format}: data {data} B of units; cache_limit a quarter of it on each node; batch {BATCH}, one worker a node\n"
     )
     header = ["data nodes", "batches by", "rep", "epoch", "S3 bytes, cluster / data", "per node / data"]
-    header += ["from peers / data", "between nodes on the links / data", "fallbacks", "torch's batches", "samples/s"]
+    if args.ddp:
+        header = ["data nodes", "ranks", "deal", "rep", "epoch", "S3 bytes, cluster / data", "per node / data"]
+        header += ["between nodes on the links / data", "units per batch", "every sample once, equal counts"]
+        header += ["placement", "samples/s"]
+        print(f"\n{args.format}: data {data} B; cache_limit a quarter of it on each node; batch {BATCH}\n")
+        print(md_table(header, ddp_rows))
+        return
+    header += ["from peers / data", "between nodes on the links / data", "fallbacks", "units per batch"]
+    header += ["torch's batches", "samples/s"]
     print(md_table(header, rows))
     if ratios:
         print("\nsamples/s, node slots / node_slots=1 (cooperative), paired by rep:\n")

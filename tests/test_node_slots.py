@@ -482,3 +482,33 @@ def test_ddp_ranks_batches_are_made_on_their_slots_nodes_and_resume_at_another_w
         flat = [i for r in rest for b in r for i in b]
         assert sorted(set(consumed + flat)) == list(range(len(ds))) and not set(consumed) & set(flat), world
         assert len(flat) - len(set(flat)) < world, world  # padding, as torch pads, at most W - 1
+
+
+def test_a_ray_job_s_ranks_batches_go_to_their_slots_nodes(ray_session, corpus, tmp_path, monkeypatch):
+    """`ray_job` (one pool for the job's ranks) over a job order of 3 slots: each rank's batches are torch's over the
+    same sampler, each placed on its slot's node among the job's workers, every sample once over the ranks."""
+    ds = _ds(corpus, tmp_path)
+
+    def sampler(rank, batch_size=None):
+        return raydl.ParquetDistributedSampler(
+            ds, num_replicas=2, rank=rank, seed=5, node_slots=3, batch_size=batch_size
+        )
+
+    want = [_ids(torch.utils.data.DataLoader(ds, batch_size=BATCH, sampler=sampler(r, BATCH))) for r in range(2)]
+    loaders = []
+    for rank in range(2):
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        loaders.append(
+            raydl.DataLoader(
+                ds, batch_size=BATCH, sampler=sampler(rank), num_workers=1, ray_job="slots-job", timeout=60
+            )
+        )
+    try:
+        assert _lockstep(loaders) == want
+        for lo in loaders:
+            placement = lo.stats().cache["placement"]
+            assert placement["mode"] == "node slots" and sum(placement["batches_by_node"].values()) == len(want[0])
+    finally:
+        for lo in loaders:
+            lo.shutdown()

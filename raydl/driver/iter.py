@@ -388,12 +388,13 @@ class _RayLoaderIter(Iterator[Any]):
     def _settle_slots(self) -> None:
         """Slots per node (a streamed dataset's default `node_slots`): the run's first epoch cuts its order over the
         nodes its workers run on, one slot a node, kept for the run (NOTE [ raydl node slots ]). Where torch's round
-        robin will place the batches anyway, one slot: the window shuffle, which the cooperative caches serve."""
+        robin will place the batches anyway, one slot: the window shuffle, which the cooperative caches serve. A
+        `ray_job`'s ranks count the job's workers' nodes, the same for every rank."""
         settle = getattr(self._dataset, "raydl_settle_slots", None)
         if not callable(settle):
             return
         nodes = 1
-        if self._feed is not None and self._seed_mode != "worker" and self._job_rank is None:
+        if self._feed is not None and self._seed_mode != "worker":
             if any(self._pool_node(w) is None for w in self._sched.active) and not self._pool.is_ready:
                 self._wait_workers_ready()  # the user's actor options place them: where they run is known once started
             nodes = max(1, len(self._worker_nodes()))
@@ -410,7 +411,7 @@ class _RayLoaderIter(Iterator[Any]):
         has = callable(getattr(self._dataset, "raydl_batch_slots", None))
         batch = getattr(self._index_sampler, "batch_size", None) if self._auto_collation else None
         slots = self._dataset.raydl_batch_slots(self._sampler_iter, batch) if has and batch else None
-        why = placement_reason(seed=self._seed_mode, job=self._job_rank is not None, slots=slots, has_slots=has)
+        why = placement_reason(seed=self._seed_mode, slots=slots, has_slots=has)
         deal = None if why is not None else SlotDeal(slots, self._pool_node)  # type: ignore[arg-type]
         self._feed.placement = deal.figures if deal is not None else (lambda: {"mode": "round robin", "why": why})
         return deal

@@ -32,8 +32,9 @@ nodes change (a node lost, workers added or retired): the caches' plan follows.
     batch size only, and a batch's random draws on its position (`ray_seed="batch"`, the default for such
     a loader). With `ray_seed="worker"` a batch's draws depend on the worker torch's round robin
     gives it, so raydl keeps that round robin, and the cooperative caches serve it; so too for a
-    sampler of the user's, `node_slots=1`, a `ray_job` (its ranks' batches go to the job's least
-    busy worker) and an order cut for another batch size (a state saved at another one).
+    sampler of the user's, `node_slots=1` and an order cut for another batch size (a state saved at
+    another one). A `ray_job`'s ranks share its workers: each rank's batch goes to the least busy of
+    the job's workers on its slot's node (NOTE [ raydl distributed slots ]).
     `loader.stats().cache["placement"]` says which path an epoch took, and why.
 """
 
@@ -51,12 +52,10 @@ _WARNED: set = set()  # (slots, nodes) told once a process: nodes that make no b
 __all__ = ["SlotDeal", "agreed_slot_count", "placement_reason"]
 
 
-def placement_reason(*, seed: str, job: bool, slots: Optional[np.ndarray], has_slots: bool) -> Optional[str]:
+def placement_reason(*, seed: str, slots: Optional[np.ndarray], has_slots: bool) -> Optional[str]:
     """None when an epoch's batches may go to their slots' nodes; else why the round robin keeps them."""
     if not has_slots:
         return "the sampler is not the dataset's shuffle over node slots (shuffle=False, a sampler of the user's)"
-    if job:
-        return "ray_job: the job's ranks share its workers, least busy first"
     if seed == "worker":
         return "ray_seed='worker': a batch's random draws depend on the worker torch's round robin gives it"
     if slots is None:
