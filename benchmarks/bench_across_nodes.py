@@ -220,7 +220,8 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
     from tests._s3 import s3fs
 
     n = len(data_nodes)
-    modes = [("DDP, dealt by batch over node slots", n), ("DDP, dealt by position (before)", 1)]
+    known = {"batch": ("DDP, dealt by batch over node slots", n), "position": ("DDP, dealt by position (before)", 1)}
+    modes = [known[d] for d in args.deals.split(",")]
     out: dict = {}
     for rep in range(args.reps):
         for mode, slots in modes:
@@ -335,7 +336,7 @@ def _run_cluster(n: int, args) -> dict:
             *("--payload", str(args.payload), "--epochs", str(args.epochs), "--format", args.format),
             *(["--unordered"] if args.unordered else []),
             *(["--alone"] if args.alone else []),
-            *("--reps", str(args.reps), "--ddp", str(args.ddp)),
+            *("--reps", str(args.reps), "--ddp", str(args.ddp), "--deals", args.deals),
             timeout_s=1200,
             RAYDL_NETNS_STATE=cluster.root,  # how the driver finds the cluster (tests/_netns_main.py)
         )
@@ -359,6 +360,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=1, help="the modes in turn this many times on each cluster (paired)")
     ap.add_argument("--subnet", default="10.237.0", help="the cluster's /24 (another one beside a running test suite)")
     ap.add_argument("--ddp", type=int, default=0, help="W > 0: W DDP ranks (ParquetDistributedSampler) instead")
+    ap.add_argument("--deals", default="batch,position", help="with --ddp: the deals to run, in this order")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.driver:

@@ -82,6 +82,9 @@ PLACEMENT_RETRIES = 3
 # least this many batches (and twice the pool's size) and this many seconds of the loop.
 AUTOSCALE_WINDOW_BATCHES = 16
 AUTOSCALE_WINDOW_MIN_S = 1.0
+# NOTE [ raydl rebalance ]: how often an elastic pool looks whether a node joined that should take a worker (a
+# ray.nodes() call and the state API's free CPUs, each ~ms)
+REBALANCE_INTERVAL_S = 5.0
 # Add a worker while the loop waits for data more than this fraction of its time.
 AUTOSCALE_ADD_WAIT_FRACTION = 0.10
 # ... and only while the workers are busy at least this fraction of the time (else the wait is latency).

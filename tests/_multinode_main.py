@@ -389,9 +389,31 @@ def main() -> None:
         facts["alive_after_removal"] = _wait_alive(2)
         facts["cpus_free_before_two_nodes"] = _wait_cpus_free()
         facts["placement_two_nodes"] = [_default_run(3, name)["nodes"] for _ in range(2)]
+        # 2c. NOTE [ raydl rebalance ]: a loader whose workers are all on the survivor when a node joins moves one there
+        moving = raydl.DataLoader(
+            D.SlowDataset(4000, {i: 0.01 for i in range(4000)}),
+            batch_size=2,
+            num_workers=2,
+            timeout=60,
+            ray_seed="batch",
+        )
+        mit = iter(moving)
+        got = [next(mit).flatten().tolist()]
+        before = sorted(name(mit._pool.node_of(w)) for w in mit._sched.active)
         big = cluster.add_node(num_cpus=2, node_ip_address="127.0.0.1")
         cluster.wait_for_nodes()
         names[big.node_id] = "big"
+        deadline = time.monotonic() + 90
+        while mit._elastic.moves == 0 and time.monotonic() < deadline:
+            got.append(next(mit).flatten().tolist())
+        got += [next(mit).flatten().tolist() for _ in range(4)]  # batches go on after the move
+        facts["rebalance"] = {
+            "before": before,
+            "after": sorted(name(mit._pool.node_of(w)) for w in mit._sched.active),
+            "moves": mit._elastic.moves,
+            "in_order": got == [[i, i + 1] for i in range(0, 2 * len(got), 2)],
+        }
+        del mit, moving
         facts["alive_after_join"] = _wait_alive(3)
         facts["cpus_free_before_proportional"] = _wait_cpus_free()
         facts["placement_proportional"] = [_default_run(3, name)["nodes"] for _ in range(2)]

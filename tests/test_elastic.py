@@ -392,3 +392,82 @@ def test_rule_adds_nothing_when_the_loop_waits_on_latency_with_idle_workers():
     sim.latency_s = 0.010
     sim.run(2000)
     assert sim.elastic.decisions == []
+
+
+# ---------------------------------------------------------------------- rebalance (NOTE [ raydl rebalance ])
+
+
+class _NodesPool(_FakePool):
+    """A fake pool whose workers sit on nodes; `worker_to_move` is WorkerPool's own over a fake placement."""
+
+    def __init__(self, where: dict, nodes: list) -> None:
+        super().__init__(len(where))
+        self.where, self.nodes_now = dict(where), list(nodes)
+        self._placement = self
+
+    def candidates(self, by_total: bool = False):
+        from raydl.cluster.placement import NodeWeight
+
+        assert by_total
+        return [NodeWeight(n, (n,), 1.0) for n in self.nodes_now]
+
+    def node_for_new_worker(self, others):
+        counts = {n: sum(o == n for o in others) for n in self.nodes_now}
+        return min(self.nodes_now, key=lambda n: (counts[n], n))
+
+    def add_worker(self, info_num_workers: int) -> int:
+        wid = super().add_worker(info_num_workers)
+        self.where[wid] = self.node_for_new_worker([self.where[w] for w in self.where if w not in self.released])
+        return wid
+
+    def node_of(self, wid: int):
+        return self.where[wid]
+
+    from raydl.cluster.pool import WorkerPool
+
+    worker_to_move = WorkerPool.worker_to_move
+
+
+def test_a_node_that_joins_takes_workers_from_the_crowded_one():
+    """A node lost, its workers replaced on the node left (3 on a, 0 elsewhere), then node b joins: within the
+    rebalance interval a worker moves to b (a new one starts there, a's newest retires once it has started), one move
+    at a time, until 2 and 1; nothing moves while the nodes are even, nor with rebalance off (torch's seeding)."""
+    from raydl._constants import REBALANCE_INTERVAL_S
+
+    now = [0.0]
+    pool = _NodesPool({0: "a", 1: "a", 2: "a"}, ["a"])
+    sched = Schedule(3, 6, True, lambda w, i, x: (object(), object(), None))
+    elastic = ElasticPool(pool, sched, 2, lambda: None, 60.0, 3, None, True, clock=lambda: now[0], rebalance=True)
+    for _ in range(3):  # one node: nothing to even
+        now[0] += REBALANCE_INTERVAL_S
+        elastic.step()
+    assert not pool.joining and elastic.moves == 0
+    pool.nodes_now = ["a", "b"]  # b joins
+    elastic.step()
+    assert not pool.joining  # not before the interval
+    now[0] += REBALANCE_INTERVAL_S
+    pool.poll_joining = lambda timeout_s: ([], [])  # the new worker still starting
+    elastic.step()  # the move starts: a worker joining on b
+    assert elastic.moving == {3: 2} and pool.where[3] == "b" and sorted(sched.active) == [0, 1, 2]
+    del pool.poll_joining
+    elastic.step()  # it started: worker 2 (a's newest) retires, released when its tasks are done
+    assert sorted(sched.active) == [0, 1, 3] and 2 in pool.released and elastic.moves == 1
+    for _ in range(3):
+        now[0] += REBALANCE_INTERVAL_S
+        elastic.step()
+    assert elastic.moves == 1 and sorted(pool.where[w] for w in sched.active) == ["a", "a", "b"]
+
+    off = ElasticPool(
+        _NodesPool({0: "a", 1: "a"}, ["a", "b"]),
+        Schedule(2, 4, True, lambda w, i, x: None),
+        2,
+        lambda: None,
+        60.0,
+        2,
+        None,
+        True,
+        clock=lambda: now[0],
+    )
+    now[0] += REBALANCE_INTERVAL_S
+    off.step()
+    assert off.moves == 0 and not off.moving

@@ -151,3 +151,13 @@ def test_arrow_files_missing_on_the_workers_nodes_come_through_the_object_store(
         assert f[f"{name}_same_as_torch"], f
         assert f[f"{name}_worker_nodes"] == [True] and not f[f"{name}_driver_node_used"], f
         assert f[f"{name}_places"] == ["plasma"], f
+
+
+def test_a_node_that_joins_takes_a_worker_of_a_running_loader(facts):
+    """NOTE [ raydl rebalance ]: a loader's two workers on the one data node left; a 2-CPU node joins mid-epoch: within
+    the rebalance interval a worker moves there (a new one starts on it, one on the crowded node retires), and every
+    batch comes once, in order."""
+    run = facts["rebalance"]
+    assert run["before"] == ["survivor", "survivor"], run
+    assert run["moves"] >= 1 and "big" in run["after"] and len(run["after"]) == 2, run
+    assert run["in_order"], run

@@ -18,6 +18,18 @@ their idx whatever worker makes them, so with ray_seed="batch" an epoch through 
 identical to an undisturbed one. In a worker, `get_worker_info().id` is unique within the
 iterator (it can reach num_workers or more after a resize) and `num_workers` is the target size
 when it first started; an IterableDataset is never resized.
+NOTE [ raydl rebalance ]
+A lost node's workers are replaced on the nodes left, and a node that joins later got none: the
+pool stayed on the survivors (3 workers on one node of two for the rest of an epoch), and over node
+slots (NOTE [ raydl node slots ]) every slot's units went to that one node's cache. So every
+REBALANCE_INTERVAL_S the pool compares its active workers' nodes with the share of each node workers
+may go to now (by their CPUs: `WorkerPool.worker_to_move`); when a node holds a worker more than its
+share while another holds one fewer, one worker moves: a new worker starts (placed where the pool is
+most below its share), and once it has started the newest worker of the node most over its share
+retires as a resize retires one (its tasks finished, no batch lost). One move at a time; the slots'
+deal follows the workers' nodes. Only where a batch's content does not depend on its worker
+(`ray_seed` "batch" or "sample", map-style datasets), and not for a job's pool (its coordinator
+places the workers).
 The autoscaler (`ray_max_workers=N`) measures per batch how long `next()` waited and how long its
 worker took, over windows of AUTOSCALE_WINDOW_BATCHES batches and AUTOSCALE_WINDOW_MIN_S, and
 takes at most one step per window: add a worker when the loop waited while the workers were busy
@@ -45,6 +57,7 @@ from .._constants import (
     AUTOSCALE_UNDO_WINDOWS,
     AUTOSCALE_WINDOW_BATCHES,
     AUTOSCALE_WINDOW_MIN_S,
+    REBALANCE_INTERVAL_S,
 )
 from .._errors import WorkerDiedError, WorkerPlacementError
 from .connect import fits_available, resource_request
@@ -152,8 +165,13 @@ class ElasticPool:
         max_workers: Optional[int],
         resizable: bool,
         clock: Callable[[], float] = time.perf_counter,
+        rebalance: bool = False,
     ) -> None:
         self._clock = clock
+        self._rebalance = rebalance and resizable and callable(getattr(pool, "worker_to_move", None))
+        self._next_balance = clock() + REBALANCE_INTERVAL_S
+        self.moving: dict[int, int] = {}  # a worker joining -> the worker it replaces once started (a move)
+        self.moves = 0  # workers moved to even the nodes (NOTE [ raydl rebalance ])
         self._pool = pool
         self._sched = sched
         self._prefetch_factor = prefetch_factor
@@ -211,8 +229,12 @@ class ElasticPool:
         if self._pool.joining:
             wid = max(self._pool.joining)
             self._pool.release(wid)
+            self.moving.pop(wid, None)
             return wid
-        wid = max(self._sched.active)
+        return self._retire(max(self._sched.active))
+
+    def _retire(self, wid: int) -> int:
+        """Worker `wid` leaves the round robin now and is released once its tasks are done."""
         self._sched.remove_worker(wid)
         self._set_bound()
         if self._sched.workers_num_tasks[wid] == 0:
@@ -222,18 +244,36 @@ class ElasticPool:
         return wid
 
     def step(self) -> None:
-        """Before each batch: release retired workers that are done, let started workers join."""
+        """Before each batch: release retired workers that are done, let started workers join; now and then, move a
+        worker to a node that joined (NOTE [ raydl rebalance ])."""
         for wid in [w for w in self.retiring if self._sched.workers_num_tasks[w] == 0]:
             self.retiring.discard(wid)
             self._pool.release(wid)
+        if self._rebalance and not self._pool.joining and self._clock() >= self._next_balance:
+            self._next_balance = self._clock() + REBALANCE_INTERVAL_S
+            old = self._pool.worker_to_move(list(self._sched.active))  # type: ignore[attr-defined]
+            if old is not None:
+                new = self._add(self.size)
+                if self._pool.node_of(new) == self._pool.node_of(old):  # type: ignore[attr-defined]
+                    self._pool.release(new)  # placed where the old one is (no room elsewhere): no move
+                else:
+                    self.moving[new] = old
         if not self._pool.joining:
             return
         joined, failed = self._pool.poll_joining(self._startup_timeout_s)
         for wid, why in failed:
+            if self.moving.pop(wid, None) is not None:  # a move's worker: the pool stays where it is
+                logger.info("raydl: worker %d, moving to a node that joined, did not start (%s)", wid, why)
+                continue
             warnings.warn(f"raydl: worker {wid} was not added to the pool ({why})", RuntimeWarning, stacklevel=5)
             self.rule.cap = min(self.rule.cap, self.size)
             self.rule.pending = None
         for wid in joined:
+            old = self.moving.pop(wid, None)
+            if old is not None and old in self._sched.active:  # the move done: the worker it replaces leaves
+                self._retire(old)
+                self.moves += 1
+                logger.info("raydl: worker %d moved to worker %d's node share (NOTE [ raydl rebalance ])", old, wid)
             self._sched.add_worker(wid)
             self._set_bound()
             logger.debug("raydl: worker %d joined (%d in the round robin)", wid, len(self._sched.active))

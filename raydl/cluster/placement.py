@@ -102,8 +102,9 @@ class Placement:
         if node_id:
             self.trainer_nodes.add(node_id)
 
-    def candidates(self) -> list[NodeWeight]:
-        """The alive nodes workers may go to now, with their weights; the trainers' nodes only if no other is alive."""
+    def candidates(self, by_total: bool = False) -> list[NodeWeight]:
+        """The alive nodes workers may go to now, with their weights (free CPUs, or with `by_total` their CPUs); the
+        trainers' nodes only if no other is alive."""
         import ray
 
         rows = [row for row in ray.nodes() if row.get("Alive")]
@@ -114,7 +115,7 @@ class Placement:
         free = _free_cpus_by_node()
         total = {row["NodeID"]: float((row.get("Resources") or {}).get("CPU", 0.0)) for row in rows}
         weight = dict(total)
-        if free is not None and any(free.get(node_id, 0.0) > 0 for node_id in total):
+        if not by_total and free is not None and any(free.get(node_id, 0.0) > 0 for node_id in total):
             weight = {node_id: free.get(node_id, cpus) for node_id, cpus in total.items()}
         return [NodeWeight(row["NodeID"], _node_key(row), weight[row["NodeID"]]) for row in rows]
 

@@ -229,6 +229,31 @@ class WorkerPool:
             ]
             self.nodes[worker_id] = self._placement.node_for_new_worker(others) or self.nodes[worker_id]
 
+    def worker_to_move(self, active: list[int]) -> Optional[int]:
+        """NOTE [ raydl rebalance ]: the worker to move when a node holds more of the `active` workers than its share of
+        the nodes workers may go to now (by their CPUs) while another holds fewer, as after a node lost and another
+        joined: the newest active worker of the node most over its share; None when no move evens them (or the user's
+        actor options place the workers)."""
+        if self._placement is None or len(active) < 2:
+            return None
+        from collections import Counter
+
+        from .placement import apportion
+
+        nodes = self._placement.candidates(by_total=True)
+        if len(nodes) < 2:
+            return None
+        wanted = Counter(apportion(nodes, len(active)))
+        have = Counter(self.node_of(w) for w in active)
+        over = max(have, key=lambda n: (have[n] - wanted.get(n, 0), str(n)))
+        under = max(wanted, key=lambda n: (wanted[n] - have.get(n, 0), str(n)))
+        if have[over] - wanted.get(over, 0) < 1 or wanted[under] - have.get(under, 0) < 1:
+            return None
+        old = max(w for w in active if self.node_of(w) == over)
+        # where the placement would start its replacement now (by free CPUs): a move only to a node below its share
+        target = self._placement.node_for_new_worker([self.node_of(w) for w in active if w != old])
+        return old if target is not None and have.get(target, 0) < wanted.get(target, 0) else None
+
     def node_of(self, worker_id: int) -> Optional[str]:
         """Where worker `worker_id` runs (its record), or where it was planned before it reported."""
         record = self.records[worker_id]

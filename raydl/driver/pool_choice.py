@@ -130,4 +130,6 @@ def make_elastic(
         spec.num_workers,
         options.max_workers,
         resizable=not spec.is_iterable,
+        # workers moved to a node that joined (NOTE [ raydl rebalance ]): a batch's content must not depend on its worker
+        rebalance=not spec.is_iterable and options.seed != "worker",
     )
