@@ -239,7 +239,12 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
             ]
             loaders = [
                 raydl.DataLoader(
-                    ds, batch_size=BATCH, sampler=sm, num_workers=n, timeout=120, ray_startup_timeout_s=300
+                    ds,
+                    batch_size=BATCH,
+                    sampler=sm,
+                    num_workers=n,
+                    timeout=120,
+                    ray_startup_timeout_s=300,
                 )
                 for sm in samplers
             ]

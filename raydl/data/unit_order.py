@@ -50,6 +50,9 @@ fast-forwards or re-deals (a re-dealt epoch is dealt by position: exact, but not
 next epoch). Every rank must cut the same order: the slot count is rank 0's node count, sent to the
 ranks through torch.distributed at the first epoch (`agreed_slot_count`); with no process group of
 W ranks there are no slots unless `node_slots` is given (to the dataset or the sampler).
+The node caches are not told a rank's order ahead (they fetch what its workers ask for): told both
+ranks' plans, two private-pool ranks over three namespace nodes stopped at the 25th batch of their
+second epoch, waiting on a unit (bench_across_nodes --ddp 2; not diagnosed yet).
 """
 
 from __future__ import annotations
@@ -403,10 +406,6 @@ class ParquetDistributedSampler(DistributedSampler):
         if batch_size is None or batch_size != self.batch_size:
             return None
         return self._deal()[1]
-
-    def rank_order(self) -> np.ndarray:
-        """This rank's indices of the epoch, in order (what the node caches are told ahead)."""
-        return np.asarray(self._deal()[0], dtype=np.int64)
 
     def raydl_order_state(self) -> dict:
         """What the job's order depends on beyond torch's arguments: the slot count it settled and the batch size it

@@ -235,9 +235,6 @@ class UnitDataset(Dataset):
         for it in (sampler_iter, getattr(sampler_iter, "_it", None)):
             if isinstance(it, _ShuffleIter):
                 return it.remaining_order()
-        dist = UnitDataset.raydl_distributed(sampler_iter)
-        if dist is not None:  # this rank's indices from the batch iterator's position on
-            return dist.rank_order()[int(getattr(sampler_iter, "samples_yielded", 0)) :]
         return None
 
     def _wrapped(self, indices: Sequence[int], what: str = "rows") -> np.ndarray:
