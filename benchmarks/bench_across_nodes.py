@@ -70,6 +70,14 @@ def _dataset(args, source, **kw):
     return raydl.ParquetDataset(source, **kw)
 
 
+def _s3_dataset(args, proxy, head: str, cache_dir: str, limit: int, **kw):
+    """The corpus in S3 through the counting proxy, cached in `cache_dir` on each node."""
+    from tests._s3 import s3fs
+
+    fs = s3fs(proxy.port, attempts=3, host=head)
+    return _dataset(args, "s3://corpus/data/", filesystem=fs, cache_dir=cache_dir, cache_limit=limit, **kw)
+
+
 def _driver(args) -> dict:
     """In the head's namespace: S3 and its proxy there, both modes' epochs; the figures."""
     import shutil
@@ -81,7 +89,7 @@ def _driver(args) -> dict:
     import raydl
     from tests._netns_cache_main import _batches, _write_corpus
     from tests._netns_driver import state_cluster, wait_alive
-    from tests._s3 import FaultProxy, MotoServer, s3fs, upload_folder
+    from tests._s3 import FaultProxy, MotoServer, upload_folder
 
     ray.init()
     cluster = state_cluster()
@@ -132,14 +140,7 @@ def _driver(args) -> dict:
         for rep, mode, peers, in_order, slots in runs:
             os.environ["RAYDL_CACHE_PEERS"] = peers  # read by the driver's plan (CacheFeed)
             folder = mode.replace(" ", "-").replace(",", "").replace("=", "-") + f"-{rep}"
-            ds = _dataset(
-                args,
-                "s3://corpus/data/",
-                filesystem=s3fs(proxy.port, attempts=3, host=head),
-                cache_dir=os.path.join(cluster.private_dir, folder),
-                cache_limit=limit,
-                node_slots=slots,
-            )
+            ds = _s3_dataset(args, proxy, head, os.path.join(cluster.private_dir, folder), limit, node_slots=slots)
             want = expected if slots is None else expected_one
             loader = raydl.DataLoader(
                 ds,
@@ -217,7 +218,6 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
     epoch: S3 bytes, bytes between data nodes, every sample once over the ranks, units per batch."""
 
     import raydl
-    from tests._s3 import s3fs
 
     n = len(data_nodes)
     known = {"batch": ("DDP, dealt by batch over node slots", n), "position": ("DDP, dealt by position (before)", 1)}
@@ -226,13 +226,7 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
     for rep in range(args.reps):
         for mode, slots in modes:
             folder = f"ddp-{slots}-{rep}"
-            ds = _dataset(
-                args,
-                "s3://corpus/data/",
-                filesystem=s3fs(proxy.port, attempts=3, host=head),
-                cache_dir=os.path.join(cluster.private_dir, folder),
-                cache_limit=limit,
-            )
+            ds = _s3_dataset(args, proxy, head, os.path.join(cluster.private_dir, folder), limit)
             samplers = [
                 raydl.ParquetDistributedSampler(ds, num_replicas=args.ddp, rank=r, seed=SEED, node_slots=slots)
                 for r in range(args.ddp)
