@@ -112,10 +112,10 @@ class Placement:
             rows = [row for row in rows if not is_silent(row["NodeID"])]
         others = [row for row in rows if row["NodeID"] not in self.trainer_nodes]
         rows = others or rows
-        free = _free_cpus_by_node()
+        free = None if by_total else _free_cpus_by_node()
         total = {row["NodeID"]: float((row.get("Resources") or {}).get("CPU", 0.0)) for row in rows}
         weight = dict(total)
-        if not by_total and free is not None and any(free.get(node_id, 0.0) > 0 for node_id in total):
+        if free is not None and any(free.get(node_id, 0.0) > 0 for node_id in total):
             weight = {node_id: free.get(node_id, cpus) for node_id, cpus in total.items()}
         return [NodeWeight(row["NodeID"], _node_key(row), weight[row["NodeID"]]) for row in rows]
 
