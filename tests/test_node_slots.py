@@ -316,7 +316,6 @@ def test_a_run_settled_at_three_nodes_resumes_its_slots_on_one(ray_session, corp
 
     settle = UnitDataset.raydl_settle_slots
     ds = _ds(corpus, tmp_path)
-    want = []
     g = torch.Generator().manual_seed(4)
     ref = torch.utils.data.DataLoader(
         ds, batch_size=BATCH, sampler=raydl.ParquetShuffleSampler(ds, g, BATCH, node_slots=3), generator=g

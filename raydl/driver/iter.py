@@ -66,7 +66,7 @@ from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
 from .lifecycle import IterState
-from .node_slots import SlotDeal, agreed_slot_count, placement_reason
+from .node_slots import SlotDeal, epoch_deal, settle_slots
 from .pool_choice import make_elastic, make_pool, worker_payload
 from .receive import BatchError, Receiver, TaskHeld, failure
 from .recovery import Recovery
@@ -386,34 +386,20 @@ class _RayLoaderIter(Iterator[Any]):
         return True
 
     def _settle_slots(self) -> None:
-        """Slots per node (a streamed dataset's default `node_slots`): the run's first epoch cuts its order over the
-        nodes its workers run on, one slot a node, kept for the run (NOTE [ raydl node slots ]). Where torch's round
-        robin will place the batches anyway, one slot: the window shuffle, which the cooperative caches serve. A
-        `ray_job`'s ranks count the job's workers' nodes, the same for every rank."""
-        settle = getattr(self._dataset, "raydl_settle_slots", None)
-        if not callable(settle):
-            return
-        nodes = 1
-        if self._feed is not None and self._seed_mode != "worker":
-            if any(self._pool_node(w) is None for w in self._sched.active) and not self._pool.is_ready:
-                self._wait_workers_ready()  # the user's actor options place them: where they run is known once started
-            nodes = max(1, len(self._worker_nodes()))
-            distributed = getattr(self._dataset, "raydl_distributed", None)
-            if callable(distributed) and distributed(self._sampler_iter) is not None:
-                nodes = agreed_slot_count(nodes, distributed(self._sampler_iter).num_replicas)
-        settle(self._sampler_iter, nodes)
+        """The run's slot count, at its first epoch (NOTE [ raydl node slots ]: `settle_slots`)."""
+        by_node = self._feed is not None and self._seed_mode != "worker"
+        if by_node and any(self._pool_node(w) is None for w in self._sched.active) and not self._pool.is_ready:
+            self._wait_workers_ready()  # the user's actor options place them: where they run is known once started
+        settle_slots(self._dataset, self._sampler_iter, len(self._worker_nodes()) if by_node else 1)
 
     def _slot_deal(self) -> Optional[SlotDeal]:
-        """This epoch's deal of batches to nodes by slot, or None where torch's round robin places them (NOTE [ raydl
-        node slots ]); the feed's figures say which, and why."""
+        """This epoch's deal of batches to nodes by slot, or None where torch's round robin places them."""
         if self._feed is None:
             return None
-        has = callable(getattr(self._dataset, "raydl_batch_slots", None))
         batch = getattr(self._index_sampler, "batch_size", None) if self._auto_collation else None
-        slots = self._dataset.raydl_batch_slots(self._sampler_iter, batch) if has and batch else None
-        why = placement_reason(seed=self._seed_mode, slots=slots, has_slots=has)
-        deal = None if why is not None else SlotDeal(slots, self._pool_node)  # type: ignore[arg-type]
-        self._feed.placement = deal.figures if deal is not None else (lambda: {"mode": "round robin", "why": why})
+        deal, self._feed.placement = epoch_deal(
+            self._dataset, self._sampler_iter, batch, self._seed_mode, self._pool_node
+        )
         return deal
 
     def _next_worker(self) -> Optional[int]:

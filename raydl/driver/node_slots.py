@@ -42,14 +42,14 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import numpy as np
 
 logger = logging.getLogger(__name__)
 _WARNED: set = set()  # (slots, nodes) told once a process: nodes that make no batch
 
-__all__ = ["SlotDeal", "agreed_slot_count", "placement_reason"]
+__all__ = ["SlotDeal", "agreed_slot_count", "epoch_deal", "placement_reason", "settle_slots"]
 
 
 def placement_reason(*, seed: str, slots: Optional[np.ndarray], has_slots: bool) -> Optional[str]:
@@ -64,6 +64,36 @@ def placement_reason(*, seed: str, slots: Optional[np.ndarray], has_slots: bool)
             "or was cut for another batch size"
         )
     return None
+
+
+def settle_slots(dataset: Any, sampler_iter: Any, nodes: int) -> None:
+    """Slots per node (a streamed dataset's default `node_slots`): the run's first epoch cuts its order over the `nodes`
+    its workers run on, one slot a node, kept for the run (1 where torch's round robin places the batches anyway: the
+    window shuffle, which the cooperative caches serve); a DDP job's ranks take rank 0's count. A `ray_job`'s ranks
+    count the job's workers' nodes, the same for every rank."""
+    settle = getattr(dataset, "raydl_settle_slots", None)
+    if not callable(settle):
+        return
+    nodes = max(1, nodes)
+    distributed = getattr(dataset, "raydl_distributed", None)
+    sampler = distributed(sampler_iter) if callable(distributed) and nodes > 1 else None
+    if sampler is not None:
+        nodes = agreed_slot_count(nodes, sampler.num_replicas)
+    settle(sampler_iter, nodes)
+
+
+def epoch_deal(
+    dataset: Any, sampler_iter: Any, batch: Optional[int], seed: str, node_of: Callable[[int], Optional[str]]
+) -> tuple[Optional[SlotDeal], Callable[[], dict]]:
+    """This epoch's deal of batches to nodes by slot (None where torch's round robin places them), and what
+    `loader.stats().cache["placement"]` says of it."""
+    has = callable(getattr(dataset, "raydl_batch_slots", None))
+    slots = dataset.raydl_batch_slots(sampler_iter, batch) if has and batch else None
+    why = placement_reason(seed=seed, slots=slots, has_slots=has)
+    if why is not None:
+        return None, lambda: {"mode": "round robin", "why": why}
+    deal = SlotDeal(slots, node_of)  # type: ignore[arg-type]
+    return deal, deal.figures
 
 
 def agreed_slot_count(nodes: int, world: int) -> int:
