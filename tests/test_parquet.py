@@ -439,6 +439,46 @@ def test_belady_evicts_farthest_next_use_and_never_a_pinned_unit(tmp_path):
     assert sum(os.path.getsize(tmp_path / "cache" / f) for f in os.listdir(tmp_path / "cache")) <= limit
 
 
+def test_the_limit_is_the_folders_metadata_and_an_earlier_runs_units_count(tmp_path):
+    """`cache_limit` bounds the folder: a tar index in it counts, and unit files of no dataset here (an earlier run's)
+    count until they go, first; the folder, walked while the cache works, never holds more than the limit."""
+    import pyarrow.fs as pafs
+
+    from raydl.cluster.cache.node_actor import NodeCache
+
+    src, folder = tmp_path / "src", tmp_path / "cache"
+    src.mkdir()
+    (folder / "tar-index").mkdir(parents=True)
+    for name in "abcde":
+        (src / name).write_bytes(name.encode() * 100)
+    (folder / "tar-index" / "shard.json").write_bytes(b"x" * 150)  # a dataset's index: 150 bytes of the limit
+    (folder / "old-unit-1").write_bytes(b"o" * 108)  # two units of an earlier run, never registered here
+    (folder / "old-unit-2").write_bytes(b"o" * 108)
+    unit = 100 + UNIT_TRAILER_BYTES
+    limit = 3 * unit + 150  # the index and three units
+    cache = NodeCache(str(folder), limit)
+    units = [(str(src / n), 100, ((0, 100),), f"key-{n}") for n in "abcde"]
+
+    def walked() -> int:
+        return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(folder) for f in fs)
+
+    try:
+        assert cache.stats()["bytes_held"] == 2 * 108 and walked() <= limit
+        cache.register("t", pafs.LocalFileSystem(), units)
+        cache.plan("s", "t", 0, [[0], [1], [2], [3], [4]])
+        deadline, peak = time.monotonic() + 10, 0
+        while time.monotonic() < deadline and len(cache._ready) < 3:
+            peak = max(peak, walked())
+            time.sleep(0.005)
+        assert sorted(k[-1] for k in cache._ready) == ["a", "b", "c"]  # the old units made room, as they had to
+        assert not (folder / "old-unit-1").exists() and not (folder / "old-unit-2").exists()
+        assert peak <= limit and walked() <= limit
+        st = cache.stats()
+        assert st["metadata_bytes"] == 150 and st["peak_bytes"] <= limit and st["bytes_held"] == 3 * unit
+    finally:
+        cache.stop()
+
+
 def test_truncated_file_and_full_disk_are_named(ray_session, folder, tmp_path, monkeypatch):
     """A file truncated after its footer was read fails naming the file and row group; a full cache disk names the folder."""
     import errno

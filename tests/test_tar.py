@@ -188,6 +188,12 @@ def test_bad_input_is_named(tmp_path, shards):
         raydl.TarDataset(str(flipped), cache_dir=cache)
     with pytest.raises(ValueError, match=r"cache_limit=1000 bytes is too small.*Raise cache_limit to \d+"):
         raydl.TarDataset(shards, cache_dir=cache, cache_limit=1000)
+    # the folder's metadata counts against the limit: the shards' index, and here a large stray one beside it
+    fits = raydl.TarDataset(shards, cache_dir=cache, cache_limit="1MB")
+    assert 0 < fits.cache_metadata_bytes < 10_000
+    (tmp_path / "cache" / "tar-index" / "stray.json").write_bytes(b" " * 999_000)
+    with pytest.raises(ValueError, match=r"too small \(\d+ bytes of it hold the metadata in .*cache: tar-index/"):
+        raydl.TarDataset(shards, cache_dir=cache, cache_limit="1MB")
     with pytest.raises(ValueError, match="not both"):
         raydl.TarDataset(shards, cache_dir=cache, transform=len, batch_transform=len)
 

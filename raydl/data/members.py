@@ -91,29 +91,37 @@ class MemberDataset(UnitDataset):
 
     def _check_window(self, window: Optional[int]) -> int:
         """The shuffle window in units; refuses a cache_limit that cannot hold the largest unit twice."""
-        from ..cluster.cache.unit_file import UNIT_TRAILER_BYTES
+        from ..cluster.cache.unit_file import UNIT_TRAILER_BYTES, folder_bytes
 
         largest = int(self._unit_bytes.max()) + UNIT_TRAILER_BYTES
+        # the folder's metadata (this dataset's index or listing, and any other's) counts against the limit
+        self.cache_metadata_bytes = meta = folder_bytes(self.cache_dir)[0]
+        room, of = self.cache_limit - meta, self._of_limit(meta)
         need = 2 * largest  # one unit being read, the next one arriving
-        if self.cache_limit < need:
+        if room < need:
             u = int(self._unit_bytes.argmax())
             raise ValueError(
-                f"{self._WHO}: cache_limit={self.cache_limit} bytes is too small: the largest unit "
+                f"{self._WHO}: cache_limit={self.cache_limit} bytes is too small{of}: the largest unit "
                 f"({self.describe_unit(u)}, {largest} bytes with its checksum) must fit twice. Raise cache_limit to "
-                f"{need} or more."
+                f"{need + meta} or more."
             )
         if window is None:
-            fits = (self.cache_limit // 2) // largest
+            # half the cache (the other half prefetches), reckoned on the limit alone so that metadata written
+            # later into the folder never moves a saved order
+            fits = min(self.cache_limit // 2, room - largest) // largest
             return max(1, min(self.num_units, fits, max(2, _KEPT_BYTES // largest)))
         if isinstance(window, bool) or not isinstance(window, int) or window < 1:
             raise ValueError(f"{self._WHO}: shuffle_window should be a positive number of units, got {window!r}")
-        if self.cache_limit < (window + 1) * largest:
+        if room < (window + 1) * largest:
             raise ValueError(
                 f"{self._WHO}: shuffle_window={window} units need up to {(window + 1) * largest} bytes of cache; "
-                f"cache_limit is {self.cache_limit}. Raise it, or lower shuffle_window to "
-                f"{max(1, self.cache_limit // largest - 1)}."
+                f"cache_limit is {self.cache_limit}{of}. Raise it, or lower shuffle_window to "
+                f"{max(1, room // largest - 1)}."
             )
         return window
+
+    def _of_limit(self, meta: int) -> str:
+        return f" ({meta} bytes of it hold the metadata in {self.cache_dir}: tar-index/, file-listing/)" if meta else ""
 
     # ------------------------------------------------------------------ what the loader and the cache ask
 

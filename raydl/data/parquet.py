@@ -224,17 +224,21 @@ class ParquetDataset(UnitDataset):
 
     def _check_window(self, window: Optional[int]) -> int:
         """The window in row groups; refuses a cache_limit too small for what must be held at once."""
-        from ..cluster.cache.unit_file import UNIT_TRAILER_BYTES
+        from ..cluster.cache.unit_file import UNIT_TRAILER_BYTES, folder_bytes
 
         # a row group as the node cache holds it: its column chunks and its checksum trailer (a limit of exactly twice
         # the chunks held one unit, not two: one node re-read the data 3.4x, cooperative caches waited on each other)
         largest = int(self._unit_bytes.max()) + UNIT_TRAILER_BYTES if len(self._unit_bytes) else 0
+        # metadata another dataset keeps in the folder (a tar index, a file listing) counts against the limit
+        self.cache_metadata_bytes = meta = folder_bytes(self.cache_dir)[0]
+        room = self.cache_limit - meta
+        of = f" ({meta} bytes of it hold the metadata in {self.cache_dir}: tar-index/, file-listing/)" if meta else ""
         need = 2 * largest  # one row group being read, the next one arriving
-        if self.cache_limit < need:
+        if room < need:
             raise ValueError(
-                f"ParquetDataset: cache_limit={self.cache_limit} bytes is too small: a batch in flight needs at least "
-                f"{need} bytes (2 x the largest row group as the cache holds it, {largest} bytes with its checksum). "
-                f"Raise cache_limit to {need} or more."
+                f"ParquetDataset: cache_limit={self.cache_limit} bytes is too small{of}: a batch in flight needs at "
+                f"least {need} bytes (2 x the largest row group as the cache holds it, {largest} bytes with its "
+                f"checksum). Raise cache_limit to {need + meta} or more."
             )
         if window is None:
             # half the cache: the other half prefetches (reckoned in column chunks, as it always was: the window
@@ -247,11 +251,11 @@ class ParquetDataset(UnitDataset):
                 f"ParquetDataset: shuffle_window should be a positive number of row groups, got {window!r}"
             )
         need = (window + 1) * largest
-        if self.cache_limit < need:
+        if room < need:
             raise ValueError(
                 f"ParquetDataset: shuffle_window={window} row groups need up to {need} bytes of cache (the window and "
-                f"one row group arriving, largest {largest} bytes with its checksum); cache_limit is {self.cache_limit}. Raise "
-                f"cache_limit to {need} or lower shuffle_window to {max(1, self.cache_limit // largest - 1)}."
+                f"one row group arriving, largest {largest} bytes with its checksum); cache_limit is {self.cache_limit}"
+                f"{of}. Raise cache_limit to {need + meta} or lower shuffle_window to {max(1, room // largest - 1)}."
             )
         return window
 

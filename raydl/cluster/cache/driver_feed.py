@@ -279,7 +279,7 @@ class CacheFeed:
                         groups.setdefault(owners[u], set()).add(u)
         every = groups.pop(None, set())
         sizes = self._ds.unit_nbytes + UNIT_TRAILER_BYTES  # as the cache counts them: each file's checksum too
-        room = self._ds.cache_limit - int(sizes.max())
+        room = self._ds.cache_limit - getattr(self._ds, "cache_metadata_bytes", 0) - int(sizes.max())
         return all(int(sizes[list(every | own)].sum()) <= room for own in (groups.values() or [set()]))
 
     def advance(self, cursor: int, sent: int) -> None:

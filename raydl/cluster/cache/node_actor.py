@@ -18,7 +18,10 @@ the folder), shared by every worker of the node and every rank of a `ray_job` th
     the unit at once and the worker raises naming the file;
   * the folder: units are files named by a key of path, size, mtime and ranges, so loaders and
     clusters on one node share a folder safely (only whole files are seen; a vanished file is
-    asked for again); a restarted cache adopts the files it is told about;
+    asked for again); a restarted cache adopts the files it is told about. The limit is the
+    folder's: the datasets' metadata in its subfolders (the tar index, the file listing) counts
+    against it, measured when a dataset registers, and unit files no registered dataset names
+    (an earlier run's) count until evicted, before any other unit;
   * checksums: a unit's file ends with a CRC-32 of its bytes taken as they arrive; a worker checks
     it before decoding a byte, and a mismatch is deleted, counted and fetched again (for
     accidents, not attackers).
@@ -45,7 +48,7 @@ __all__ = ["NodeCache"]
 from ...data.storage import OpenFiles, read_objects, with_retries
 from .peer_calls import ident, is_gone, this_node
 from .peer_units import PeerUnits
-from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, seal, sound, unlink, write_whole
+from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, folder_bytes, seal, sound, unlink, write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -163,6 +166,10 @@ class NodeCache(PeerUnits):
         self._pool = ThreadPoolExecutor(FETCH_PARALLEL)
         self._open_files = OpenFiles()
         self._clean_tmp()
+        # the folder's other bytes (NOTE [ raydl node cache ], "the folder"): metadata, and unit files of no dataset yet
+        self._meta, self._orphans = folder_bytes(cache_dir)
+        self._used = sum(self._orphans.values())
+        self._shrink()
         threading.Thread(target=self._loop, name="raydl-cache", daemon=True).start()
 
     def __repr__(self) -> str:
@@ -177,13 +184,16 @@ class NodeCache(PeerUnits):
             if token in self._keys:
                 return
             self._fs[token] = fs
+            self._meta = folder_bytes(self._dir)[0]  # its tar index or file listing was just written there
             keys = []
             for path, size, segs, key in units:
                 nbytes = sum(n for _, n in segs) + UNIT_TRAILER_BYTES  # its file's size: what the limit counts
                 self._specs.setdefault(key, (token, path, size, segs, nbytes))
                 keys.append(key)
+                if key in self._orphans:  # now a unit of a dataset: adopted below, or removed
+                    self._used -= self._orphans.pop(key)
                 if key not in self._ready and key not in self._fetching and self._intact(key, nbytes):
-                    if self._used + nbytes <= self._limit:
+                    if self._used + nbytes <= self._room():
                         self._ready[key] = nbytes
                         self._used += nbytes
                         self._stats["adopted"] += 1
@@ -191,6 +201,7 @@ class NodeCache(PeerUnits):
                         unlink(os.path.join(self._dir, key))
             self._keys[token] = keys
             self._unit_ids.pop(token, None)
+            self._shrink()
             self._peak()
 
     def plan(
@@ -360,6 +371,7 @@ class NodeCache(PeerUnits):
             return dict(
                 self._stats,
                 bytes_held=self._used,
+                metadata_bytes=self._meta,
                 limit_bytes=self._limit,
                 units_held=len(self._ready),
                 prefetch_depth=ahead,
@@ -389,7 +401,7 @@ class NodeCache(PeerUnits):
         with self._cv:
             for k in self._stats:
                 self._stats[k] = 0
-            self._stats["peak_bytes"] = self._used
+            self._stats["peak_bytes"] = self._used + self._meta
             self._wait_s = 0.0
 
     # ------------------------------------------------------------------ scheduling
@@ -397,10 +409,31 @@ class NodeCache(PeerUnits):
     def _touch(self) -> None:
         self._last_call = time.monotonic()
 
+    def _room(self) -> int:
+        """The bytes units may take: the limit less the folder's metadata."""
+        return self._limit - self._meta
+
     def _peak(self) -> None:
-        if self._used > self._stats["peak_bytes"]:
-            self._stats["peak_bytes"] = self._used
-        assert self._used <= self._limit, (self._used, self._limit)
+        """`peak_bytes`: the folder's most, units and metadata (what `cache_limit` bounds)."""
+        held = self._used + self._meta
+        if held > self._stats["peak_bytes"]:
+            self._stats["peak_bytes"] = held
+        assert self._used <= max(self._room(), 0), (self._used, self._meta, self._limit)
+
+    def _shrink(self) -> None:
+        """Back within the limit after the metadata grew (or at start): orphan unit files go, then the unpinned
+        units used farthest ahead."""
+        while self._used > max(self._room(), 0):
+            if self._orphans:
+                name, n = self._orphans.popitem()
+                unlink(os.path.join(self._dir, name))
+                self._used -= n
+                self._stats["evictions"] += 1
+                continue
+            victims = [k for k in self._ready if not self._pins.get(k)]
+            if not victims:
+                return  # pinned units only: they are released, then evicted as room is made
+            self._evict(max(victims, key=lambda k: self._next_use(k)[0]))
 
     def _next_use(self, key: str) -> tuple[float, bool]:
         best, in_flight = INF, False
@@ -437,7 +470,13 @@ class NodeCache(PeerUnits):
 
     def _make_room(self, nbytes: int, dist: float) -> bool:
         """Evict (Belady) until `nbytes` fit, only units used later than `dist`; False if they cannot fit now."""
-        while self._used + nbytes > self._limit:
+        while self._used + nbytes > self._room():
+            if self._orphans:  # a file no dataset here uses: first to go
+                name, n = self._orphans.popitem()
+                unlink(os.path.join(self._dir, name))
+                self._used -= n
+                self._stats["evictions"] += 1
+                continue
             victim, far, victim_in_flight = None, -2.0, True
             for k in self._ready:
                 if self._pins.get(k):
@@ -470,7 +509,17 @@ class NodeCache(PeerUnits):
                         break
                     dist, key = cand
                     nbytes = self._specs[key][4]
-                    if nbytes > self._limit or not self._make_room(nbytes, dist):
+                    if nbytes > self._room():
+                        self._urgent.pop(key, None)
+                        self._failed[key] = (
+                            f"a unit of {nbytes} bytes does not fit: cache_limit={self._limit} bytes less the "
+                            f"{self._meta} bytes of metadata in {self._dir} (the tar-index/ and file-listing/ "
+                            "folders) leaves no room for it. Raise cache_limit, or remove those folders (they are "
+                            "made again)."
+                        )
+                        self._cv.notify_all()
+                        continue
+                    if not self._make_room(nbytes, dist):
                         break
                     urgent = self._urgent.pop(key, None) is not None
                     self._fetching[key] = nbytes

@@ -11,7 +11,7 @@ import uuid
 import zlib
 from typing import Optional
 
-__all__ = ["UNIT_TRAILER_BYTES", "TMP_PREFIX", "seal", "unsealed", "sound", "write_whole", "unlink"]
+__all__ = ["UNIT_TRAILER_BYTES", "TMP_PREFIX", "seal", "unsealed", "sound", "write_whole", "unlink", "folder_bytes"]
 
 UNIT_TRAILER = (
     b"rdl\x01"  # a unit file's last 8 bytes: this marker, then the CRC-32 of the bytes before (little-endian)
@@ -67,3 +67,28 @@ def unlink(path: str) -> None:
         os.unlink(path)
     except OSError:
         pass
+
+
+def folder_bytes(folder: str) -> tuple[int, dict]:
+    """What a cache folder holds: (bytes in its subfolders, the datasets' metadata: the tar index, the file listing;
+    {name: bytes} of its top-level files, unit files, temporary ones left out). Counted against `cache_limit`
+    (NOTE [ raydl node cache ], "the folder")."""
+    meta, units = 0, {}
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return 0, {}
+    for e in entries:
+        try:
+            if e.is_dir(follow_symlinks=False):
+                for root, _, files in os.walk(e.path):
+                    for f in files:
+                        try:
+                            meta += os.path.getsize(os.path.join(root, f))
+                        except OSError:
+                            pass
+            elif e.is_file(follow_symlinks=False) and not e.name.startswith(TMP_PREFIX):
+                units[e.name] = e.stat(follow_symlinks=False).st_size
+        except OSError:
+            pass
+    return meta, units
