@@ -511,3 +511,53 @@ def test_a_ray_job_s_ranks_batches_go_to_their_slots_nodes(ray_session, corpus, 
     finally:
         for lo in loaders:
             lo.shutdown()
+
+
+def _agree_main(rank: int, port: int, corpus: str, cache: str, nodes: list, out) -> None:
+    """One of two gloo ranks (a spawned process, no Ray): settle the default slots from this rank's own node count."""
+    from datetime import timedelta
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+
+    from raydl.driver.node_slots import settle_slots
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2, timeout=timedelta(seconds=30))
+    ds = raydl.ParquetDataset(corpus, cache_dir=cache, cache_limit="1MB")
+    sampler = raydl.ParquetDistributedSampler(ds, batch_size=BATCH)
+    it = SimpleNamespace(sampler=sampler)  # a batch iterator over the sampler's own epoch
+    settle_slots(ds, it, nodes[rank])
+    first = sampler.slots
+    settle_slots(ds, it, nodes[rank] + 3 * rank)  # a later epoch, the pools moved: the run's count, no collective
+    dist.barrier()  # the group still works: no rank was left inside a broadcast
+    out.put((rank, first, sampler.slots))
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("nodes", [[2, 1], [1, 3]])
+def test_ddp_ranks_agree_the_slots_whatever_each_rank_s_node_count(corpus, tmp_path, nodes):
+    """Two real gloo ranks whose workers sit on different numbers of nodes at the first epoch (private pools): both
+    take rank 0's count (a rank on one node used to skip the broadcast and leave rank 0 waiting in it), once."""
+    import multiprocessing as mp
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    procs = [
+        ctx.Process(target=_agree_main, args=(r, port, corpus, str(tmp_path / "cache"), nodes, out)) for r in range(2)
+    ]
+    for p in procs:
+        p.start()
+    try:
+        got = sorted(out.get(timeout=120) for _ in procs)
+    finally:
+        for p in procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    assert got == [(0, nodes[0], nodes[0]), (1, nodes[0], nodes[0])]
+    assert [p.exitcode for p in procs] == [0, 0]

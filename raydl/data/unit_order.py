@@ -309,6 +309,11 @@ class ParquetShuffleSampler(Sampler[int]):
     def slots(self, value: int) -> None:
         self._slots = max(1, int(value))
 
+    @property
+    def settled(self) -> bool:
+        """Whether this run's slot count is known (given, settled by a first epoch, or loaded from a state)."""
+        return self._slots is not None
+
     def settle(self, nodes: int) -> int:
         """Slots per node: the first epoch's node count becomes the run's slot count; later calls change nothing (an
         order that follows the nodes would change under a resumed or elastic run). Returns the run's count."""
@@ -359,6 +364,7 @@ class ParquetDistributedSampler(DistributedSampler):
         self._dealt: Optional[tuple] = None  # (what the epoch's deal depends on, (this rank's indices, batch slots))
 
     slots = ParquetShuffleSampler.slots
+    settled = ParquetShuffleSampler.settled
     settle = ParquetShuffleSampler.settle
 
     @property

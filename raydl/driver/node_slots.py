@@ -70,14 +70,16 @@ def settle_slots(dataset: Any, sampler_iter: Any, nodes: int) -> None:
     """Slots per node (a streamed dataset's default `node_slots`): the run's first epoch cuts its order over the `nodes`
     its workers run on, one slot a node, kept for the run (1 where torch's round robin places the batches anyway: the
     window shuffle, which the cooperative caches serve); a DDP job's ranks take rank 0's count. A `ray_job`'s ranks
-    count the job's workers' nodes, the same for every rank."""
+    count the job's workers' nodes, the same for every rank. The ranks agree once, at the run's first epoch, and every
+    rank joins whatever its own count (a rank whose workers sit on one node while rank 0's sit on two must still take
+    part, or rank 0 waits in the broadcast)."""
     settle = getattr(dataset, "raydl_settle_slots", None)
     if not callable(settle):
         return
     nodes = max(1, nodes)
     distributed = getattr(dataset, "raydl_distributed", None)
-    sampler = distributed(sampler_iter) if callable(distributed) and nodes > 1 else None
-    if sampler is not None:
+    sampler = distributed(sampler_iter) if callable(distributed) else None
+    if sampler is not None and not sampler.settled:
         nodes = agreed_slot_count(nodes, sampler.num_replicas)
     settle(sampler_iter, nodes)
 
