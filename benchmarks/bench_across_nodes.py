@@ -23,6 +23,12 @@ storage's). Needs root (network namespaces).
     .venv/bin/python -m benchmarks.bench_across_nodes [--nodes 1,2,3,4]
     .venv/bin/python -m benchmarks.bench_across_nodes --format tar   # the same corpus as WebDataset tar shards
     .venv/bin/python -m benchmarks.bench_across_nodes --nodes 3 --ddp 2   # two DDP ranks over three data nodes
+    .venv/bin/python -m benchmarks.bench_across_nodes --nodes 3 --ddp 2 --deals ranks,job   # ranks as processes
+
+`--deals ranks,job`: the ranks are W processes as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR/PORT; a gloo
+process group; an all_reduce a batch as DDP's step), each `sampler=ParquetDistributedSampler(ds)` with no
+`node_slots` (the slot count agreed through the group: rank 0's node count), private pools (`ranks`) or one pool
+for the job (`job`: `ray_job`).
 """
 
 from __future__ import annotations
@@ -30,13 +36,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
+import tempfile
 import time
+from types import SimpleNamespace
 
 from benchmarks.common.clusters import run_in_netns_head
 from benchmarks.common.results import md_table, printed_report
 
 BATCH, SEED = 64, 11
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def write_tar_corpus(folder: str, files: int, groups: int, rows: int, payload: int) -> None:
@@ -220,11 +230,22 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
     import raydl
 
     n = len(data_nodes)
-    known = {"batch": ("DDP, dealt by batch over node slots", n), "position": ("DDP, dealt by position (before)", 1)}
+    known = {
+        "batch": ("DDP, dealt by batch over node slots", n),
+        "position": ("DDP, dealt by position (before)", 1),
+        "ranks": ("DDP, rank processes (gloo), slots agreed, private pools", "ranks"),
+        "job": ("DDP, rank processes (gloo), slots agreed, ray_job", "job"),
+    }
     modes = [known[d] for d in args.deals.split(",")]
     out: dict = {}
     for rep in range(args.reps):
         for mode, slots in modes:
+            if isinstance(slots, str):
+                cfg = dict(vars(args), proxy_port=proxy.port, head=head, limit=limit, workers=n, rep=rep, mode=slots)
+                cfg["cache_dir"] = os.path.join(cluster.private_dir, f"ddp-{slots}-{rep}")
+                out.setdefault(mode, []).append(_rank_processes(cfg, cluster, proxy, local, data_nodes, ip_of))
+                raydl.release_node_caches()
+                continue
             folder = f"ddp-{slots}-{rep}"
             ds = _s3_dataset(args, proxy, head, os.path.join(cluster.private_dir, folder), limit)
             samplers = [
@@ -293,6 +314,153 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
     return out
 
 
+def _wait_for(path: str, procs: list, timeout_s: float = 600) -> None:
+    """Until `path` exists; a rank that exited or a wait past `timeout_s` fails naming it."""
+    deadline = time.monotonic() + timeout_s
+    while not os.path.exists(path):
+        gone = [p for p in procs if p.poll() not in (None, 0)]
+        if gone or time.monotonic() > deadline:
+            raise RuntimeError(f"waiting for {os.path.basename(path)}: ranks exited {[p.returncode for p in gone]}")
+        time.sleep(0.05)
+
+
+def _rank_processes(cfg: dict, cluster, proxy, local, data_nodes, ip_of) -> list:
+    """`--deals ranks|job`: W rank processes as torchrun starts them (`_rank_main`); between epochs, at the ranks'
+    barrier, this driver resets the S3 counts and reads the links' bytes. The same figures as the in-process modes."""
+    import socket
+
+    import ray
+
+    work = tempfile.mkdtemp(prefix="raydl-bench-ranks-")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cfg = dict(cfg, work=work)
+    env = dict(os.environ, WORLD_SIZE=str(cfg["ddp"]), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    env["RAY_ADDRESS"] = ray.get_runtime_context().gcs_address
+    procs = []
+    for r in range(cfg["ddp"]):
+        log = open(os.path.join(work, f"rank-{r}.log"), "w")
+        cmd = [sys.executable, "-m", "benchmarks.bench_across_nodes", "--rank-main", json.dumps(cfg)]
+        rank_env = dict(env, RANK=str(r), LOCAL_RANK=str(r), PYTHONPATH=REPO)
+        procs.append(subprocess.Popen(cmd, env=rank_env, cwd=REPO, stdout=log, stderr=log))
+    epochs = []
+    try:
+        for e in range(cfg["epochs"]):
+            _wait_for(os.path.join(work, f"start-{e}"), procs)
+            proxy.reset_counts()
+            links0 = cluster.link_bytes()
+            t0 = time.perf_counter()
+            open(os.path.join(work, f"go-{e}"), "w").close()
+            _wait_for(os.path.join(work, f"end-{e}"), procs)
+            dt = time.perf_counter() - t0
+            links = cluster.link_bytes()
+            s3_bytes, by_ip = proxy.get_bytes, dict(proxy.get_bytes_by_client)
+            ranks = []
+            for r in range(cfg["ddp"]):
+                with open(os.path.join(work, f"rank-{r}-{e}.json")) as f:
+                    ranks.append(json.load(f))
+            open(os.path.join(work, f"ack-{e}"), "w").close()
+            got = [rk["batches"] for rk in ranks]
+            ids = [i for rank in got for b in rank for i in b]
+            per_node: dict = {}
+            for rk in ranks:
+                for node, st in rk["per_node"].items():
+                    mine = per_node.setdefault(ip_of.get(node, node), {"bytes_fetched": 0, "bytes_from_peers": 0})
+                    for k in mine:
+                        mine[k] = max(mine[k], st.get(k, 0))
+            epochs.append(
+                {
+                    "link_bytes_between": sum(
+                        links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
+                    ),
+                    "placement": ranks[0]["placement"],
+                    "slots_agreed": [rk["slots"] for rk in ranks],
+                    "every_sample_once": sorted(set(ids)) == list(range(len(local)))
+                    and len(ids) - len(local) < cfg["ddp"],
+                    "equal_counts": len({sum(len(b) for b in rank) for rank in got}) == 1,
+                    "samples_s": round(len(local) / dt),
+                    "s3_bytes": s3_bytes,
+                    "s3_bytes_by_ip": by_ip,
+                    "nodes": per_node,
+                    "units_per_batch": _units_per_batch(local, [b for rank in got for b in rank]),
+                }
+            )
+        for p in procs:
+            p.wait(timeout=120)
+    except BaseException:
+        for r in range(cfg["ddp"]):
+            with open(os.path.join(work, f"rank-{r}.log")) as f:
+                print(f"rank {r}:\n{f.read()[-3000:]}", file=sys.stderr)
+        raise
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return epochs
+
+
+def _rank_main(cfg: dict) -> None:
+    """One DDP rank (`--deals ranks|job`): a gloo group, `ParquetDistributedSampler(ds)` with the slot count agreed
+    through it, an all_reduce a batch (DDP's step), each epoch's batches' ids written for the driver."""
+    from datetime import timedelta
+
+    import ray
+    import torch
+    import torch.distributed as dist
+
+    import raydl
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=300))
+    rank = dist.get_rank()
+    ray.init(address=os.environ["RAY_ADDRESS"])
+    args = SimpleNamespace(**cfg)
+    ds = _s3_dataset(args, SimpleNamespace(port=cfg["proxy_port"]), cfg["head"], cfg["cache_dir"], cfg["limit"])
+    sampler = raydl.ParquetDistributedSampler(ds, seed=SEED)
+    job = f"bench-across-{os.environ['MASTER_PORT']}-{cfg['rep']}" if cfg["mode"] == "job" else None
+    loader = raydl.DataLoader(
+        ds,
+        batch_size=BATCH,
+        sampler=sampler,
+        num_workers=cfg["workers"],
+        timeout=120,
+        ray_startup_timeout_s=300,
+        ray_job=job,
+    )
+    work = cfg["work"]
+
+    def wait(name: str) -> None:
+        deadline = time.monotonic() + 600
+        while not os.path.exists(os.path.join(work, name)):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}: the driver never wrote {name}")
+            time.sleep(0.05)
+
+    for e in range(cfg["epochs"]):
+        sampler.set_epoch(e)
+        dist.barrier()
+        if rank == 0:
+            open(os.path.join(work, f"start-{e}"), "w").close()
+            wait(f"go-{e}")
+        dist.barrier()
+        batches = []
+        for b in loader:
+            batches.append(b["id"].tolist())
+            dist.all_reduce(torch.zeros(1))  # DDP's step: the ranks in lockstep
+        cache = loader.stats().cache or {}
+        doc = {"batches": batches, "slots": sampler.slots, "placement": cache.get("placement", {}).get("mode")}
+        doc["per_node"] = {n: dict(st) for n, st in cache.get("per_node", {}).items()}
+        with open(os.path.join(work, f"rank-{rank}-{e}.json"), "w") as f:
+            json.dump(doc, f)
+        dist.barrier()
+        if rank == 0:
+            open(os.path.join(work, f"end-{e}"), "w").close()
+            wait(f"ack-{e}")
+        dist.barrier()
+    loader.shutdown()
+    dist.destroy_process_group()
+
+
 def _ddp_table(res: dict, args, n: int) -> list:
     data = res["data_bytes"]
     rows = []
@@ -303,7 +471,7 @@ def _ddp_table(res: dict, args, n: int) -> list:
                 [
                     n,
                     args.ddp,
-                    mode,
+                    mode + (f" (slots agreed: {ep['slots_agreed']})" if "slots_agreed" in ep else ""),
                     rep,
                     e,
                     f"{ep['s3_bytes'] / data:.2f}x",
@@ -361,7 +529,11 @@ def main() -> None:
     ap.add_argument("--ddp", type=int, default=0, help="W > 0: W DDP ranks (ParquetDistributedSampler) instead")
     ap.add_argument("--deals", default="batch,position", help="with --ddp: the deals to run, in this order")
     ap.add_argument("--driver", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--rank-main", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.rank_main:
+        _rank_main(json.loads(args.rank_main))
+        return
     if args.driver:
         print("RESULT " + json.dumps(_driver(args)), flush=True)
         return
