@@ -279,6 +279,34 @@ def test_node_slots_one_is_the_window_shuffle_and_bad_values_are_refused(corpus,
         raydl.ParquetShuffleSampler(one, g, BATCH, node_slots=3)
 
 
+def test_an_epoch_ends_with_whole_windows_the_short_one_first(corpus, tmp_path):
+    """The windows' units: the short window (the units a window does not fill) comes first and the epoch ends with
+    whole ones, in every slot; a state saved when the short window came last is refused (its seed now gives another
+    order), for one process and for a DDP job."""
+    starts, rows = np.arange(0, 50, 5), np.full(10, 5)
+    unit = np.searchsorted(starts, shard_aware_order(starts, rows, 4, seed=3), side="right") - 1
+    windows = [set(unit[:10].tolist()), set(unit[10:30].tolist()), set(unit[30:].tolist())]
+    assert [len(w) for w in windows] == [2, 4, 4] and set().union(*windows) == set(range(10))
+    order, slots = slotted_order(starts, rows, 3, 2, 5, seed=1, slot_window=3)  # 5 units a slot: windows of 2, 3
+    for s in (0, 1):
+        mine = np.concatenate([order[i * 5 : (i + 1) * 5] for i in np.flatnonzero(slots == s)])
+        units = np.searchsorted(starts, mine, side="right") - 1
+        assert len(set(units[:10].tolist())) == 2 and len(set(units[10:].tolist())) == 3
+
+    ds = _ds(corpus, tmp_path)
+    it = iter(raydl.ParquetShuffleSampler(ds, torch.Generator().manual_seed(0), BATCH))
+    next(it)
+    sd = it.state_dict()
+    old = dict(sd, layout=sd["layout"].replace("/o2", ""))
+    with pytest.raises(ValueError, match="put each slot's short window last"):
+        iter(raydl.ParquetShuffleSampler(ds, torch.Generator().manual_seed(0), BATCH)).load_state_dict(old)
+    dist = raydl.ParquetDistributedSampler(ds, num_replicas=2, rank=0, batch_size=BATCH)
+    saved = dist.raydl_order_state()
+    dist.raydl_load_order(saved)
+    with pytest.raises(ValueError, match="put each slot's short window last"):
+        dist.raydl_load_order({k: v for k, v in saved.items() if k != "order"})
+
+
 @pytest.mark.parametrize("workers", [0, 2])
 def test_exact_resume_mid_epoch_and_a_state_of_other_slots_refused(ray_session, corpus, tmp_path, workers):
     """state_dict() after 5 batches, loaded into a new loader (another generator): the rest of the epoch and the next

@@ -86,8 +86,8 @@ def load_order(record: Optional[Mapping], sampler: Optional[DistributedSampler])
     """A sampler whose order depends on more than torch's arguments (ParquetDistributedSampler's node slots and batch)
     takes the saved job's, before the epoch is fast-forwarded or re-dealt."""
     load = getattr(sampler, "raydl_load_order", None)
-    if isinstance(record, Mapping) and isinstance(record.get("order"), Mapping) and callable(load):
-        load(record["order"])
+    if isinstance(record, Mapping) and callable(load):  # a record with none: saved before the order was recorded
+        load(record["order"] if isinstance(record.get("order"), Mapping) else {})
 
 
 def check_record(record: Any, sampler: Optional[DistributedSampler]) -> None:
