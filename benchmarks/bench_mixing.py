@@ -20,7 +20,14 @@ Each loader reads one epoch of batches of 64 with its shuffle on:
     as many rows in its buffer as raydl's cache holds, and as raydl's window holds (DataContext defaults,
     progress bars off: its reader makes this 3 MB corpus one block, so the buffer is filled from every file;
     the report's notes give the blocks); also with the cache's rows and `DataContext.target_max_block_size` set
-    to a file's decoded bytes (blocks of a file's size, as 128 MiB blocks are to files of 128 MiB).
+    to a file's decoded bytes (blocks of a file's size, as 128 MiB blocks are to files of 128 MiB); and as a
+    user of large files gets it: a block a file (as every block of a corpus of 128 MiB files holds one file's
+    rows; `ray.data.from_arrow` of the files' tables, since its reader joins these small files into one block
+    even with `override_num_blocks`) in a shuffled file order (as `shuffle="files"` gives), the buffer the rows
+    of raydl's cache;
+  * raydl's order with a window larger than its default (half the cache): three quarters of the cache and the
+    whole cache less one unit (the most `shuffle_window` accepts), at 1 and 4 nodes: what a larger window buys
+    the model (its cost in bytes and samples/s: `bench_streaming --window`).
 
 Per loader: distinct files and labels per batch, distinct files over 8 consecutive batches (mean of
 every run of 8), and the test accuracy of two models trained one epoch on its batches in their order,
@@ -187,6 +194,16 @@ def in_process_order(mem_ds, ds, seed: int, nodes: int) -> torch.utils.data.Data
     return torch.utils.data.DataLoader(mem_ds, batch_size=BATCH, sampler=sampler, generator=g)
 
 
+def files_as_blocks(corpus: str, seed: int):
+    """Ray Data over the corpus's files as one block each, in an order shuffled by `seed`."""
+    import pyarrow.parquet as pq
+    import ray.data
+
+    files = sorted(os.path.join(corpus, f) for f in os.listdir(corpus) if f.endswith(".parquet"))
+    order = np.random.default_rng(seed).permutation(len(files))
+    return ray.data.from_arrow([pq.read_table(files[i]) for i in order])
+
+
 def rows_of(batches: list) -> np.ndarray:
     return torch.cat([b[3] for b in batches]).numpy()
 
@@ -288,6 +305,21 @@ def main() -> None:
                     per_seed.append({"seed": s, "epoch_s": dt, **measure(batches, test)})
                 record(f"raydl default at {nodes} nodes (order)", cache, per_seed, {**extra, "slots": nodes})
 
+            largest = int(ds.unit_nbytes.max()) + 8  # a unit as the cache counts it (its checksum trailer)
+            for share, most in (("3/4", limit * 3 // 4 // largest), ("all", limit // largest - 1)):
+                dsw = raydl.ParquetDataset(corpus, cache_dir=cache_dir, cache_limit=limit, shuffle_window=most)
+                for nodes in (1, 4):
+                    per_seed = []
+                    for s in seeds:
+                        batches, dt = collect(in_process_order(mem_ds, dsw, s, nodes))
+                        per_seed.append({"seed": s, "epoch_s": dt, **measure(batches, test)})
+                    record(
+                        f"raydl order, window of {share} the cache, {nodes} node(s)",
+                        cache,
+                        per_seed,
+                        {**extra, "shuffle_window": most, "slots": nodes},
+                    )
+
             for slots, what in ((1, "window shuffle"), (12, "old default")):
                 if slots > window:
                     notes.append(f"cache {cache}: node_slots={slots} not run (more than the window, {window} units)")
@@ -306,10 +338,13 @@ def main() -> None:
             default_block = ctx.target_max_block_size
             file_block = sum(a.nbytes for a in mem.values()) // (CLASSES * FILES_PER_CLASS)  # a file's rows decoded
             runs = [(cache_rows, "cache", None), (window * ROWS, "window", None), (cache_rows, "cache", file_block)]
+            runs.append((cache_rows, "cache", "files"))
             for buf, what, block in runs:
-                ctx.target_max_block_size = block or default_block
+                ctx.target_max_block_size = block if isinstance(block, int) else default_block
                 try:
-                    rds = ray.data.read_parquet(corpus)
+                    # a block a file, the files' order shuffled (the blocks a read of 128 MiB files with
+                    # shuffle="files" streams; its reader joins this corpus's small files into one block otherwise)
+                    rds = files_as_blocks(corpus, seeds[0]) if block == "files" else ray.data.read_parquet(corpus)
                     if frac == fractions[0] and what == "cache":  # how the reader cut the corpus: the buffer's input
                         blocks = [(len(b["row"]), len(set(b["file"]))) for b in rds.iter_batches(batch_size=None)]
                         rows, files = zip(*blocks)
@@ -320,6 +355,7 @@ def main() -> None:
                         )
                     per_seed = []
                     for s in seeds:
+                        rds = files_as_blocks(corpus, s) if block == "files" else rds
                         batches, dt = collect(
                             rds.iter_torch_batches(
                                 batch_size=BATCH, local_shuffle_buffer_size=buf, local_shuffle_seed=s
@@ -329,7 +365,9 @@ def main() -> None:
                 finally:
                     ctx.target_max_block_size = default_block
                 name = f"Ray Data, buffer = rows in raydl's {what}"
-                if block:
+                if block == "files":
+                    name += ", a block a file, files shuffled"
+                elif block:
                     name += f", blocks of a file's bytes ({block:,})"
                 record(name, cache, per_seed, {"local_shuffle_buffer_size": buf, "target_max_block_size": block})
     finally:

@@ -33,7 +33,7 @@ import os
 import tarfile
 import tempfile
 import time
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Optional
 
 import pyarrow.fs as pafs
 import torch
@@ -101,11 +101,39 @@ def upload(fs: Any, local: str, prefix: str) -> int:
 # ------------------------------------------------------------------ the rows
 
 
+class FolderPeak:
+    """The most bytes a folder held, walked every 10 ms in a thread (files in its subfolders too: what `cache_limit`
+    bounds)."""
+
+    def __init__(self, folder: str) -> None:
+        import threading
+
+        self.folder, self.peak, self._stop = folder, 0, threading.Event()
+        self._thread = threading.Thread(target=self._watch, daemon=True)
+        self._thread.start()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(0.01):
+            held = 0
+            for root, _, files in os.walk(self.folder):
+                for f in files:
+                    try:
+                        held += os.path.getsize(os.path.join(root, f))
+                    except OSError:
+                        pass
+            self.peak = max(self.peak, held)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        return self.peak
+
+
 def epochs_of(
     make: Callable[[], Iterable], epochs: int, proxy: FaultProxy, n: int, data_bytes: int, storage_pid: int
 ) -> list:
-    """[{samples_per_s, storage_x, requests, storage_cpu_s}] per epoch of the loader `make()` returns; the
-    storage's CPU is moto's process's and the proxy's thread's share is left in this process."""
+    """[{samples_per_s, first_batch_s, storage_x, requests, storage_cpu_s}] per epoch of the loader `make()` returns;
+    the storage's CPU is moto's process's and the proxy's thread's share is left in this process."""
     import psutil
 
     storage = psutil.Process(storage_pid)
@@ -114,14 +142,16 @@ def epochs_of(
     for _ in range(epochs):
         proxy.reset_counts()
         cpu0 = sum(storage.cpu_times()[:2])
-        t0, seen = time.perf_counter(), 0
+        t0, seen, first = time.perf_counter(), 0, None
         for _, labels in loader:
             seen += len(labels)
+            first = time.perf_counter() - t0 if first is None else first
         took = time.perf_counter() - t0
         out.append(
             {
                 "samples": seen,
                 "samples_per_s": seen / took,
+                "first_batch_s": first,
                 "storage_x": proxy.get_bytes / data_bytes,
                 "requests": proxy.requests,
                 "storage_cpu_share": (sum(storage.cpu_times()[:2]) - cpu0) / took,
@@ -236,11 +266,15 @@ def main() -> None:
         listed = moto.filesystem().get_file_info(pafs.FileSelector("bench/files", recursive=True))
         file_keys = sorted(i.path for i in listed if i.path.endswith(".jpg"))
 
-        def run(name: str, make: Callable[[], Any], data_bytes: int) -> None:
+        def run(name: str, make: Callable[[], Any], data_bytes: int, watch: Optional[tuple] = None) -> None:
+            """`watch`: (a cache folder, its limit): the folder's peak over the row's epochs, index included, over the limit."""
             if name in args.skip:
                 return
             log(f"{name} ...")
+            peak = FolderPeak(watch[0]) if watch else None
             rows[name] = epochs_of(make, args.epochs, proxy, n, data_bytes, moto.proc.pid)
+            if peak is not None:
+                rows[name][-1]["folder_peak_over_limit"] = peak.stop() / watch[1]
             log(f"  {name}: " + ", ".join(f"{e['samples_per_s']:.0f}/s {e['storage_x']:.2f}x" for e in rows[name]))
             res.write({"row": name, "epochs": rows[name]})
 
@@ -285,7 +319,7 @@ def main() -> None:
                         collate_fn=collate,
                     )
 
-                run(f"raydl-{kind}-{label}", make, data_bytes)
+                run(f"raydl-{kind}-{label}", make, data_bytes, watch=(cache, limit))
 
         import ray.data
 
@@ -336,10 +370,13 @@ def report(rows: dict, args: Any, res: Results, tar_bytes: int, file_bytes: int)
         line.append(f"{eps[-1]['samples_per_s'] / ceiling_rate:.2f}" if ceiling_rate else "")
         line.append(f"{eps[-1]['requests']}")
         line.append(f"{eps[-1]['storage_cpu_share']:.2f}")
+        line.append(f"{eps[0]['first_batch_s']:.2f}" if eps[0].get("first_batch_s") is not None else "")
+        peak = eps[-1].get("folder_peak_over_limit")
+        line.append(f"{peak:.3f}" if peak is not None else "")
         table.append(line)
     header = ["row", *[f"epoch {k + 1} samples/s" for k in range(args.epochs)]]
     header += [*[f"epoch {k + 1} storage bytes" for k in range(args.epochs)], "last epoch / ceiling"]
-    header += ["last epoch requests", "last epoch storage cores"]
+    header += ["last epoch requests", "last epoch storage cores", "epoch 1 first batch s", "cache folder peak / limit"]
     quick = args.images < 768
     with printed_report("bench_shards", quick):
         print(

@@ -217,6 +217,13 @@ def main() -> None:
     p.add_argument("--storage-cores", default="", help="cores for moto and the proxy, e.g. 12-15 (Linux)")
     p.add_argument("--latency-ms", type=float, default=20.0)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument(
+        "--window",
+        type=float,
+        default=None,
+        help="raydl's shuffle_window as a share of the cache's units (the default's is about 0.5; 1: the most it "
+        "accepts, the cache less one unit): what a larger window costs (issue 64)",
+    )
     p.add_argument("--naive-s", type=float, default=30.0)
     p.add_argument("--skip", default="", help="comma-separated readers to skip: raydl,raydata,naive,ceiling")
     p.add_argument("--png", default=figure_path("bench_streaming"), help="'' for none")
@@ -262,11 +269,16 @@ def main() -> None:
 
         if "raydl" not in skip:
             t0 = time.perf_counter()
+            window = None
+            if args.window is not None:
+                largest = int(probe.unit_nbytes.max()) + 8  # a unit as the cache counts it, with its checksum
+                window = max(1, min(limit // largest - 1, int(args.window * limit) // largest))
             ds = raydl.ParquetDataset(
                 "s3://corpus/data/",
                 filesystem=s3fs(proxy.port),
                 cache_dir=os.path.join(tmp, "cache"),
                 cache_limit=limit,
+                shuffle_window=window,
             )
             footers_s = time.perf_counter() - t0
             window_rows = ds.shuffle_window * args.rows
@@ -284,6 +296,8 @@ def main() -> None:
             figures = loader.stats().cache
             r.update(
                 reader="raydl",
+                shuffle_window=ds.shuffle_window,
+                units=ds.num_units,
                 footers_s=footers_s,
                 cache_peak_over_limit=st["peak_bytes"] / ds.cache_limit,
                 cache_fetched_over_data=[b / ds.nbytes for b in r["bytes_per_epoch"]],
