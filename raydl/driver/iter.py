@@ -66,7 +66,7 @@ from ..worker.fetch import StartFailed, StreamEnd, warn_if_length_exceeded
 from ..worker.transfer import decode
 from .device import DeviceCopier, PinnedBatches, pin_memory_target, resolve_device, warn_pin_memory_args
 from .lifecycle import IterState
-from .node_slots import SlotDeal, epoch_deal, settle_slots
+from .node_slots import SlotDeal, batch_nodes, epoch_deal, next_worker, settle_slots
 from .pool_choice import make_elastic, make_pool, worker_payload
 from .receive import BatchError, Receiver, TaskHeld, failure
 from .recovery import Recovery
@@ -404,15 +404,7 @@ class _RayLoaderIter(Iterator[Any]):
 
     def _next_worker(self) -> Optional[int]:
         """The worker of the next task: one on its slot's node (NOTE [ raydl node slots ]), else torch's rule."""
-        if self._deal is not None:
-            node, there = self._deal.place(self._send_idx, self._sched.active)
-            if node is not None:
-                worker_id = self._sched.least_busy(there)
-                if worker_id is not None:
-                    self._deal.sent(node)
-                    return worker_id
-            self._deal.sent(None)
-        return self._sched.next_worker()
+        return next_worker(self._deal, self._sched, self._send_idx)
 
     def _abandon(self, tasks: list[Task]) -> None:
         """Forget these tasks' results (their worker must finish their calls before being reused)."""
@@ -556,15 +548,7 @@ class _RayLoaderIter(Iterator[Any]):
     def _batch_nodes(self, first: int, end: int) -> list:
         """The node of the worker that makes each batch position in [first, end), None where not known (NOTE [ raydl
         node cache ]: the plan of such a batch goes to every node)."""
-        workers = self._sched.workers_of(first, end, self._send_idx)
-        nodes = {w: self._pool_node(w) for w in set(workers)}
-        if self._deal is not None:  # the batches not sent yet go to their slots' nodes
-            by_slot = self._deal.nodes(first, end, self._sched.active)
-            return [
-                nodes[w] if p < self._send_idx and w is not None else n
-                for p, w, n in zip(range(first, end), workers, by_slot)
-            ]
-        return [nodes[w] for w in workers]
+        return batch_nodes(self._deal, self._sched, self._send_idx, first, end, self._pool_node)
 
     def _await_start(self) -> None:
         """A state taken before the workers started waits for them: their start replies hold their snapshots."""

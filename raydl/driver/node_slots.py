@@ -49,7 +49,15 @@ import numpy as np
 logger = logging.getLogger(__name__)
 _WARNED: set = set()  # (slots, nodes) told once a process: nodes that make no batch
 
-__all__ = ["SlotDeal", "agreed_slot_count", "epoch_deal", "placement_reason", "settle_slots"]
+__all__ = [
+    "SlotDeal",
+    "agreed_slot_count",
+    "batch_nodes",
+    "epoch_deal",
+    "next_worker",
+    "placement_reason",
+    "settle_slots",
+]
 
 
 def placement_reason(*, seed: str, slots: Optional[np.ndarray], has_slots: bool) -> Optional[str]:
@@ -96,6 +104,35 @@ def epoch_deal(
         return None, lambda: {"mode": "round robin", "why": why}
     deal = SlotDeal(slots, node_of)  # type: ignore[arg-type]
     return deal, deal.figures
+
+
+def next_worker(deal: Optional[SlotDeal], sched: Any, send_idx: int) -> Optional[int]:
+    """The worker of task `send_idx`: the least busy on its slot's node when the epoch has a deal and a worker there,
+    else the schedule's own (torch's round robin)."""
+    if deal is not None:
+        node, there = deal.place(send_idx, sched.active)
+        if node is not None:
+            worker_id = sched.least_busy(there)
+            if worker_id is not None:
+                deal.sent(node)
+                return worker_id
+        deal.sent(None)
+    return sched.next_worker()
+
+
+def batch_nodes(
+    deal: Optional[SlotDeal], sched: Any, send_idx: int, first: int, end: int, node_of: Callable[[Any], Optional[str]]
+) -> list:
+    """The node of each batch position in [first, end): its worker's for a batch sent, else its slot's under a deal
+    (else the worker the schedule will give it); None where not known."""
+    workers = sched.workers_of(first, end, send_idx)
+    nodes = {w: node_of(w) for w in set(workers)}
+    if deal is not None:  # the batches not sent yet go to their slots' nodes
+        by_slot = deal.nodes(first, end, sched.active)
+        return [
+            nodes[w] if p < send_idx and w is not None else n for p, w, n in zip(range(first, end), workers, by_slot)
+        ]
+    return [nodes[w] for w in workers]
 
 
 def agreed_slot_count(nodes: int, world: int) -> int:

@@ -34,7 +34,6 @@ Across nodes the caches cooperate: NOTE [ raydl cooperative caches ] in peer_uni
 
 from __future__ import annotations
 
-import bisect
 import logging
 import os
 import threading
@@ -48,7 +47,8 @@ __all__ = ["NodeCache"]
 from ...data.storage import OpenFiles, read_objects, with_retries
 from .peer_calls import ident, is_gone, this_node
 from .peer_units import PeerUnits
-from .unit_file import TMP_PREFIX, UNIT_TRAILER_BYTES, folder_bytes, seal, sound, unlink, write_whole
+from .stream_plan import INF, StreamPlan
+from .unit_file import UNIT_TRAILER_BYTES, clean_tmp, folder_bytes, intact, seal, sound, unlink, write_whole
 
 logger = logging.getLogger(__name__)
 
@@ -59,50 +59,6 @@ READ_TIMEOUT_S = float(os.environ.get("RAYDL_CACHE_READ_TIMEOUT_S", "300"))  # a
 READ_AHEAD_STEPS = 64  # NOTE [ raydl read ahead ]: how far past the cursor a worker's read-ahead looks
 IDLE_EXIT_S = float(os.environ.get("RAYDL_CACHE_IDLE_S", "900"))  # a cache nobody called for this long exits
 STREAM_IDLE_S = 1800.0  # a plan whose driver said nothing for this long is dropped (a driver gone without closing it)
-INF = float("inf")
-
-
-class _Stream:
-    """One loader iterator's plan: the units of each batch position, and its cursors."""
-
-    def __init__(self) -> None:
-        self.steps: dict[int, list] = {}  # batch position -> unit keys
-        self.uses: dict[str, list] = {}  # unit key -> sorted batch positions using it
-        self.cursor = 0  # next batch to hand out
-        self.sent = 0  # end of the batches in flight
-        self.last = -1  # last position known
-        self.scan = 0  # no missing unit before this position (reset when a unit leaves the cache)
-        self.touched = time.monotonic()  # the driver's last word
-        self.owners: dict[str, str] = {}  # unit key -> the node whose cache fetches it from storage (not this one)
-
-    def add(self, step: int, keys: list) -> None:
-        self.steps[step] = keys
-        self.last = max(self.last, step)
-        for k in keys:
-            lst = self.uses.setdefault(k, [])
-            if not lst or lst[-1] < step:
-                lst.append(step)
-            else:
-                bisect.insort(lst, step)
-
-    def drop(self, first: int, end: int) -> None:
-        """Forget what the plan said of positions [first, end)."""
-        for step in [k for k in self.steps if first <= k < end]:
-            for k in self.steps.pop(step):
-                lst = self.uses[k]
-                lst.pop(bisect.bisect_left(lst, step))
-                if not lst:
-                    del self.uses[k]
-
-    def next_use(self, key: str) -> tuple[float, bool]:
-        """(batches until the key's next use, whether a batch in flight uses it)."""
-        lst = self.uses.get(key)
-        if not lst:
-            return INF, False
-        i = bisect.bisect_left(lst, self.cursor)
-        if i == len(lst):
-            return INF, False
-        return float(lst[i] - self.cursor), lst[i] < self.sent
 
 
 class NodeCache(PeerUnits):
@@ -131,7 +87,7 @@ class NodeCache(PeerUnits):
         self._pins: dict[str, int] = {}
         self._failed: dict[str, str] = {}
         self._urgent: dict[str, int] = {}  # key -> order of the request
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, StreamPlan] = {}
         self._closed: dict[str, None] = {}  # streams closed (calls run concurrently: a late `plan` must not reopen one)
         # NOTE [ raydl cooperative caches ]
         self._peers: dict[str, Any] = {}  # node id -> its cache actor
@@ -165,7 +121,7 @@ class NodeCache(PeerUnits):
         self._last_call = time.monotonic()
         self._pool = ThreadPoolExecutor(FETCH_PARALLEL)
         self._open_files = OpenFiles()
-        self._clean_tmp()
+        clean_tmp(self._dir)
         # the folder's other bytes (NOTE [ raydl node cache ], "the folder"): metadata, and unit files of no dataset yet
         self._meta, self._orphans = folder_bytes(cache_dir)
         self._used = sum(self._orphans.values())
@@ -192,7 +148,7 @@ class NodeCache(PeerUnits):
                 keys.append(key)
                 if key in self._orphans:  # now a unit of a dataset: adopted below, or removed
                     self._used -= self._orphans.pop(key)
-                if key not in self._ready and key not in self._fetching and self._intact(key, nbytes):
+                if key not in self._ready and key not in self._fetching and intact(self._dir, key, nbytes):
                     if self._used + nbytes <= self._room():
                         self._ready[key] = nbytes
                         self._used += nbytes
@@ -223,7 +179,7 @@ class NodeCache(PeerUnits):
             keys = self._keys[token]
             if sid in self._closed:
                 return
-            s = self._streams.setdefault(sid, _Stream())  # an `extend` may have come first
+            s = self._streams.setdefault(sid, StreamPlan())  # an `extend` may have come first
             s.owners = {keys[u]: node for u, node in (owners or {}).items() if node != self._node}
             self._peers.update({node: h for node, h in (peers or {}).items() if node != self._node})
             s.cursor = max(s.cursor, first)
@@ -239,7 +195,7 @@ class NodeCache(PeerUnits):
         with self._cv:
             if sid in self._closed:
                 return
-            s = self._streams.setdefault(sid, _Stream())
+            s = self._streams.setdefault(sid, StreamPlan())
             s.add(step, [self._keys[token][u] for u in units])
             self._cv.notify_all()
 
@@ -564,7 +520,7 @@ class NodeCache(PeerUnits):
         error = None
         started_wall_s, fetched = time.time(), False
         raw = None
-        if source is not None and not self._intact(key, nbytes):
+        if source is not None and not intact(self._dir, key, nbytes):
             try:
                 raw = self._from_peer(key, source, urgent, asks)
                 if raw is None:  # offered later (its room stays reserved, no thread waits)
@@ -581,7 +537,7 @@ class NodeCache(PeerUnits):
                 with self._cv:
                     self._stats["bytes_from_peers"] += nbytes - UNIT_TRAILER_BYTES
                     self._stats["peer_fetches"] += 1
-            elif not self._intact(key, nbytes):  # another loader sharing the folder may have written it
+            elif not intact(self._dir, key, nbytes):  # another loader sharing the folder may have written it
 
                 def on_retry(e: BaseException) -> None:
                     with self._cv:
@@ -626,24 +582,6 @@ class NodeCache(PeerUnits):
                 peer.offer.remote(key=key)
             except Exception:  # a peer gone: it asks nobody any more
                 pass
-
-    def _intact(self, key: str, nbytes: int) -> bool:
-        """A whole file of the unit's size, trailer included (its bytes are checked by each reader: `unsealed`)."""
-        try:
-            return os.path.getsize(os.path.join(self._dir, key)) == nbytes
-        except OSError:
-            return False
-
-    def _clean_tmp(self) -> None:
-        now = time.time()
-        for name in os.listdir(self._dir):
-            if name.startswith(TMP_PREFIX):
-                p = os.path.join(self._dir, name)
-                try:
-                    if now - os.path.getmtime(p) > 3600:
-                        os.unlink(p)
-                except OSError:
-                    pass
 
 
 # ---------------------------------------------------------------------- handles

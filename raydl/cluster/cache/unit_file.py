@@ -7,11 +7,23 @@ from __future__ import annotations
 import errno
 import os
 import struct
+import time
 import uuid
 import zlib
 from typing import Optional
 
-__all__ = ["UNIT_TRAILER_BYTES", "TMP_PREFIX", "seal", "unsealed", "sound", "write_whole", "unlink", "folder_bytes"]
+__all__ = [
+    "UNIT_TRAILER_BYTES",
+    "TMP_PREFIX",
+    "seal",
+    "unsealed",
+    "sound",
+    "write_whole",
+    "unlink",
+    "folder_bytes",
+    "intact",
+    "clean_tmp",
+]
 
 UNIT_TRAILER = (
     b"rdl\x01"  # a unit file's last 8 bytes: this marker, then the CRC-32 of the bytes before (little-endian)
@@ -92,3 +104,24 @@ def folder_bytes(folder: str) -> tuple[int, dict]:
         except OSError:
             pass
     return meta, units
+
+
+def intact(folder: str, key: str, nbytes: int) -> bool:
+    """A whole file of the unit's size, trailer included (its bytes are checked by each reader: `unsealed`)."""
+    try:
+        return os.path.getsize(os.path.join(folder, key)) == nbytes
+    except OSError:
+        return False
+
+
+def clean_tmp(folder: str, older_s: float = 3600) -> None:
+    """Remove the temporary files a crashed writer left (older than `older_s`; a live writer's are newer)."""
+    now = time.time()
+    for name in os.listdir(folder):
+        if name.startswith(TMP_PREFIX):
+            p = os.path.join(folder, name)
+            try:
+                if now - os.path.getmtime(p) > older_s:
+                    os.unlink(p)
+            except OSError:
+                pass
