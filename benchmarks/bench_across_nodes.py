@@ -281,29 +281,12 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
                         else:
                             got[r].append(b["id"].tolist())
                 dt = time.perf_counter() - t0
-                links = cluster.link_bytes()
-                ids = [i for rank in got for b in rank for i in b]
-                per_node: dict = {}
-                for lo in loaders:
-                    for node, st in lo.stats().cache["per_node"].items():
-                        mine = per_node.setdefault(ip_of.get(node, node), {"bytes_fetched": 0, "bytes_from_peers": 0})
-                        mine["bytes_fetched"] = max(mine["bytes_fetched"], st.get("bytes_fetched", 0))
-                        mine["bytes_from_peers"] = max(mine["bytes_from_peers"], st.get("bytes_from_peers", 0))
+                stats = [{"per_node": lo.stats().cache["per_node"]} for lo in loaders]
+                placement = loaders[0].stats().cache.get("placement", {}).get("mode")
                 epochs.append(
-                    {
-                        "link_bytes_between": sum(
-                            links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
-                        ),
-                        "placement": loaders[0].stats().cache.get("placement", {}).get("mode"),
-                        "every_sample_once": sorted(set(ids)) == list(range(len(local)))
-                        and len(ids) - len(local) < args.ddp,
-                        "equal_counts": len({sum(len(b) for b in rank) for rank in got}) == 1,
-                        "samples_s": round(len(local) / dt),
-                        "s3_bytes": proxy.get_bytes,
-                        "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
-                        "nodes": per_node,
-                        "units_per_batch": _units_per_batch(local, [b for rank in got for b in rank]),
-                    }
+                    _ddp_epoch(
+                        got, stats, placement, dt, (links0, cluster.link_bytes()), proxy, local, data_nodes, ip_of
+                    )
                 )
                 del its
             for lo in loaders:
@@ -312,6 +295,33 @@ def _ddp_runs(args, cluster, proxy, head, limit, local, data_nodes, ip_of) -> di
             raydl.release_node_caches()
             out.setdefault(mode, []).append(epochs)
     return out
+
+
+def _ddp_epoch(got, ranks, placement, dt, links01, proxy, local, data_nodes, ip_of) -> dict:
+    """One DDP epoch's record: `got` each rank's batches of ids, `ranks` each rank's {"per_node": cache stats} (the
+    rank's own view of every node's cache: the largest count a node reports is its count), `links01` the links' bytes
+    before and after, `proxy` the S3 counts."""
+    links0, links = links01
+    ids = [i for rank in got for b in rank for i in b]
+    per_node: dict = {}
+    for rk in ranks:
+        for node, st in rk["per_node"].items():
+            mine = per_node.setdefault(ip_of.get(node, node), {"bytes_fetched": 0, "bytes_from_peers": 0})
+            for k in mine:
+                mine[k] = max(mine[k], st.get(k, 0))
+    return {
+        "link_bytes_between": sum(
+            links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
+        ),
+        "placement": placement,
+        "every_sample_once": sorted(set(ids)) == list(range(len(local))) and len(ids) - len(local) < len(got),
+        "equal_counts": len({sum(len(b) for b in rank) for rank in got}) == 1,
+        "samples_s": round(len(local) / dt),
+        "s3_bytes": proxy.get_bytes,
+        "s3_bytes_by_ip": dict(proxy.get_bytes_by_client),
+        "nodes": per_node,
+        "units_per_batch": _units_per_batch(local, [b for rank in got for b in rank]),
+    }
 
 
 def _wait_for(path: str, procs: list, timeout_s: float = 600) -> None:
@@ -355,37 +365,15 @@ def _rank_processes(cfg: dict, cluster, proxy, local, data_nodes, ip_of) -> list
             _wait_for(os.path.join(work, f"end-{e}"), procs)
             dt = time.perf_counter() - t0
             links = cluster.link_bytes()
-            s3_bytes, by_ip = proxy.get_bytes, dict(proxy.get_bytes_by_client)
+            counts = SimpleNamespace(get_bytes=proxy.get_bytes, get_bytes_by_client=dict(proxy.get_bytes_by_client))
             ranks = []
             for r in range(cfg["ddp"]):
                 with open(os.path.join(work, f"rank-{r}-{e}.json")) as f:
                     ranks.append(json.load(f))
             open(os.path.join(work, f"ack-{e}"), "w").close()
             got = [rk["batches"] for rk in ranks]
-            ids = [i for rank in got for b in rank for i in b]
-            per_node: dict = {}
-            for rk in ranks:
-                for node, st in rk["per_node"].items():
-                    mine = per_node.setdefault(ip_of.get(node, node), {"bytes_fetched": 0, "bytes_from_peers": 0})
-                    for k in mine:
-                        mine[k] = max(mine[k], st.get(k, 0))
-            epochs.append(
-                {
-                    "link_bytes_between": sum(
-                        links[k] - links0.get(k, 0) for k in links if k[0] in data_nodes and k[1] in data_nodes
-                    ),
-                    "placement": ranks[0]["placement"],
-                    "slots_agreed": [rk["slots"] for rk in ranks],
-                    "every_sample_once": sorted(set(ids)) == list(range(len(local)))
-                    and len(ids) - len(local) < cfg["ddp"],
-                    "equal_counts": len({sum(len(b) for b in rank) for rank in got}) == 1,
-                    "samples_s": round(len(local) / dt),
-                    "s3_bytes": s3_bytes,
-                    "s3_bytes_by_ip": by_ip,
-                    "nodes": per_node,
-                    "units_per_batch": _units_per_batch(local, [b for rank in got for b in rank]),
-                }
-            )
+            rec = _ddp_epoch(got, ranks, ranks[0]["placement"], dt, (links0, links), counts, local, data_nodes, ip_of)
+            epochs.append(dict(rec, slots_agreed=[rk["slots"] for rk in ranks]))
         for p in procs:
             p.wait(timeout=120)
     except BaseException:

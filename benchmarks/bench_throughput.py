@@ -75,7 +75,7 @@ class Bench:
         if loader.startswith("raydl"):
             if loader == "raydl-threads8":
                 kw = dict(kw, ray_threads_per_worker=8)
-            if loader == "raydl-nostats":  # bench_stats.py: the cost of ray_stats
+            if loader == "raydl-nostats":  # the cost of ray_stats (the retired bench_stats measured it)
                 kw = dict(kw, ray_stats=False)
             return raydl.DataLoader(ds, batch_size=wl.batch_size, num_workers=self.W, **kw)
         if loader == "raydata":

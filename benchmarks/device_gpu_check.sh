@@ -3,8 +3,8 @@
 # [".devray"]); about 7-8 minutes on an H200 machine with 16 CPUs:
 #   1. the machine, its Python packages, the Ray bundle (../shared/tools/device_ray_bundle.sh builds .devray/);
 #   2. tests/test_cuda.py and the gpu-marked tests of tests/test_units.py, raydl from this tree;
-#   3. benchmarks/bench_gpu.py (limits, transfer-bound loop, classifier step);
-#   4. benchmarks/probe_h2d_sources.py (where the rest of the copy engine's rate goes);
+#   3. `python -m benchmarks gpu`: bench_gpu.py (limits, transfer-bound loop, classifier step), recorded;
+#   4. `python -m benchmarks h2d_sources`: probe_h2d_sources.py (where the rest of the copy engine's rate goes);
 #   5. benchmarks/bench_arrow.py at 8 workers against Ray Data and the one-process ceiling, twice;
 #   6. benchmarks/bench_streaming.py, numeric columns, 8 workers, moto and the proxy on 4 cores of their own. moto is
 #      not on the device: give it wheels in .devray/moto/ (cp312; moto[server]'s full set is 51 MB, too much beside
@@ -12,8 +12,8 @@
 #      blinker, itsdangerous, click, jinja2, markupsafe, xmltodict, responses, requests, urllib3, idna, certifi,
 #      charset-normalizer, python-dateutil, six, cryptography, cffi, pycparser, pyyaml are 31 MB, untried there);
 #      without them this step says so and is skipped.
-# Everything goes to $OUT (run.log, pytest.log, junit.xml, bench_gpu.json, bench_gpu.md, probe.json, arrow.log,
-# streaming.log).
+# Everything goes to $OUT (run.log, pytest.log, junit.xml, bench_gpu.json, bench_gpu.md, probe.json, records/,
+# arrow.log, streaming.log).
 #   bash benchmarks/device_gpu_check.sh            # on the device; OUT defaults to /tmp/out elsewhere
 #   SKIP_TO=5 bash benchmarks/device_gpu_check.sh  # steps 5 and 6 only (a rerun in what device time is left)
 set -u
@@ -48,14 +48,17 @@ ram = os.sysconf('SC_PAGE_SIZE') * os.sysconf('SC_PHYS_PAGES')
 print(round(max(0.01, min(0.1, 0.8 * shm / ram)), 3))")
 echo "object store: $prop of RAM"
 if [ "$step" -le 4 ]; then
-RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION=$prop timeout 270 python3 -m benchmarks.bench_gpu --reps 2 \
+# through the runner: benchmarks/records/{gpu,h2d_sources}.json come back in $OUT/records/ (commit them, then
+# `python -m benchmarks readme`)
+RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION=$prop timeout 270 python3 -m benchmarks gpu --reps 2 \
   --json "$OUT/bench_gpu.json"
 echo "bench exit $?"
 cp benchmarks/results/bench_gpu-2*.md "$OUT/bench_gpu.md" 2>/dev/null
 echo "== probe_h2d_sources"
-RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION=$prop timeout 150 python3 -m benchmarks.probe_h2d_sources \
+RAY_DEFAULT_OBJECT_STORE_MEMORY_PROPORTION=$prop timeout 150 python3 -m benchmarks h2d_sources \
   --json "$OUT/probe.json"
 echo "probe exit $?"
+mkdir -p "$OUT/records" && cp benchmarks/records/gpu.json benchmarks/records/h2d_sources.json "$OUT/records/" 2>/dev/null
 fi
 echo "== bench_arrow, 8 workers (twice)"
 for round in 1 2; do

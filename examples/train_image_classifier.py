@@ -13,8 +13,9 @@ cores, as torch's workers do; on a Ray cluster they can run on other nodes: pass
 With --jpeg-dir (an ImageFolder layout: one folder per class, its name the label) or
 --real-images (a small such folder of generated JPEGs is written first, 160x120 by default, and
 reused), each sample is the ImageNet training pipeline: PIL decode, RandomResizedCrop, random
-horizontal flip, to tensor, normalize. benchmarks/bench_images.py measures this same pipeline
-(`JpegFolder`, `TrainTransform`, `write_jpeg_folder`) at 500x375 -> 224 against other loaders.
+horizontal flip, to tensor, normalize. benchmarks/bench_shards.py measures this same transform from S3 against
+other loaders (the retired bench_images, commit 3d9a662, measured `JpegFolder` at 500x375 -> 224: see
+docs/benchmark-notes.md#retired-benchmarks).
 torchvision is not needed: the transforms below follow torchvision's (v1, PIL) algorithms.
 
 torch's loader runs first, before Ray is started (torch forks its workers from this process);

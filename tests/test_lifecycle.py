@@ -175,7 +175,7 @@ class TestWarmPool:
         }
         it = iter(raydl.DataLoader(D.PidDataset(4), batch_size=1, num_workers=2, timeout=TIMEOUT_S))
         second = {int(next(it)[0, 1])} | {int(b[0, 1]) for b in it}
-        # the same processes: no worker start (its seconds are what the warm pool saves: benchmarks/bench_startup.py)
+        # the same processes: no worker start (its seconds are what the warm pool saves: the retired bench_startup)
         assert second <= first and len(first) == 2
         del it
 

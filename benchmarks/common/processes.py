@@ -1,8 +1,8 @@
-"""Measurements in child processes: start a script again as a child, read its `RESULT {json}` line, retry one that failed.
+"""Measurements in child processes: start a script again as a child, read its `RESULT {json}` line.
 
 A child is `python -m benchmarks.<script> ...` (`script_command`), as the scripts themselves are
-run, with the repository root on its path (its working directory, or REPO in its PYTHONPATH). Imports nothing heavy (no torch, no Ray), so a
-parent that times a cold start stays cold.
+run, with the repository root on its path (its working directory, or REPO in its PYTHONPATH). Imports nothing heavy
+(no torch, no Ray).
 """
 
 from __future__ import annotations
@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from typing import Any, Callable
 
 from benchmarks.common import REPO
 
-__all__ = ["REPO", "child_result", "script_command", "with_retries"]
+__all__ = ["REPO", "child_result", "script_command"]
 
 RESULT_PREFIX = "RESULT "
 
@@ -30,21 +29,3 @@ def child_result(proc: subprocess.CompletedProcess, what: str) -> dict:
     if proc.returncode != 0 or not lines:
         raise RuntimeError(f"child {what} failed:\n{proc.stdout[-2000:]}\n{proc.stderr[-4000:]}")
     return json.loads(lines[-1][len(RESULT_PREFIX) :])
-
-
-def with_retries(run_once: Callable[..., dict], *args: Any, attempts: int = 3, **kwargs: Any) -> dict:
-    """One measurement, retried when the child fails (on a loaded shared machine a local Ray can time
-    out while starting: that is the machine, not the loader); the failed attempts are counted in
-    the record as `failed_attempts`."""
-    for attempt in range(attempts):
-        try:
-            rec = run_once(*args, **kwargs)
-            rec["failed_attempts"] = attempt
-            return rec
-        except (RuntimeError, subprocess.TimeoutExpired) as e:
-            print(
-                f"# attempt {attempt + 1} failed: {str(e).strip().splitlines()[-1][:200]}", file=sys.stderr, flush=True
-            )
-            if attempt == attempts - 1:
-                raise
-    raise AssertionError("unreachable")

@@ -63,20 +63,6 @@ class Results:
     def close(self) -> None:
         self._f.close()
 
-    def finish_cluster_report(self, lines: list[str], cluster_start_s: float, run_start_s: float) -> None:
-        """End a cluster benchmark: add the start-up/run-time line, print the report, write it as .md, close."""
-        lines += [
-            "",
-            f"Cluster start-up {cluster_start_s:.0f} s (not in the numbers). Run took "
-            f"{(time.perf_counter() - run_start_s) / 60:.1f} min; load average at end "
-            f"{' / '.join(f'{x:.2f}' for x in os.getloadavg())}.",
-        ]
-        report = "\n".join(lines)
-        print(report)
-        md = self.write_text(".md", report + "\n")
-        self.close()
-        print(f"\nresults: {self.jsonl_path}\n         {md}")
-
 
 def _jsonable(x: Any) -> Any:
     if isinstance(x, (np.floating, np.integer)):

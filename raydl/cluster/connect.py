@@ -22,9 +22,9 @@ Ray's worker processes add 15 to the niceness they inherit (its `worker_niceness
 under full CPU load they yield to every normal process, the trainer included; torch's worker
 processes run at the trainer's niceness. A local Ray that raydl starts for this process serves
 this trainer's loaders only, so raydl starts it with `worker_niceness=0`: its workers keep the
-driver's niceness, as torch's do (measured in benchmarks/bench_niceness.py). A Ray raydl joins
-(an address, RAY_ADDRESS, a Ray already running) keeps its own setting, and so does a user who
-sets RAY_worker_niceness.
+driver's niceness, as torch's do (measured by bench_niceness, retired at 3d9a662:
+docs/benchmark-notes.md#retired-benchmarks). A Ray raydl joins (an address, RAY_ADDRESS, a Ray already running)
+keeps its own setting, and so does a user who sets RAY_worker_niceness.
 """
 
 from __future__ import annotations

@@ -96,7 +96,7 @@ class MemberDataset(UnitDataset):
         largest = int(self._unit_bytes.max()) + UNIT_TRAILER_BYTES
         # the folder's metadata (this dataset's index or listing, and any other's) counts against the limit
         self.cache_metadata_bytes = meta = folder_bytes(self.cache_dir)[0]
-        room, of = self.cache_limit - meta, self._of_limit(meta)
+        room, of = self.cache_limit - meta, self._metadata_clause(meta)
         need = 2 * largest  # one unit being read, the next one arriving
         if room < need:
             u = int(self._unit_bytes.argmax())
@@ -119,9 +119,6 @@ class MemberDataset(UnitDataset):
                 f"{max(1, room // largest - 1)}."
             )
         return window
-
-    def _of_limit(self, meta: int) -> str:
-        return f" ({meta} bytes of it hold the metadata in {self.cache_dir}: tar-index/, file-listing/)" if meta else ""
 
     # ------------------------------------------------------------------ what the loader and the cache ask
 

@@ -231,8 +231,7 @@ class ParquetDataset(UnitDataset):
         largest = int(self._unit_bytes.max()) + UNIT_TRAILER_BYTES if len(self._unit_bytes) else 0
         # metadata another dataset keeps in the folder (a tar index, a file listing) counts against the limit
         self.cache_metadata_bytes = meta = folder_bytes(self.cache_dir)[0]
-        room = self.cache_limit - meta
-        of = f" ({meta} bytes of it hold the metadata in {self.cache_dir}: tar-index/, file-listing/)" if meta else ""
+        room, of = self.cache_limit - meta, self._metadata_clause(meta)
         need = 2 * largest  # one row group being read, the next one arriving
         if room < need:
             raise ValueError(

@@ -123,6 +123,10 @@ class UnitDataset(Dataset):
             )
         return slots
 
+    def _metadata_clause(self, meta: int) -> str:
+        """For an error about `cache_limit`: how much of it the folder's metadata already holds (none: "")."""
+        return f" ({meta} bytes of it hold the metadata in {self.cache_dir}: tar-index/, file-listing/)" if meta else ""
+
     @property
     def units_in_use(self) -> int:
         """Units one worker reads from at once: the window, and over node slots one more a slot (a batch that

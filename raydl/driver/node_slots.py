@@ -27,7 +27,8 @@ nodes change (a node lost, workers added or retired): the caches' plan follows.
     (`_dealt_again`). A node count that does not divide the slots gives some nodes a slot more (5
     nodes over 12 slots given: 3 and 2), and nodes beyond the slots get no batch (a resume of a
     2-node run on 4 nodes): `node_slots` a multiple of the node count balances them
-    (benchmarks/sim_node_slots.py: 4 slots a node also spreads a lost node's slots over 4 others).
+    (sim_node_slots, retired at 3d9a662, docs/benchmark-notes.md#retired-benchmarks: 4 slots a node also spreads
+    a lost node's slots over 4 others).
   * The batches do not depend on the deal: the order depends on the seed, units, window, slots and
     batch size only, and a batch's random draws on its position (`ray_seed="batch"`, the default for such
     a loader). With `ray_seed="worker"` a batch's draws depend on the worker torch's round robin

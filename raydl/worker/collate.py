@@ -8,7 +8,8 @@ its batches are collated into private memory (`private_memory_collate`). Fresh m
 for a large batch: glibc maps every allocation over 32 MiB anew and unmaps it when freed, so each
 batch of 64 ImageNet crops (38.5 MB of float32) first takes ~9,400 page faults and the kernel's
 zeroing of every page: `torch.stack` of such a batch costs ~21 ms into fresh memory and ~4 ms into
-memory already mapped (this 2-core machine), ~8 % of the worker's CPU in bench_images.py.
+memory already mapped (this 2-core machine), ~8 % of the worker's CPU in bench_images (retired at 3d9a662:
+docs/benchmark-notes.md#retired-benchmarks).
 So a worker's `BatchBuffers` keeps the tensors it collated large batches into (each at least
 REUSE_MIN_BYTES) and stacks a later batch of the same dtype and shape into one of them — only when
 nothing else holds it any more: no reference to the pooled tensor but the pool's (Python's count)

@@ -5,8 +5,8 @@ On the driver's node a lane's reply crossed a Unix socket (NOTE [ raydl lane ]):
 each array into the kernel and the trainer's core copied it out, then unpickled one small array
 object per column and rebuilt each tensor from it. For an 18-column batch of 336 KB (bench_arrow's
 table) that was ~0.28 ms of the trainer's core a batch, most of what a lane costs it
-(`python -m benchmarks.bench_lane_reply` on this project's 2-core host: 220 us to read and unpickle
-the reply, 53-67 to make tensors). So a lane on the driver's node has
+(bench_lane_reply, retired at 3d9a662, docs/benchmark-notes.md#retired-benchmarks; this project's 2-core host:
+220 us to read and unpickle the reply, 53-67 to make tensors). So a lane on the driver's node has
 its own memory, shared by the two processes:
   * the driver makes it (`memfd_create`: no name in /dev/shm to clean up, its size not bounded by
     /dev/shm's) as `slots` slots of `slot_bytes` each, and sends its descriptor as the lane's first
@@ -48,7 +48,7 @@ its own memory, shared by the two processes:
     without slots, after the next such reply the next 2, then 4, up to LANE_MEMORY_MAX_PAUSE; a reply
     that comes through the memory ends it. Batches that only sometimes outgrow the memory lose at
     most a few calls' worth of it (`calls_paused` in the stats).
-Measured the same way: 0.12 ms a batch against 0.28 (`python -m benchmarks.bench_lane_reply`; benchmarks/README.md,
+Measured the same way: 0.12 ms a batch against 0.28 (bench_lane_reply; docs/benchmark-notes.md#retired-benchmarks,
 "Lane memory": with 8 workers on 16 cores, bench_arrow's raydl rate 1.8-2.0x what it was).
 """
 

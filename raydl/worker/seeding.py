@@ -31,7 +31,8 @@ resume at another world size give the uninterrupted run's content (NOTE [ raydl 
 With torch's `DistributedSampler` the key and epoch are the sampler's `seed` and `epoch` (the same
 on every rank, as its permutation); otherwise the iterator's base seed and epoch, as for "batch".
 The 64-bit seed is a splitmix64 chain over (key, epoch, i), not a SeedSequence: 8 us per sample
-in all on this machine (chain 1.1, random 3.9, torch 1.1, NumPy 2.0; benchmarks/bench_seeding.py),
+in all on this machine (chain 1.1, random 3.9, torch 1.1, NumPy 2.0; bench_seeding, retired at 3d9a662:
+docs/benchmark-notes.md#retired-benchmarks),
 against 25 us with a SeedSequence and NumPy's four-word seeding.
 """
 

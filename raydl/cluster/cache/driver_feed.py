@@ -389,7 +389,8 @@ class CacheFeed:
 def plan_owners(units: np.ndarray, pos: np.ndarray, node: np.ndarray, k: int, sizes: np.ndarray) -> dict:
     """{unit: owner node's index} for a plan given as (unit, batch position, node index; -1: every one of the `k`
     nodes) entries (NOTE [ raydl cooperative caches ]): in the order of first use, each unit goes to the node using it
-    that owns the fewest bytes so far (the first user on a tie). Also what benchmarks/sim_node_slots.py plans with."""
+    that owns the fewest bytes so far (the first user on a tie). Also what the retired sim_node_slots planned with
+    (commit 3d9a662)."""
     every = node == -1  # each node uses these
     units = np.concatenate([units[node >= 0], np.repeat(units[every], k)])
     pos = np.concatenate([pos[node >= 0], np.repeat(pos[every], k)])

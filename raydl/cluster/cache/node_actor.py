@@ -380,16 +380,22 @@ class NodeCache(PeerUnits):
         """Back within the limit after the metadata grew (or at start): orphan unit files go, then the unpinned
         units used farthest ahead."""
         while self._used > max(self._room(), 0):
-            if self._orphans:
-                name, n = self._orphans.popitem()
-                unlink(os.path.join(self._dir, name))
-                self._used -= n
-                self._stats["evictions"] += 1
+            if self._evict_orphan():
                 continue
             victims = [k for k in self._ready if not self._pins.get(k)]
             if not victims:
                 return  # pinned units only: they are released, then evicted as room is made
             self._evict(max(victims, key=lambda k: self._next_use(k)[0]))
+
+    def _evict_orphan(self) -> bool:
+        """Remove one unit file of an earlier run that no dataset here uses; False when none is left."""
+        if not self._orphans:
+            return False
+        name, n = self._orphans.popitem()
+        unlink(os.path.join(self._dir, name))
+        self._used -= n
+        self._stats["evictions"] += 1
+        return True
 
     def _next_use(self, key: str) -> tuple[float, bool]:
         best, in_flight = INF, False
@@ -427,11 +433,7 @@ class NodeCache(PeerUnits):
     def _make_room(self, nbytes: int, dist: float) -> bool:
         """Evict (Belady) until `nbytes` fit, only units used later than `dist`; False if they cannot fit now."""
         while self._used + nbytes > self._room():
-            if self._orphans:  # a file no dataset here uses: first to go
-                name, n = self._orphans.popitem()
-                unlink(os.path.join(self._dir, name))
-                self._used -= n
-                self._stats["evictions"] += 1
+            if self._evict_orphan():  # a file no dataset here uses: first to go
                 continue
             victim, far, victim_in_flight = None, -2.0, True
             for k in self._ready:

@@ -191,7 +191,7 @@ class ColdStartIter(Iterator[Any]):
         self._restarts: dict[int, int] = {}
         self._start_snapshots: dict[int, Optional[dict]] = {}
         self.batches_in_driver = 0  # batches handed out that start-up makers made, over all epochs (name kept)
-        self.fork_s: list[float] = []  # each fork's time, and the handover's (bench_startup.py reports them)
+        self.fork_s: list[float] = []  # each fork's time, and the handover's (the retired bench_startup reported them)
         self.handover_s = 0.0
         self._max_in_driver = _MAX_DRIVER_BATCHES
         self._resize_to: Optional[int] = None
