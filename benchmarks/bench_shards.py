@@ -6,8 +6,8 @@
 
 The store: moto's S3 server on loopback behind tests/_s3.FaultProxy, which adds --latency-ms to every
 request and counts the bytes of the GET responses (what storage sent). The work per sample: PIL
-decode, RandomResizedCrop(224), flip, normalize (examples/train_image_classifier.TrainTransform,
-as benchmarks/bench_images.py), batch 32, 2 epochs, 2 workers (or 2 processes / 2 threads).
+decode, RandomResizedCrop(224), flip, normalize (examples/train_image_classifier.TrainTransform),
+batch 32, 2 epochs, 2 workers (or 2 processes / 2 threads).
 Rows, each run in this process one after the other (the fork-based loaders before Ray starts):
   ceiling         the same decode + transform + collate from memory, one process per core (no loader)
   torch-in-memory torch's DataLoader over the JPEGs' bytes held in memory: a loader with no storage at all
@@ -35,7 +35,6 @@ import tempfile
 import time
 from typing import Any, Callable, Iterable, Optional
 
-import pyarrow.fs as pafs
 import torch
 
 from benchmarks.common.results import Results, figure_path, log, md_table, printed_report
@@ -263,6 +262,8 @@ def main() -> None:
         urls = [
             f"pipe:curl -s http://127.0.0.1:{proxy.port}/bench/shards/train-{s:06d}.tar" for s in range(args.shards)
         ]
+        import pyarrow.fs as pafs  # here: bench_peers' children import decode() without pyarrow
+
         listed = moto.filesystem().get_file_info(pafs.FileSelector("bench/files", recursive=True))
         file_keys = sorted(i.path for i in listed if i.path.endswith(".jpg"))
 

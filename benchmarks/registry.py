@@ -67,10 +67,10 @@ BENCHMARKS: dict[str, Bench] = {
     "peers_shards": Bench(
         "bench_peers",
         "raydl beside Mosaic Streaming and litdata on bench_shards' JPEG tar shards from S3, each in its own format",
-        args=("--workload", "shards"),
+        args=("--workload", "shards", "--cap-s", "600"),  # Mosaic with a quarter cached needs ~320 s a run
         quick=("--quick",),
         needs=_PEER_VENVS,
-        minutes=15,
+        minutes=11,
     ),
     "mixing": Bench(
         "bench_mixing",
@@ -85,6 +85,14 @@ BENCHMARKS: dict[str, Bench] = {
         quick=("--nodes", "2"),
         needs="root (network namespaces), moto[server]",
         minutes=8,
+    ),
+    "ddp": Bench(
+        "bench_across_nodes",
+        "two DDP ranks over three data nodes: bytes from S3 and between nodes, as torchrun starts the ranks",
+        args=("--nodes", "3", "--ddp", "2", "--deals", "batch,ranks,job"),
+        quick=("--deals", "ranks"),
+        needs="root (network namespaces), moto[server]",
+        minutes=5,
     ),
     "resume": Bench(
         "bench_resume",

@@ -261,7 +261,7 @@ class _ShuffleIter(Iterator[int]):
         if saved is not None and saved != self._layout():
             raise ValueError(
                 "the state was saved over other units, another shuffle window or other node slots (layout "
-                f"{sd['layout']!r}, now {self._layout()!r}: token:shuffle_window[:node_slots, or :per-node for the "
+                f"{sd['layout']!r}, now {self._layout()!r}: token:shuffle_window{_ORDER}[:node_slots, or :per-node for the "
                 "default, one slot a node]): the files, cache_limit, shuffle_window or node_slots changed, and the "
                 "same seed would now give another order. Build the dataset as the saved run did to resume it (a state "
                 "saved with the default node_slots before slots per node resumes with node_slots=12, or the count its "
