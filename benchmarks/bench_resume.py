@@ -103,7 +103,8 @@ class _FakeLoader:
     def __init__(self, n: int, workers: int) -> None:
         self.dataset = WorkloadDataset(Workload("trivial", "", n, 64, "trivial"))
         self.num_workers, self.batch_size, self.drop_last = workers, 64, False
-        self.sampler = torch.utils.data.RandomSampler(range(n), generator=torch.Generator().manual_seed(0))
+        self.generator = torch.Generator().manual_seed(0)  # as DataLoader(shuffle=True, generator=g) holds it
+        self.sampler = torch.utils.data.RandomSampler(range(n), generator=self.generator)
         self.batch_sampler = torch.utils.data.BatchSampler(self.sampler, 64, False)
 
 

@@ -53,6 +53,7 @@ BENCHMARKS: dict[str, Bench] = {
     "shards": Bench(
         "bench_shards",
         "JPEG tar shards and plain files from S3: raydl vs webdataset vs Ray Data vs torch in memory, decode ceiling",
+        args=("--images", "1536"),  # issue 57's corpus; with 768 a quarter of the cache is a window of 2 shards
         quick=("--images", "192"),
         needs="moto[server], ray[data], webdataset, pillow",
         minutes=5,

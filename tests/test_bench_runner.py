@@ -29,7 +29,7 @@ def folders(tmp_path, monkeypatch):
 
 
 def test_tables_of_a_report_with_their_titles():
-    report = "# t\n\n**Epochs**\n\n| a | b |\n|---|---|\n| 1 | 2 |\ntext | with a pipe\n| not | a table |\n"
+    report = '# t\n\n**Epochs**\n{"json": 1}\n| a | b |\n|---|---|\n| 1 | 2 |\ntext | with a pipe\n| not | a table |\n'
     (table,) = records.tables_of(report)
     assert table == {"title": "**Epochs**", "markdown": "| a | b |\n|---|---|\n| 1 | 2 |"}
 

@@ -79,7 +79,8 @@ def machine_facts() -> dict:
 
 
 def tables_of(report: str) -> list[dict]:
-    """Every Markdown table in `report`, with the nearest text line above it (within two lines) as its title."""
+    """Every Markdown table in `report`, with the nearest text line above it (within three lines; not a JSON line, which
+    a script prints for its records) as its title."""
     lines = report.splitlines()
     tables: list[dict] = []
     i = 0
@@ -88,7 +89,7 @@ def tables_of(report: str) -> list[dict]:
             j = i
             while j < len(lines) and lines[j].startswith("|"):
                 j += 1
-            above = [ln.strip() for ln in lines[max(0, i - 3) : i] if ln.strip() and not ln.startswith("|")]
+            above = [ln.strip() for ln in lines[max(0, i - 3) : i] if ln.strip() and ln[0] not in "|{["]
             tables.append({"title": above[-1] if above else "", "markdown": "\n".join(lines[i:j])})
             i = j
         else:
