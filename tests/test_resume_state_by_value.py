@@ -209,3 +209,24 @@ def test_state_right_after_iter_in_a_fresh_process_is_torchdatas(joined_ray):
     facts = read_facts(run_python(_FRESH, timeout_s=300, env_extra=joined_ray))
     for kind in ("iterable", "map"):
         assert facts[f"DataLoader/{kind}"] == facts[f"StatefulDataLoader/{kind}"] == [[1, 1], [1, 1]], facts
+
+
+def test_by_value_copies_plain_states_directly_and_others_through_pickle():
+    """A generator's state is copied by `clone()` (no pickle), shares nothing, and keeps its dtype; a state with a
+    tensor that needs grad, or a container of another type, keeps going through the round trip whole."""
+    from collections import OrderedDict
+
+    from raydl.worker.state import by_value
+
+    g = torch.Generator().manual_seed(3)
+    live = {"gen": g.get_state(), "seen": [1, 2], "pair": (0, "a")}
+    snap = by_value(live)
+    live["gen"][:] = 0
+    live["seen"].append(3)
+    assert snap["seen"] == [1, 2] and snap["pair"] == (0, "a")
+    assert snap["gen"].dtype == torch.uint8 and torch.equal(snap["gen"], torch.Generator().manual_seed(3).get_state())
+    w = torch.ones(2, requires_grad=True)
+    copied = by_value({"w": w})["w"]
+    assert copied.requires_grad and copied.grad_fn is None and copied is not w
+    od = by_value(OrderedDict(a=torch.zeros(1)))
+    assert type(od) is OrderedDict
