@@ -86,6 +86,7 @@ BENCHMARKS: dict[str, Bench] = {
         quick=("--nodes", "2"),
         needs="root (network namespaces), moto[server]",
         minutes=8,
+        tables=(0,),  # the paired ratios' table is in the record
     ),
     "ddp": Bench(
         "bench_across_nodes",
