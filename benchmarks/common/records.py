@@ -29,6 +29,7 @@ from benchmarks.common import BENCHMARKS_DIR, REPO
 RECORDS_DIR = os.path.join(BENCHMARKS_DIR, "records")
 RESULTS_DIR = os.path.join(BENCHMARKS_DIR, "results")
 README = os.path.join(BENCHMARKS_DIR, "README.md")
+_NOT_CODE = (":!benchmarks/records", ":!benchmarks/README.md")
 _BLOCK = re.compile(r"(<!-- record:([a-z0-9_]+) -->\n)(.*?)(<!-- /record:\2 -->)", re.S)
 
 
@@ -36,14 +37,15 @@ _BLOCK = re.compile(r"(<!-- record:([a-z0-9_]+) -->\n)(.*?)(<!-- /record:\2 -->)
 
 
 def git_commit() -> tuple[str, bool]:
-    """raydl's short commit and whether the tree differs from it (raydl/ or benchmarks/ edited, not committed)."""
+    """raydl's short commit and whether its code differs from it (raydl/ or benchmarks/ edited, not committed; the
+    records and the README a run writes are not code: a chain of runs would otherwise call all but the first dirty)."""
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", REPO, *args], capture_output=True, text=True, timeout=10).stdout.strip()
 
     try:
         return git("rev-parse", "--short", "HEAD") or "unknown", bool(
-            git("status", "--porcelain", "raydl", "benchmarks")
+            git("status", "--porcelain", "--", "raydl", "benchmarks", *_NOT_CODE)
         )
     except (OSError, subprocess.TimeoutExpired):
         return "unknown", False
